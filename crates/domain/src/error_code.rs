@@ -1,0 +1,93 @@
+//! The closed set of error codes a run or an automation can carry. Each has a
+//! stable snake_case name that appears in receipts, events and the API; the
+//! list is documented in `docs/error-codes.md`.
+
+use std::fmt;
+use std::str::FromStr;
+
+macro_rules! error_codes {
+    ($($variant:ident => $name:literal: $doc:literal,)*) => {
+        /// A named terminal error. Adding a code is a contract change:
+        /// document it in `docs/error-codes.md`.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum ErrorCode {
+            $(#[doc = $doc] $variant,)*
+        }
+
+        impl ErrorCode {
+            /// Every code, in documentation order.
+            pub const ALL: &'static [ErrorCode] = &[$(ErrorCode::$variant,)*];
+
+            /// The stable wire name.
+            pub fn as_str(self) -> &'static str {
+                match self { $(ErrorCode::$variant => $name,)* }
+            }
+
+            /// What the code means, for operators.
+            pub fn description(self) -> &'static str {
+                match self { $(ErrorCode::$variant => $doc,)* }
+            }
+        }
+
+        impl FromStr for ErrorCode {
+            type Err = UnknownErrorCode;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                match s {
+                    $($name => Ok(ErrorCode::$variant),)*
+                    _ => Err(UnknownErrorCode(s.to_owned())),
+                }
+            }
+        }
+    };
+}
+
+error_codes! {
+    ProviderUnavailable => "provider_unavailable": "The model provider refused the credentials, is outside the allowlist, or stayed unavailable.",
+    ModelNotAuthorized => "model_not_authorized": "The model is no longer authorised for the owner.",
+    RuntimeMissing => "runtime_missing": "The owner has no cloud worker.",
+    RuntimeFailed => "runtime_failed": "The owner's cloud worker failed to start or crashed.",
+    ReadinessTimeout => "readiness_timeout": "The cloud worker did not become ready within the readiness cap.",
+    McpConfigMissing => "mcp_config_missing": "The Connect (MCP) configuration for the model is missing.",
+    ToolInventoryMismatch => "tool_inventory_mismatch": "The Connect endpoint did not list exactly the reviewed tools.",
+    ConnectTokenExpired => "connect_token_expired": "The run's Connect token expired.",
+    RunnerOffline => "runner_offline": "No desktop runner of the owner was connected before the deadline.",
+    PermissionDenied => "permission_denied": "The agent asked for a permission the headless policy does not allow.",
+    PermissionPending => "permission_pending": "A permission prompt was still unanswered when a bound was hit.",
+    IdleTimeout => "idle_timeout": "The engine made no progress for longer than the idle bound.",
+    DeadlineExceeded => "deadline_exceeded": "The run reached its deadline.",
+    CancelUnobserved => "cancel_unobserved": "The executor was not observed idle within the cancellation bound.",
+    StepLimitExceeded => "step_limit_exceeded": "The agent loop reached its step limit.",
+    ProviderError => "provider_error": "The model provider returned a malformed or truncated answer.",
+    ToolError => "tool_error": "A Connect tool call failed in a way the run cannot continue from.",
+    PreviousRunLive => "previous_run_live": "Skipped: the previous run of the automation was still live at the due instant.",
+    MissedDuringDowntime => "missed_during_downtime": "Missed: the occurrence fell due while the mesh was down, outside the catch-up window.",
+    Internal => "internal": "An internal error; see the logs by trace id.",
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A string that names no error code.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown error code {0:?}")]
+pub struct UnknownErrorCode(pub String);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_are_documented() {
+        let doc = include_str!("../../../docs/error-codes.md");
+        for code in ErrorCode::ALL {
+            assert_eq!(code.as_str().parse::<ErrorCode>(), Ok(*code));
+            assert!(
+                doc.contains(&format!("`{}`", code.as_str())),
+                "{code} is missing from docs/error-codes.md"
+            );
+        }
+    }
+}

@@ -1,0 +1,23 @@
+//! The automesh domain: automations, schedules and their DST rules, runs and
+//! their states, the closed set of error codes, the model catalogue, and the
+//! validation rules every surface shares.
+//!
+//! Nothing here knows about protobuf or SQL: the services convert at their
+//! edges, and the store persists these types.
+
+pub mod automation;
+pub mod error_code;
+pub mod ids;
+pub mod models;
+pub mod run;
+pub mod schedule;
+pub mod validation;
+
+pub use automation::{
+    Automation, AutomationPatch, AutomationState, NewAutomation, Placement, StateChange, Surface,
+};
+pub use error_code::ErrorCode;
+pub use models::{ModelCatalog, ModelSpec};
+pub use run::{NewRun, Receipt, Run, RunEvent, RunEventPayload, RunState, RunTrigger, Usage};
+pub use schedule::{Schedule, TimeOfDay, WeekdaySet};
+pub use validation::{FieldViolation, Violations};

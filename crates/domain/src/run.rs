@@ -1,0 +1,242 @@
+//! Runs: one execution of an automation, its state machine, its ordered
+//! events, and its terminal receipt.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::automation::{Placement, string_enum};
+use crate::error_code::ErrorCode;
+
+string_enum! {
+    /// The lifecycle state of a run.
+    RunState {
+        Pending => "pending",
+        Waking => "waking",
+        Admitted => "admitted",
+        Running => "running",
+        Succeeded => "succeeded",
+        Failed => "failed",
+        TimedOut => "timed_out",
+        Cancelled => "cancelled",
+        Skipped => "skipped",
+        Missed => "missed",
+    }
+}
+
+impl RunState {
+    /// Terminal states are final: nothing moves a run out of one.
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            RunState::Succeeded
+                | RunState::Failed
+                | RunState::TimedOut
+                | RunState::Cancelled
+                | RunState::Skipped
+                | RunState::Missed
+        )
+    }
+
+    /// Whether a live run may move from `self` to `next`. Skipped and missed
+    /// runs are created terminal, never reached by a transition.
+    pub fn can_move_to(self, next: RunState) -> bool {
+        use RunState::*;
+        match (self, next) {
+            (from, _) if from.is_terminal() => false,
+            (_, Skipped | Missed) => false,
+            (_, Succeeded | Failed | TimedOut | Cancelled) => true,
+            (Pending, Waking | Admitted) => true,
+            (Waking, Admitted) => true,
+            (Admitted, Running) => true,
+            _ => false,
+        }
+    }
+
+    /// The states a transition to `next` may start from (for guarded SQL).
+    pub fn predecessors(next: RunState) -> Vec<RunState> {
+        use RunState::*;
+        [Pending, Waking, Admitted, Running]
+            .into_iter()
+            .filter(|s| s.can_move_to(next))
+            .collect()
+    }
+}
+
+string_enum! {
+    /// What started a run.
+    RunTrigger { Schedule => "schedule", Manual => "manual", }
+}
+
+/// Token usage and cost of a run or a step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub input_tokens: i64,
+    pub output_tokens: i64,
+    /// Millionths of the billing currency unit.
+    pub cost_micros: i64,
+}
+
+/// A stored run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Run {
+    pub id: String,
+    pub automation_id: String,
+    pub org_id: String,
+    pub owner_id: String,
+    pub placement: Placement,
+    pub trigger: RunTrigger,
+    /// The occurrence (scheduled runs only).
+    pub scheduled_for: Option<DateTime<Utc>>,
+    pub idempotency_key: Option<String>,
+    /// Snapshot of the automation's prompt and model when the run was created.
+    pub prompt: String,
+    pub model: String,
+    pub state: RunState,
+    pub error_code: Option<ErrorCode>,
+    pub error_message: Option<String>,
+    /// Fixed at creation; covers waiting, wake-up, admission and execution.
+    pub deadline_at: DateTime<Utc>,
+    /// W3C `traceparent` of the trace that follows this run.
+    pub traceparent: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+impl Run {
+    /// The trace id inside the stored `traceparent`, if any.
+    pub fn trace_id(&self) -> Option<&str> {
+        let tp = self.traceparent.as_deref()?;
+        let mut parts = tp.split('-');
+        let (_version, trace_id) = (parts.next()?, parts.next()?);
+        (trace_id.len() == 32).then_some(trace_id)
+    }
+}
+
+/// A run to create.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewRun {
+    pub id: String,
+    pub automation_id: String,
+    pub org_id: String,
+    pub owner_id: String,
+    pub placement: Placement,
+    pub trigger: RunTrigger,
+    pub scheduled_for: Option<DateTime<Utc>>,
+    pub idempotency_key: Option<String>,
+    pub prompt: String,
+    pub model: String,
+    /// `Pending` normally; `Skipped` or `Missed` for occurrences recorded
+    /// terminal at creation.
+    pub state: RunState,
+    pub error_code: Option<ErrorCode>,
+    pub error_message: Option<String>,
+    pub deadline_at: DateTime<Utc>,
+    pub traceparent: Option<String>,
+}
+
+/// The durable terminal record of a run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Receipt {
+    pub run_id: String,
+    pub outcome: RunState,
+    pub error_code: Option<ErrorCode>,
+    pub error_message: Option<String>,
+    pub placement: Placement,
+    pub engine: Option<String>,
+    pub queued_micros: i64,
+    pub wake_micros: i64,
+    pub admission_micros: i64,
+    pub execution_micros: i64,
+    pub usage: Usage,
+    pub worker_id: Option<String>,
+    pub workspace_id: Option<String>,
+    pub thread_id: Option<String>,
+    pub message_id: Option<String>,
+    pub created_at: DateTime<Utc>,
+}
+
+/// What happened in a run, as the event log records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum RunEventPayload {
+    AssistantText {
+        text: String,
+    },
+    ToolCall {
+        call_id: String,
+        tool: String,
+        input_json: String,
+    },
+    ToolResult {
+        call_id: String,
+        tool: String,
+        output: String,
+        is_error: bool,
+    },
+    PermissionPrompt {
+        permission_id: String,
+        permission: String,
+        patterns: Vec<String>,
+        reply: Option<String>,
+    },
+    Usage(Usage),
+    StatusChange {
+        state: String,
+        error_code: Option<String>,
+        message: Option<String>,
+    },
+}
+
+impl RunEventPayload {
+    /// A short kind name, stored beside the payload for filtering.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RunEventPayload::AssistantText { .. } => "assistant_text",
+            RunEventPayload::ToolCall { .. } => "tool_call",
+            RunEventPayload::ToolResult { .. } => "tool_result",
+            RunEventPayload::PermissionPrompt { .. } => "permission_prompt",
+            RunEventPayload::Usage(_) => "usage",
+            RunEventPayload::StatusChange { .. } => "status_change",
+        }
+    }
+}
+
+/// One ordered, deduplicated event of a run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunEvent {
+    pub run_id: String,
+    /// Strictly increasing per run, from 1.
+    pub sequence: i64,
+    /// The producer's id; redelivery of the same id adds nothing.
+    pub event_id: String,
+    pub created_at: DateTime<Utc>,
+    pub payload: RunEventPayload,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn terminal_is_final() {
+        use RunState::*;
+        for t in [Succeeded, Failed, TimedOut, Cancelled, Skipped, Missed] {
+            for n in [Pending, Waking, Admitted, Running, Succeeded, Failed, Cancelled] {
+                assert!(!t.can_move_to(n), "{t} -> {n}");
+            }
+        }
+        assert!(Pending.can_move_to(Admitted));
+        assert!(Pending.can_move_to(TimedOut));
+        assert!(!Running.can_move_to(Pending));
+        assert!(!Pending.can_move_to(Running));
+        assert!(!Pending.can_move_to(Skipped));
+    }
+
+    #[test]
+    fn trace_id_from_traceparent() {
+        let run_tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let mut parts = run_tp.split('-');
+        parts.next();
+        assert_eq!(parts.next(), Some("4bf92f3577b34da6a3ce929d0e0e4736"));
+    }
+}
