@@ -9,15 +9,19 @@ pub mod automation;
 pub mod error_code;
 pub mod ids;
 pub mod models;
+pub mod principal;
 pub mod run;
 pub mod schedule;
 pub mod validation;
+pub mod worker;
 
 pub use automation::{
     Automation, AutomationPatch, AutomationState, NewAutomation, Placement, StateChange, Surface,
 };
 pub use error_code::ErrorCode;
 pub use models::{ModelCatalog, ModelSpec};
+pub use principal::Principal;
 pub use run::{NewRun, Receipt, Run, RunEvent, RunEventPayload, RunState, RunTrigger, Usage};
 pub use schedule::{Schedule, TimeOfDay, WeekdaySet};
 pub use validation::{FieldViolation, Violations};
+pub use worker::{CloudWorker, Runner, WorkerState};

@@ -1,1 +1,175 @@
-//! placeholder
+//! The automesh store: one set of SQL queries over PostgreSQL (production)
+//! and SQLite (the embedded default for `dev` mode), through sqlx's `Any`
+//! driver, with the schema in `migrations/<backend>/`.
+//!
+//! The queries keep to the dialect both backends share: `$n` parameters,
+//! `ON CONFLICT`, `RETURNING`, instants as BIGINT microseconds and ids as
+//! text. Where the backends differ (row locking), the query is chosen by
+//! [`Backend`]. Queries are grouped per aggregate, one module each.
+//!
+//! Correctness across service replicas comes from here — unique keys,
+//! guarded updates, row locks — never from in-memory state.
+
+pub mod automations;
+mod error;
+pub mod events;
+mod migrations;
+pub mod page;
+pub mod receipts;
+mod rows;
+pub mod runners;
+pub mod runs;
+pub mod testing;
+pub mod workers;
+
+use std::time::Duration;
+
+use sqlx::any::{AnyPoolOptions, install_default_drivers};
+use sqlx::{Any, AnyPool, Executor, Transaction};
+
+pub use error::{Result, StoreError};
+
+/// Which database a store talks to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Postgres,
+    Sqlite,
+}
+
+impl Backend {
+    /// The backend a connection URL names.
+    pub fn from_url(url: &str) -> Result<Backend> {
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Ok(Backend::Postgres)
+        } else if url.starts_with("sqlite:") {
+            Ok(Backend::Sqlite)
+        } else {
+            Err(StoreError::UnsupportedUrl)
+        }
+    }
+}
+
+/// Pool settings.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    pub max_connections: u32,
+    /// Bound on waiting for a pooled connection.
+    pub acquire_timeout: Duration,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        Self {
+            max_connections: 10,
+            acquire_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A handle on the database; cheap to clone.
+#[derive(Clone)]
+pub struct Store {
+    pool: AnyPool,
+    backend: Backend,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("backend", &self.backend)
+            .finish()
+    }
+}
+
+impl Store {
+    /// Opens a pool without connecting yet: a service can start, report
+    /// NOT_SERVING, and become ready once the database answers.
+    pub fn connect_lazy(url: &str, options: StoreOptions) -> Result<Store> {
+        install_default_drivers();
+        let backend = Backend::from_url(url)?;
+        let mut pool = AnyPoolOptions::new()
+            .max_connections(match backend {
+                Backend::Postgres => options.max_connections,
+                // One writer at a time anyway; a few readers under WAL.
+                Backend::Sqlite => options.max_connections.min(8),
+            })
+            .acquire_timeout(options.acquire_timeout);
+        if backend == Backend::Sqlite {
+            pool = pool.after_connect(|conn, _meta| {
+                Box::pin(async move {
+                    conn.execute(
+                        "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; \
+                         PRAGMA busy_timeout = 10000; PRAGMA foreign_keys = ON;",
+                    )
+                    .await?;
+                    Ok(())
+                })
+            });
+        }
+        let pool = pool.connect_lazy(url)?;
+        Ok(Store { pool, backend })
+    }
+
+    /// Opens a pool, connects, and applies every migration.
+    pub async fn connect_and_migrate(url: &str, options: StoreOptions) -> Result<Store> {
+        let store = Store::connect_lazy(url, options)?;
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// Applies the migrations of this backend; safe to run concurrently from
+    /// several replicas (PostgreSQL takes an advisory lock).
+    pub async fn migrate(&self) -> Result<()> {
+        migrations::migrator(self.backend)
+            .run(&self.pool)
+            .await
+            .map_err(StoreError::Migrate)
+    }
+
+    /// Whether the database answers a trivial query.
+    pub async fn ping(&self) -> Result<()> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    /// Whether every migration of this binary has been applied.
+    pub async fn is_migrated(&self) -> Result<bool> {
+        let latest = migrations::latest_version(self.backend);
+        let applied: Option<i64> = sqlx::query_scalar(
+            "SELECT MAX(version) FROM _sqlx_migrations WHERE success = TRUE",
+        )
+        .fetch_one(&self.pool)
+        .await
+        .or_else(|e| match e {
+            // No migrations table yet.
+            sqlx::Error::Database(_) => Ok(None),
+            e => Err(e),
+        })?;
+        Ok(applied == Some(latest))
+    }
+
+    /// Closes the pool, waiting for connections to be returned.
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    /// The pool itself: an escape hatch for tests and benchmarks that must
+    /// check what the schema enforces on its own.
+    pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+
+    /// Starts a transaction that will write. On SQLite it takes the write
+    /// lock up front (`BEGIN IMMEDIATE`), so two writers queue on the busy
+    /// timeout instead of failing when a read lock is upgraded.
+    pub(crate) async fn begin_write(&self) -> Result<Transaction<'static, Any>> {
+        Ok(match self.backend {
+            Backend::Postgres => self.pool.begin().await?,
+            Backend::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await?,
+        })
+    }
+}

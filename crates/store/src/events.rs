@@ -1,0 +1,117 @@
+//! Queries of a run's event log: ordered by a per-run sequence number and
+//! deduplicated by the producer's event id.
+
+use std::collections::HashSet;
+
+use automesh_domain::{RunEvent, RunEventPayload};
+use chrono::{DateTime, Utc};
+use sqlx::any::AnyRow;
+
+use crate::rows::{instant, int, micros, text};
+use crate::{Result, Store, StoreError};
+
+/// Locks the run row (a no-op write) and reads its last sequence, so that
+/// concurrent appenders to one run queue up instead of racing for numbers.
+const LOCK_RUN: &str =
+    "UPDATE runs SET last_event_seq = last_event_seq WHERE id = $1 RETURNING last_event_seq";
+
+const FIND_BY_EVENT_ID: &str = "SELECT seq FROM run_events WHERE run_id = $1 AND event_id = $2";
+
+const INSERT: &str = "INSERT INTO run_events (run_id, seq, event_id, kind, payload, created_at) \
+     VALUES ($1, $2, $3, $4, $5, $6)";
+
+const SET_LAST_SEQ: &str = "UPDATE runs SET last_event_seq = $2 WHERE id = $1";
+
+const LIST_AFTER: &str = "SELECT run_id, seq, event_id, payload, created_at FROM run_events \
+     WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT $3";
+
+fn decode(row: &AnyRow) -> Result<RunEvent> {
+    let payload: RunEventPayload = serde_json::from_str(&text(row, "payload")?)
+        .map_err(|e| StoreError::Corrupt(format!("event payload: {e}")))?;
+    Ok(RunEvent {
+        run_id: text(row, "run_id")?,
+        sequence: int(row, "seq")?,
+        event_id: text(row, "event_id")?,
+        created_at: instant(row, "created_at")?,
+        payload,
+    })
+}
+
+/// An event as a producer sends it: its own id and what happened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewEvent {
+    pub event_id: String,
+    pub payload: RunEventPayload,
+}
+
+impl Store {
+    /// Appends events to a run's log in order, skipping any whose event id
+    /// the log already holds, and returns only the ones appended.
+    pub async fn append_events(
+        &self,
+        run_id: &str,
+        events: &[NewEvent],
+        now: DateTime<Utc>,
+    ) -> Result<Vec<RunEvent>> {
+        let mut tx = self.begin_write().await?;
+        let mut seq: i64 = sqlx::query_scalar(LOCK_RUN)
+            .bind(run_id)
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        let mut seen = HashSet::new();
+        let mut appended = Vec::new();
+        for event in events {
+            if !seen.insert(event.event_id.as_str()) {
+                continue;
+            }
+            let existing: Option<i64> = sqlx::query_scalar(FIND_BY_EVENT_ID)
+                .bind(run_id)
+                .bind(&event.event_id)
+                .fetch_optional(&mut *tx)
+                .await?;
+            if existing.is_some() {
+                continue;
+            }
+            seq += 1;
+            let payload = serde_json::to_string(&event.payload)
+                .map_err(|e| StoreError::Corrupt(format!("event payload: {e}")))?;
+            sqlx::query(INSERT)
+                .bind(run_id)
+                .bind(seq)
+                .bind(&event.event_id)
+                .bind(event.payload.kind())
+                .bind(payload)
+                .bind(micros(now))
+                .execute(&mut *tx)
+                .await?;
+            appended.push(RunEvent {
+                run_id: run_id.to_owned(),
+                sequence: seq,
+                event_id: event.event_id.clone(),
+                created_at: now,
+                payload: event.payload.clone(),
+            });
+        }
+        if !appended.is_empty() {
+            sqlx::query(SET_LAST_SEQ)
+                .bind(run_id)
+                .bind(seq)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(appended)
+    }
+
+    /// Up to `limit` events of a run with a sequence greater than `after`.
+    pub async fn list_events(&self, run_id: &str, after: i64, limit: u32) -> Result<Vec<RunEvent>> {
+        let rows = sqlx::query(LIST_AFTER)
+            .bind(run_id)
+            .bind(after)
+            .bind(i64::from(limit))
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter().map(decode).collect()
+    }
+}

@@ -1,0 +1,41 @@
+//! The schema, embedded per backend from `migrations/<backend>/`.
+
+use std::borrow::Cow;
+
+use sqlx::SqlSafeStr;
+use sqlx::migrate::{Migration, MigrationType, Migrator};
+
+use crate::Backend;
+
+/// (version, description, PostgreSQL SQL, SQLite SQL), in order.
+const MIGRATIONS: &[(i64, &str, &str, &str)] = &[(
+    1,
+    "initial",
+    include_str!("../../../migrations/postgres/0001_initial.sql"),
+    include_str!("../../../migrations/sqlite/0001_initial.sql"),
+)];
+
+pub(crate) fn migrator(backend: Backend) -> Migrator {
+    Migrator::with_migrations(
+        MIGRATIONS
+            .iter()
+            .map(|&(version, description, pg, sqlite)| {
+                let sql = match backend {
+                    Backend::Postgres => pg,
+                    Backend::Sqlite => sqlite,
+                };
+                Migration::new(
+                    version,
+                    Cow::Borrowed(description),
+                    MigrationType::Simple,
+                    sql.into_sql_str(),
+                    false,
+                )
+            })
+            .collect(),
+    )
+}
+
+pub(crate) fn latest_version(_backend: Backend) -> i64 {
+    MIGRATIONS.last().map_or(0, |m| m.0)
+}

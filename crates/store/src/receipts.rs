@@ -1,0 +1,134 @@
+//! Queries of receipts, the durable terminal record of a run. A run becomes
+//! terminal and gets its receipt in one transaction.
+
+use automesh_domain::{ErrorCode, Receipt, Run, RunState, Usage};
+use chrono::{DateTime, Utc};
+use sqlx::any::AnyRow;
+
+use crate::rows::{instant, int, micros, opt_parsed, opt_text, parsed, text};
+use crate::{Result, Store, StoreError};
+
+const INSERT: &str = "INSERT INTO receipts (run_id, outcome, error_code, error_message, placement, \
+     engine, queued_us, wake_us, admission_us, execution_us, input_tokens, output_tokens, \
+     cost_micros, worker_id, workspace_id, thread_id, message_id, created_at) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)";
+
+const GET: &str = "SELECT run_id, outcome, error_code, error_message, placement, engine, queued_us, \
+     wake_us, admission_us, execution_us, input_tokens, output_tokens, cost_micros, worker_id, \
+     workspace_id, thread_id, message_id, created_at FROM receipts WHERE run_id = $1";
+
+const FINISH: &str = "UPDATE runs SET state = $2, error_code = $3, error_message = $4, \
+     updated_at = $5 WHERE id = $1 AND state IN ('pending', 'waking', 'admitted', 'running')";
+
+const CURRENT_STATE: &str = "SELECT state FROM runs WHERE id = $1";
+
+fn decode(row: &AnyRow) -> Result<Receipt> {
+    Ok(Receipt {
+        run_id: text(row, "run_id")?,
+        outcome: parsed(row, "outcome")?,
+        error_code: opt_parsed::<ErrorCode>(row, "error_code")?,
+        error_message: opt_text(row, "error_message")?,
+        placement: parsed(row, "placement")?,
+        engine: opt_text(row, "engine")?,
+        queued_micros: int(row, "queued_us")?,
+        wake_micros: int(row, "wake_us")?,
+        admission_micros: int(row, "admission_us")?,
+        execution_micros: int(row, "execution_us")?,
+        usage: Usage {
+            input_tokens: int(row, "input_tokens")?,
+            output_tokens: int(row, "output_tokens")?,
+            cost_micros: int(row, "cost_micros")?,
+        },
+        worker_id: opt_text(row, "worker_id")?,
+        workspace_id: opt_text(row, "workspace_id")?,
+        thread_id: opt_text(row, "thread_id")?,
+        message_id: opt_text(row, "message_id")?,
+        created_at: instant(row, "created_at")?,
+    })
+}
+
+impl Store {
+    /// Moves a live run to the receipt's terminal outcome and stores the
+    /// receipt, atomically. A run already terminal is left as it is
+    /// (`IllegalTransition`), so a run has exactly one receipt.
+    pub async fn finish_run(&self, receipt: &Receipt, now: DateTime<Utc>) -> Result<Run> {
+        if !receipt.outcome.is_terminal() {
+            return Err(StoreError::IllegalTransition {
+                from: "live".into(),
+                to: receipt.outcome.to_string(),
+            });
+        }
+        let mut tx = self.begin_write().await?;
+        let done = sqlx::query(FINISH)
+            .bind(&receipt.run_id)
+            .bind(receipt.outcome.as_str())
+            .bind(receipt.error_code.map(|c| c.as_str()))
+            .bind(receipt.error_message.as_deref())
+            .bind(micros(now))
+            .execute(&mut *tx)
+            .await?;
+        if done.rows_affected() != 1 {
+            let state: Option<String> = sqlx::query_scalar(CURRENT_STATE)
+                .bind(&receipt.run_id)
+                .fetch_optional(&mut *tx)
+                .await?;
+            tx.rollback().await?;
+            return Err(match state {
+                None => StoreError::NotFound,
+                Some(from) => StoreError::IllegalTransition {
+                    from,
+                    to: receipt.outcome.to_string(),
+                },
+            });
+        }
+        insert(&mut tx, receipt).await?;
+        tx.commit().await?;
+        self.get_run_unscoped(&receipt.run_id).await
+    }
+
+    /// Stores the receipt of a run that was created terminal (skipped or
+    /// missed occurrences).
+    pub async fn insert_receipt(&self, receipt: &Receipt) -> Result<()> {
+        let mut tx = self.begin_write().await?;
+        insert(&mut tx, receipt).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// The receipt of a run, once it has one.
+    pub async fn get_receipt(&self, run_id: &str) -> Result<Option<Receipt>> {
+        sqlx::query(GET)
+            .bind(run_id)
+            .fetch_optional(self.pool())
+            .await?
+            .as_ref()
+            .map(decode)
+            .transpose()
+    }
+}
+
+async fn insert(tx: &mut sqlx::Transaction<'static, sqlx::Any>, r: &Receipt) -> Result<()> {
+    let terminal: RunState = r.outcome;
+    sqlx::query(INSERT)
+        .bind(&r.run_id)
+        .bind(terminal.as_str())
+        .bind(r.error_code.map(|c| c.as_str()))
+        .bind(r.error_message.as_deref())
+        .bind(r.placement.as_str())
+        .bind(r.engine.as_deref())
+        .bind(r.queued_micros)
+        .bind(r.wake_micros)
+        .bind(r.admission_micros)
+        .bind(r.execution_micros)
+        .bind(r.usage.input_tokens)
+        .bind(r.usage.output_tokens)
+        .bind(r.usage.cost_micros)
+        .bind(r.worker_id.as_deref())
+        .bind(r.workspace_id.as_deref())
+        .bind(r.thread_id.as_deref())
+        .bind(r.message_id.as_deref())
+        .bind(micros(r.created_at))
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,59 @@
+//! Conversions between stored columns and domain values.
+
+use std::str::FromStr;
+
+use chrono::{DateTime, Utc};
+use sqlx::Row;
+use sqlx::any::AnyRow;
+
+use crate::{Result, StoreError};
+
+/// An instant as stored: microseconds since the Unix epoch.
+pub(crate) fn micros(t: DateTime<Utc>) -> i64 {
+    t.timestamp_micros()
+}
+
+pub(crate) fn opt_micros(t: Option<DateTime<Utc>>) -> Option<i64> {
+    t.map(micros)
+}
+
+pub(crate) fn instant(row: &AnyRow, col: &str) -> Result<DateTime<Utc>> {
+    let v: i64 = row.try_get(col)?;
+    DateTime::from_timestamp_micros(v).ok_or_else(|| StoreError::Corrupt(format!("{col}={v}")))
+}
+
+pub(crate) fn opt_instant(row: &AnyRow, col: &str) -> Result<Option<DateTime<Utc>>> {
+    let v: Option<i64> = row.try_get(col)?;
+    v.map(|v| {
+        DateTime::from_timestamp_micros(v).ok_or_else(|| StoreError::Corrupt(format!("{col}={v}")))
+    })
+    .transpose()
+}
+
+pub(crate) fn text(row: &AnyRow, col: &str) -> Result<String> {
+    Ok(row.try_get(col)?)
+}
+
+pub(crate) fn opt_text(row: &AnyRow, col: &str) -> Result<Option<String>> {
+    Ok(row.try_get(col)?)
+}
+
+pub(crate) fn int(row: &AnyRow, col: &str) -> Result<i64> {
+    Ok(row.try_get(col)?)
+}
+
+/// A text column holding one of a closed set of names.
+pub(crate) fn parsed<T: FromStr>(row: &AnyRow, col: &str) -> Result<T> {
+    let v: String = row.try_get(col)?;
+    v.parse()
+        .map_err(|_| StoreError::Corrupt(format!("{col}={v:?}")))
+}
+
+pub(crate) fn opt_parsed<T: FromStr>(row: &AnyRow, col: &str) -> Result<Option<T>> {
+    let v: Option<String> = row.try_get(col)?;
+    v.map(|v| {
+        v.parse()
+            .map_err(|_| StoreError::Corrupt(format!("{col}={v:?}")))
+    })
+    .transpose()
+}

@@ -1,0 +1,121 @@
+//! Queries of desktop runners and their tokens. Only a SHA-256 of a token is
+//! stored; the token itself is shown once, to the user who minted it.
+
+use automesh_domain::{Principal, Runner};
+use chrono::{DateTime, Utc};
+use sqlx::any::AnyRow;
+
+use crate::rows::{instant, micros, opt_instant, text};
+use crate::{Result, Store, StoreError};
+
+const INSERT_RUNNER: &str = "INSERT INTO runners (id, org_id, owner_id, name, created_at) \
+     VALUES ($1, $2, $3, $4, $5)";
+
+const INSERT_TOKEN: &str =
+    "INSERT INTO runner_tokens (token_hash, runner_id, created_at) VALUES ($1, $2, $3)";
+
+const FIND_BY_TOKEN: &str = "SELECT r.id, r.org_id, r.owner_id, r.name, r.created_at, r.revoked_at \
+     FROM runner_tokens t JOIN runners r ON r.id = t.runner_id \
+     WHERE t.token_hash = $1 AND t.revoked_at IS NULL AND r.revoked_at IS NULL";
+
+const REVOKE_RUNNER: &str = "UPDATE runners SET revoked_at = $4 \
+     WHERE id = $1 AND org_id = $2 AND owner_id = $3 AND revoked_at IS NULL";
+
+const REVOKE_TOKENS: &str =
+    "UPDATE runner_tokens SET revoked_at = $2 WHERE runner_id = $1 AND revoked_at IS NULL";
+
+const GET: &str = "SELECT id, org_id, owner_id, name, created_at, revoked_at FROM runners \
+     WHERE id = $1 AND org_id = $2 AND owner_id = $3";
+
+fn decode(row: &AnyRow) -> Result<Runner> {
+    Ok(Runner {
+        id: text(row, "id")?,
+        org_id: text(row, "org_id")?,
+        owner_id: text(row, "owner_id")?,
+        name: text(row, "name")?,
+        created_at: instant(row, "created_at")?,
+        revoked_at: opt_instant(row, "revoked_at")?,
+    })
+}
+
+impl Store {
+    /// Registers a runner of `owner` with the hash of its first token.
+    pub async fn create_runner(
+        &self,
+        owner: &Principal,
+        runner_id: &str,
+        name: &str,
+        token_hash: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Runner> {
+        let mut tx = self.begin_write().await?;
+        sqlx::query(INSERT_RUNNER)
+            .bind(runner_id)
+            .bind(&owner.org_id)
+            .bind(&owner.user_id)
+            .bind(name)
+            .bind(micros(now))
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(INSERT_TOKEN)
+            .bind(token_hash)
+            .bind(runner_id)
+            .bind(micros(now))
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        self.get_runner(owner, runner_id).await
+    }
+
+    /// One runner of `owner`.
+    pub async fn get_runner(&self, owner: &Principal, runner_id: &str) -> Result<Runner> {
+        let row = sqlx::query(GET)
+            .bind(runner_id)
+            .bind(&owner.org_id)
+            .bind(&owner.user_id)
+            .fetch_optional(self.pool())
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        decode(&row)
+    }
+
+    /// The live runner whose token hashes to `token_hash`.
+    pub async fn find_runner_by_token_hash(&self, token_hash: &str) -> Result<Option<Runner>> {
+        sqlx::query(FIND_BY_TOKEN)
+            .bind(token_hash)
+            .fetch_optional(self.pool())
+            .await?
+            .as_ref()
+            .map(decode)
+            .transpose()
+    }
+
+    /// Revokes a runner of `owner` and every token it has.
+    pub async fn revoke_runner(
+        &self,
+        owner: &Principal,
+        runner_id: &str,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
+        let mut tx = self.begin_write().await?;
+        let done = sqlx::query(REVOKE_RUNNER)
+            .bind(runner_id)
+            .bind(&owner.org_id)
+            .bind(&owner.user_id)
+            .bind(micros(now))
+            .execute(&mut *tx)
+            .await?;
+        if done.rows_affected() == 0 {
+            tx.rollback().await?;
+            // Already revoked is fine; someone else's runner is not found.
+            return self.get_runner(owner, runner_id).await.map(|_| ());
+        }
+        sqlx::query(REVOKE_TOKENS)
+            .bind(runner_id)
+            .bind(micros(now))
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+}

@@ -1,0 +1,170 @@
+//! Queries of the `runs` aggregate: creation (idempotent by derived id),
+//! scoped reads, and guarded state transitions.
+
+use automesh_domain::run::NewRun;
+use automesh_domain::{ErrorCode, Principal, Run, RunState};
+use chrono::{DateTime, Utc};
+use sqlx::any::AnyRow;
+
+use crate::page::{Cursor, Page};
+use crate::rows::{instant, micros, opt_instant, opt_micros, opt_parsed, opt_text, parsed, text};
+use crate::{Result, Store, StoreError};
+
+const INSERT: &str = "INSERT INTO runs (id, automation_id, org_id, owner_id, placement, trigger, \
+     scheduled_for, idempotency_key, prompt, model, state, error_code, error_message, deadline_at, \
+     traceparent, created_at, updated_at) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $16) \
+     ON CONFLICT (id) DO NOTHING";
+
+const GET_UNSCOPED: &str = "SELECT id, automation_id, org_id, owner_id, placement, trigger, \
+     scheduled_for, idempotency_key, prompt, model, state, error_code, error_message, deadline_at, \
+     traceparent, created_at, updated_at FROM runs WHERE id = $1";
+
+const GET: &str = "SELECT id, automation_id, org_id, owner_id, placement, trigger, scheduled_for, \
+     idempotency_key, prompt, model, state, error_code, error_message, deadline_at, traceparent, \
+     created_at, updated_at FROM runs WHERE id = $1 AND org_id = $2 AND owner_id = $3";
+
+const LIST: &str = "SELECT id, automation_id, org_id, owner_id, placement, trigger, scheduled_for, \
+     idempotency_key, prompt, model, state, error_code, error_message, deadline_at, traceparent, \
+     created_at, updated_at FROM runs \
+     WHERE org_id = $1 AND owner_id = $2 AND ($3 = '' OR automation_id = $3) \
+       AND (created_at < $4 OR (created_at = $4 AND id < $5)) \
+     ORDER BY created_at DESC, id DESC LIMIT $6";
+
+/// `$5` is a comma-framed list of the states the run may move from, such as
+/// `,pending,waking,`: one static query for every transition on both backends.
+const TRANSITION: &str = "UPDATE runs SET state = $2, error_code = $3, error_message = $4, \
+     updated_at = $6 WHERE id = $1 AND $5 LIKE '%,' || state || ',%'";
+
+fn decode(row: &AnyRow) -> Result<Run> {
+    Ok(Run {
+        id: text(row, "id")?,
+        automation_id: text(row, "automation_id")?,
+        org_id: text(row, "org_id")?,
+        owner_id: text(row, "owner_id")?,
+        placement: parsed(row, "placement")?,
+        trigger: parsed(row, "trigger")?,
+        scheduled_for: opt_instant(row, "scheduled_for")?,
+        idempotency_key: opt_text(row, "idempotency_key")?,
+        prompt: text(row, "prompt")?,
+        model: text(row, "model")?,
+        state: parsed(row, "state")?,
+        error_code: opt_parsed::<ErrorCode>(row, "error_code")?,
+        error_message: opt_text(row, "error_message")?,
+        deadline_at: instant(row, "deadline_at")?,
+        traceparent: opt_text(row, "traceparent")?,
+        created_at: instant(row, "created_at")?,
+        updated_at: instant(row, "updated_at")?,
+    })
+}
+
+impl Store {
+    /// Creates a run unless one with the same id exists, and returns the
+    /// stored run with `true` when this call created it.
+    pub async fn create_run(&self, new: &NewRun, now: DateTime<Utc>) -> Result<(Run, bool)> {
+        let done = sqlx::query(INSERT)
+            .bind(&new.id)
+            .bind(&new.automation_id)
+            .bind(&new.org_id)
+            .bind(&new.owner_id)
+            .bind(new.placement.as_str())
+            .bind(new.trigger.as_str())
+            .bind(opt_micros(new.scheduled_for))
+            .bind(new.idempotency_key.as_deref())
+            .bind(&new.prompt)
+            .bind(&new.model)
+            .bind(new.state.as_str())
+            .bind(new.error_code.map(|c| c.as_str()))
+            .bind(new.error_message.as_deref())
+            .bind(micros(new.deadline_at))
+            .bind(new.traceparent.as_deref())
+            .bind(micros(now))
+            .execute(self.pool())
+            .await?;
+        Ok((self.get_run_unscoped(&new.id).await?, done.rows_affected() == 1))
+    }
+
+    /// One run of `owner`; another tenant's answers `NotFound`.
+    pub async fn get_run(&self, owner: &Principal, id: &str) -> Result<Run> {
+        let row = sqlx::query(GET)
+            .bind(id)
+            .bind(&owner.org_id)
+            .bind(&owner.user_id)
+            .fetch_optional(self.pool())
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        decode(&row)
+    }
+
+    /// One run by id, for internal callers that act for no user.
+    pub async fn get_run_unscoped(&self, id: &str) -> Result<Run> {
+        let row = sqlx::query(GET_UNSCOPED)
+            .bind(id)
+            .fetch_optional(self.pool())
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        decode(&row)
+    }
+
+    /// A page of `owner`'s runs, newest first, optionally of one automation.
+    pub async fn list_runs(
+        &self,
+        owner: &Principal,
+        automation_id: Option<&str>,
+        after: &Cursor,
+        limit: u32,
+    ) -> Result<Page<Run>> {
+        let rows = sqlx::query(LIST)
+            .bind(&owner.org_id)
+            .bind(&owner.user_id)
+            .bind(automation_id.unwrap_or(""))
+            .bind(after.created_micros)
+            .bind(&after.id)
+            .bind(i64::from(limit) + 1)
+            .fetch_all(self.pool())
+            .await?;
+        let mut items = rows.iter().map(decode).collect::<Result<Vec<_>>>()?;
+        let next = if items.len() > limit as usize {
+            items.truncate(limit as usize);
+            items.last().map(|r| Cursor {
+                created_micros: micros(r.created_at),
+                id: r.id.clone(),
+            })
+        } else {
+            None
+        };
+        Ok(Page { items, next })
+    }
+
+    /// Moves a run to `to` if its current state allows it; otherwise
+    /// `IllegalTransition` (a terminal run never changes).
+    pub async fn transition_run(
+        &self,
+        id: &str,
+        to: RunState,
+        error: Option<(ErrorCode, &str)>,
+        now: DateTime<Utc>,
+    ) -> Result<Run> {
+        let from: String = RunState::predecessors(to)
+            .iter()
+            .fold(String::from(","), |acc, s| format!("{acc}{s},"));
+        let done = sqlx::query(TRANSITION)
+            .bind(id)
+            .bind(to.as_str())
+            .bind(error.map(|(c, _)| c.as_str()))
+            .bind(error.map(|(_, m)| m))
+            .bind(from)
+            .bind(micros(now))
+            .execute(self.pool())
+            .await?;
+        let run = self.get_run_unscoped(id).await?;
+        if done.rows_affected() == 1 {
+            Ok(run)
+        } else {
+            Err(StoreError::IllegalTransition {
+                from: run.state.to_string(),
+                to: to.to_string(),
+            })
+        }
+    }
+}

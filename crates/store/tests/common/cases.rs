@@ -1,0 +1,487 @@
+//! The conformance cases. Each takes a migrated, empty store.
+
+use automesh_domain::automation::{Automation, NewAutomation};
+use automesh_domain::run::NewRun;
+use automesh_domain::{
+    ErrorCode, Placement, Principal, Receipt, RunEventPayload, RunState, RunTrigger, Schedule,
+    Surface, TimeOfDay, Usage,
+};
+use automesh_store::StoreError;
+use automesh_store::events::NewEvent;
+use automesh_store::page::Cursor;
+use automesh_store::Store;
+use chrono::{DateTime, Duration, Utc};
+
+fn t(secs: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp(1_800_000_000 + secs, 0).expect("instant")
+}
+
+fn alice() -> Principal {
+    Principal::new("org-a", "alice")
+}
+
+fn mallory() -> Principal {
+    Principal::new("org-b", "mallory")
+}
+
+fn new_automation(owner: &Principal, id: &str, surface: Surface) -> NewAutomation {
+    NewAutomation {
+        id: id.to_owned(),
+        org_id: owner.org_id.clone(),
+        owner_id: owner.user_id.clone(),
+        name: format!("automation {id}"),
+        prompt: "summarise my inbox".to_owned(),
+        model: "openai/gpt-4.1-mini".to_owned(),
+        surface,
+        schedule: Schedule::Daily {
+            time: TimeOfDay::new(9, 30).expect("time"),
+            zone: chrono_tz::Europe::Paris,
+        },
+    }
+}
+
+async fn create(store: &Store, owner: &Principal, id: &str, at: DateTime<Utc>) -> Automation {
+    store
+        .create_automation(&new_automation(owner, id, Surface::Web), Some(at + Duration::hours(1)), at)
+        .await
+        .expect("create automation")
+}
+
+fn new_run(a: &Automation, id: &str) -> NewRun {
+    NewRun {
+        id: id.to_owned(),
+        automation_id: a.id.clone(),
+        org_id: a.org_id.clone(),
+        owner_id: a.owner_id.clone(),
+        placement: a.placement,
+        trigger: RunTrigger::Manual,
+        scheduled_for: None,
+        idempotency_key: Some(format!("key-{id}")),
+        prompt: a.prompt.clone(),
+        model: a.model.clone(),
+        state: RunState::Pending,
+        error_code: None,
+        error_message: None,
+        deadline_at: t(3600),
+        traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
+    }
+}
+
+fn receipt(run_id: &str, outcome: RunState) -> Receipt {
+    Receipt {
+        run_id: run_id.to_owned(),
+        outcome,
+        error_code: None,
+        error_message: None,
+        placement: Placement::Cloud,
+        engine: Some("test".into()),
+        queued_micros: 1,
+        wake_micros: 2,
+        admission_micros: 3,
+        execution_micros: 4,
+        usage: Usage {
+            input_tokens: 10,
+            output_tokens: 20,
+            cost_micros: 30,
+        },
+        worker_id: None,
+        workspace_id: None,
+        thread_id: None,
+        message_id: None,
+        created_at: t(100),
+    }
+}
+
+fn text_event(id: &str, text: &str) -> NewEvent {
+    NewEvent {
+        event_id: id.to_owned(),
+        payload: RunEventPayload::AssistantText {
+            text: text.to_owned(),
+        },
+    }
+}
+
+pub async fn migrations_are_idempotent(store: &Store) {
+    assert!(store.is_migrated().await.expect("is_migrated"));
+    store.migrate().await.expect("second migrate");
+    store.ping().await.expect("ping");
+}
+
+pub async fn automation_round_trips(store: &Store) {
+    let new = NewAutomation {
+        schedule: Schedule::Weekly {
+            days: automesh_domain::WeekdaySet::new([chrono::Weekday::Tue, chrono::Weekday::Sat])
+                .expect("days"),
+            time: TimeOfDay::new(2, 30).expect("time"),
+            zone: chrono_tz::America::New_York,
+        },
+        ..new_automation(&alice(), "a1", Surface::Desktop)
+    };
+    let created = store
+        .create_automation(&new, Some(t(60)), t(0))
+        .await
+        .expect("create");
+    assert_eq!(created.placement, Placement::Desktop);
+    assert_eq!(created.surface, Surface::Desktop);
+    assert_eq!(created.state, automesh_domain::AutomationState::Active);
+    assert_eq!(created.version, 1);
+    assert_eq!(created.schedule, new.schedule);
+    assert_eq!(created.next_run_at, Some(t(60)));
+    assert_eq!(created.created_at, t(0));
+    let got = store.get_automation(&alice(), "a1").await.expect("get");
+    assert_eq!(got, created);
+}
+
+pub async fn automations_are_scoped_to_their_owner(store: &Store) {
+    let a = create(store, &alice(), "a1", t(0)).await;
+    assert!(matches!(
+        store.get_automation(&mallory(), "a1").await,
+        Err(StoreError::NotFound)
+    ));
+    // Same user name in another organisation is another tenant.
+    let other_org = Principal::new("org-b", "alice");
+    assert!(matches!(
+        store.get_automation(&other_org, "a1").await,
+        Err(StoreError::NotFound)
+    ));
+    let mut hijack = a.clone();
+    hijack.org_id = mallory().org_id;
+    hijack.owner_id = mallory().user_id;
+    hijack.name = "stolen".into();
+    assert!(matches!(
+        store.update_automation_if_version(&hijack, 1, t(1)).await,
+        Err(StoreError::NotFound)
+    ));
+    let page = store
+        .list_automations(&mallory(), &Cursor::start(), 10, true)
+        .await
+        .expect("list");
+    assert!(page.items.is_empty());
+    assert_eq!(store.get_automation(&alice(), "a1").await.expect("get"), a);
+}
+
+pub async fn automation_listing_pages_without_gaps(store: &Store) {
+    for i in 0..5 {
+        create(store, &alice(), &format!("a{i}"), t(i)).await;
+    }
+    // Two automations with the same creation instant still page apart.
+    create(store, &alice(), "b-same", t(2)).await;
+    let mut seen = vec![];
+    let mut cursor = Cursor::start();
+    let mut pages = 0;
+    loop {
+        let page = store
+            .list_automations(&alice(), &cursor, 2, false)
+            .await
+            .expect("list");
+        pages += 1;
+        assert!(page.items.len() <= 2);
+        seen.extend(page.items.iter().map(|a| a.id.clone()));
+        match page.next {
+            Some(next) => cursor = Cursor::decode(&next.encode()).expect("token"),
+            None => break,
+        }
+    }
+    assert_eq!(pages, 3);
+    assert_eq!(seen, ["a4", "a3", "b-same", "a2", "a1", "a0"]);
+
+    // Archived automations are listed only on request.
+    let a0 = store.get_automation(&alice(), "a0").await.expect("get");
+    let archived = Automation {
+        state: automesh_domain::AutomationState::Archived,
+        next_run_at: None,
+        ..a0
+    };
+    store
+        .update_automation_if_version(&archived, 1, t(10))
+        .await
+        .expect("archive");
+    let visible = store
+        .list_automations(&alice(), &Cursor::start(), 100, false)
+        .await
+        .expect("list");
+    assert_eq!(visible.items.len(), 5);
+    let all = store
+        .list_automations(&alice(), &Cursor::start(), 100, true)
+        .await
+        .expect("list");
+    assert_eq!(all.items.len(), 6);
+}
+
+pub async fn stale_version_is_rejected_and_changes_nothing(store: &Store) {
+    let a = create(store, &alice(), "a1", t(0)).await;
+    let renamed = Automation {
+        name: "renamed".into(),
+        ..a.clone()
+    };
+    let v2 = store
+        .update_automation_if_version(&renamed, 1, t(5))
+        .await
+        .expect("update");
+    assert_eq!(v2.version, 2);
+    assert_eq!(v2.name, "renamed");
+    assert_eq!(v2.updated_at, t(5));
+    assert_eq!(v2.created_at, t(0));
+
+    let stale = Automation {
+        name: "stale write".into(),
+        ..a
+    };
+    match store.update_automation_if_version(&stale, 1, t(6)).await {
+        Err(StoreError::VersionConflict { current }) => assert_eq!(current, 2),
+        other => panic!("expected a version conflict, got {other:?}"),
+    }
+    assert_eq!(store.get_automation(&alice(), "a1").await.expect("get"), v2);
+}
+
+pub async fn placement_is_immutable_in_the_schema(store: &Store) {
+    create(store, &alice(), "a1", t(0)).await;
+    let err = sqlx::query("UPDATE automations SET placement = 'desktop' WHERE id = 'a1'")
+        .execute(store.pool())
+        .await
+        .expect_err("the schema must refuse a placement change");
+    assert!(err.to_string().contains("placement is immutable"), "{err}");
+    let a = store.get_automation(&alice(), "a1").await.expect("get");
+    assert_eq!(a.placement, Placement::Cloud);
+}
+
+pub async fn run_creation_is_idempotent_by_id(store: &Store) {
+    let a = create(store, &alice(), "a1", t(0)).await;
+    let (first, created) = store.create_run(&new_run(&a, "r1"), t(1)).await.expect("create");
+    assert!(created);
+    let again = NewRun {
+        prompt: "a different prompt must not overwrite".into(),
+        ..new_run(&a, "r1")
+    };
+    let (second, created) = store.create_run(&again, t(2)).await.expect("create again");
+    assert!(!created);
+    assert_eq!(first, second);
+    assert_eq!(second.prompt, a.prompt);
+    let page = store
+        .list_runs(&alice(), Some("a1"), &Cursor::start(), 10)
+        .await
+        .expect("list");
+    assert_eq!(page.items.len(), 1);
+}
+
+pub async fn run_transitions_are_guarded(store: &Store) {
+    let a = create(store, &alice(), "a1", t(0)).await;
+    store.create_run(&new_run(&a, "r1"), t(1)).await.expect("create");
+    let r = store
+        .transition_run("r1", RunState::Admitted, None, t(2))
+        .await
+        .expect("pending -> admitted");
+    assert_eq!(r.state, RunState::Admitted);
+    assert!(matches!(
+        store.transition_run("r1", RunState::Waking, None, t(3)).await,
+        Err(StoreError::IllegalTransition { .. })
+    ));
+    store
+        .transition_run("r1", RunState::Running, None, t(3))
+        .await
+        .expect("admitted -> running");
+    let done = store
+        .transition_run(
+            "r1",
+            RunState::Failed,
+            Some((ErrorCode::ProviderUnavailable, "provider said 401")),
+            t(4),
+        )
+        .await
+        .expect("running -> failed");
+    assert_eq!(done.error_code, Some(ErrorCode::ProviderUnavailable));
+    for next in [RunState::Running, RunState::Succeeded, RunState::Cancelled] {
+        assert!(matches!(
+            store.transition_run("r1", next, None, t(5)).await,
+            Err(StoreError::IllegalTransition { .. })
+        ));
+    }
+    assert!(matches!(
+        store.transition_run("nope", RunState::Running, None, t(5)).await,
+        Err(StoreError::NotFound)
+    ));
+    assert_eq!(store.get_run_unscoped("r1").await.expect("get").state, RunState::Failed);
+}
+
+pub async fn terminal_runs_are_final_in_the_schema(store: &Store) {
+    let a = create(store, &alice(), "a1", t(0)).await;
+    store.create_run(&new_run(&a, "r1"), t(1)).await.expect("create");
+    store
+        .finish_run(&receipt("r1", RunState::Succeeded), t(2))
+        .await
+        .expect("finish");
+    let err = sqlx::query("UPDATE runs SET state = 'running' WHERE id = 'r1'")
+        .execute(store.pool())
+        .await
+        .expect_err("the schema must refuse to reopen a terminal run");
+    assert!(err.to_string().contains("terminal"), "{err}");
+    assert_eq!(
+        store.get_run_unscoped("r1").await.expect("get").state,
+        RunState::Succeeded
+    );
+}
+
+pub async fn finish_run_writes_exactly_one_receipt(store: &Store) {
+    let a = create(store, &alice(), "a1", t(0)).await;
+    store.create_run(&new_run(&a, "r1"), t(1)).await.expect("create");
+    let mut failed = receipt("r1", RunState::TimedOut);
+    failed.error_code = Some(ErrorCode::DeadlineExceeded);
+    failed.error_message = Some("deadline reached".into());
+    let run = store.finish_run(&failed, t(2)).await.expect("finish");
+    assert_eq!(run.state, RunState::TimedOut);
+    assert_eq!(run.error_code, Some(ErrorCode::DeadlineExceeded));
+    assert!(matches!(
+        store.finish_run(&receipt("r1", RunState::Succeeded), t(3)).await,
+        Err(StoreError::IllegalTransition { .. })
+    ));
+    let stored = store.get_receipt("r1").await.expect("get").expect("receipt");
+    assert_eq!(stored, failed);
+    assert!(store.get_receipt("nope").await.expect("get").is_none());
+}
+
+pub async fn events_are_ordered_and_deduplicated(store: &Store) {
+    let a = create(store, &alice(), "a1", t(0)).await;
+    store.create_run(&new_run(&a, "r1"), t(1)).await.expect("create");
+    let batch = [
+        text_event("e1", "one"),
+        text_event("e2", "two"),
+        text_event("e1", "one again, same id"),
+    ];
+    let appended = store.append_events("r1", &batch, t(2)).await.expect("append");
+    assert_eq!(
+        appended.iter().map(|e| e.sequence).collect::<Vec<_>>(),
+        [1, 2]
+    );
+    // Redelivery adds nothing.
+    let again = store.append_events("r1", &batch, t(3)).await.expect("redeliver");
+    assert!(again.is_empty());
+    let more = store
+        .append_events("r1", &[text_event("e2", "dup"), text_event("e3", "three")], t(4))
+        .await
+        .expect("append");
+    assert_eq!(more.len(), 1);
+    assert_eq!(more[0].sequence, 3);
+    let all = store.list_events("r1", 0, 100).await.expect("list");
+    assert_eq!(
+        all.iter().map(|e| (e.sequence, e.event_id.as_str())).collect::<Vec<_>>(),
+        [(1, "e1"), (2, "e2"), (3, "e3")]
+    );
+    assert_eq!(
+        all[0].payload,
+        RunEventPayload::AssistantText { text: "one".into() }
+    );
+    let tail = store.list_events("r1", 2, 100).await.expect("list");
+    assert_eq!(tail.len(), 1);
+    assert_eq!(tail[0].event_id, "e3");
+    assert!(matches!(
+        store.append_events("nope", &batch, t(5)).await,
+        Err(StoreError::NotFound)
+    ));
+}
+
+pub async fn concurrent_event_appenders_get_contiguous_sequences(store: &Store) {
+    let a = create(store, &alice(), "a1", t(0)).await;
+    store.create_run(&new_run(&a, "r1"), t(1)).await.expect("create");
+    let mut tasks = vec![];
+    for producer in 0..6 {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..10 {
+                // Every producer also redelivers a shared id.
+                let events = [
+                    text_event(&format!("p{producer}-{i}"), "x"),
+                    text_event(&format!("shared-{i}"), "y"),
+                ];
+                store.append_events("r1", &events, t(2)).await.expect("append");
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("producer");
+    }
+    let all = store.list_events("r1", 0, 1000).await.expect("list");
+    assert_eq!(all.len(), 6 * 10 + 10);
+    let seqs: Vec<i64> = all.iter().map(|e| e.sequence).collect();
+    assert_eq!(seqs, (1..=70).collect::<Vec<_>>());
+}
+
+pub async fn runs_are_scoped_and_listed(store: &Store) {
+    let a = create(store, &alice(), "a1", t(0)).await;
+    let b = create(store, &alice(), "a2", t(0)).await;
+    store.create_run(&new_run(&a, "r1"), t(1)).await.expect("create");
+    store.create_run(&new_run(&b, "r2"), t(2)).await.expect("create");
+    assert!(matches!(
+        store.get_run(&mallory(), "r1").await,
+        Err(StoreError::NotFound)
+    ));
+    assert_eq!(store.get_run(&alice(), "r1").await.expect("get").id, "r1");
+    let all = store
+        .list_runs(&alice(), None, &Cursor::start(), 10)
+        .await
+        .expect("list");
+    assert_eq!(
+        all.items.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+        ["r2", "r1"]
+    );
+    let only_a = store
+        .list_runs(&alice(), Some("a1"), &Cursor::start(), 10)
+        .await
+        .expect("list");
+    assert_eq!(only_a.items.len(), 1);
+    let none = store
+        .list_runs(&mallory(), None, &Cursor::start(), 10)
+        .await
+        .expect("list");
+    assert!(none.items.is_empty());
+}
+
+pub async fn workers_register_once_per_owner(store: &Store) {
+    assert!(store.get_worker(&alice()).await.expect("get").is_none());
+    let w = store
+        .register_worker(&alice(), "local-process", t(0))
+        .await
+        .expect("register");
+    assert_eq!(w.state, automesh_domain::WorkerState::Stopped);
+    let again = store
+        .register_worker(&alice(), "docker", t(1))
+        .await
+        .expect("register again");
+    assert_eq!(again, w);
+    assert!(store.get_worker(&mallory()).await.expect("get").is_none());
+}
+
+pub async fn runner_tokens_resolve_until_revoked(store: &Store) {
+    let r = store
+        .create_runner(&alice(), "runner-1", "laptop", "hash-1", t(0))
+        .await
+        .expect("create");
+    assert_eq!(r.name, "laptop");
+    let found = store
+        .find_runner_by_token_hash("hash-1")
+        .await
+        .expect("find")
+        .expect("runner");
+    assert_eq!(found.id, "runner-1");
+    assert!(store.find_runner_by_token_hash("hash-2").await.expect("find").is_none());
+    assert!(matches!(
+        store.revoke_runner(&mallory(), "runner-1", t(1)).await,
+        Err(StoreError::NotFound)
+    ));
+    assert!(store.find_runner_by_token_hash("hash-1").await.expect("find").is_some());
+    store.revoke_runner(&alice(), "runner-1", t(2)).await.expect("revoke");
+    assert!(store.find_runner_by_token_hash("hash-1").await.expect("find").is_none());
+    store.revoke_runner(&alice(), "runner-1", t(3)).await.expect("revoke twice");
+}
+
+pub async fn invalid_page_token_is_rejected(store: &Store) {
+    assert!(matches!(
+        Cursor::decode("not a token"),
+        Err(StoreError::InvalidPageToken)
+    ));
+    let page = store
+        .list_automations(&alice(), &Cursor::start(), 10, false)
+        .await
+        .expect("empty list");
+    assert!(page.items.is_empty());
+    assert!(page.next.is_none());
+}

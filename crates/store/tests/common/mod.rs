@@ -1,0 +1,43 @@
+//! The store conformance suite: every case runs against PostgreSQL and
+//! SQLite (one test binary per backend, so each reports its own count).
+
+#![allow(dead_code)]
+
+pub mod cases;
+
+/// Instantiates every conformance case for one backend.
+#[macro_export]
+macro_rules! conformance_suite {
+    ($backend:expr) => {
+        $crate::conformance_suite!($backend;
+            migrations_are_idempotent,
+            automation_round_trips,
+            automations_are_scoped_to_their_owner,
+            automation_listing_pages_without_gaps,
+            stale_version_is_rejected_and_changes_nothing,
+            placement_is_immutable_in_the_schema,
+            run_creation_is_idempotent_by_id,
+            run_transitions_are_guarded,
+            terminal_runs_are_final_in_the_schema,
+            finish_run_writes_exactly_one_receipt,
+            events_are_ordered_and_deduplicated,
+            concurrent_event_appenders_get_contiguous_sequences,
+            runs_are_scoped_and_listed,
+            workers_register_once_per_owner,
+            runner_tokens_resolve_until_revoked,
+            invalid_page_token_is_rejected,
+        );
+    };
+    ($backend:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let db = automesh_store::testing::TestDatabase::new($backend)
+                    .await
+                    .expect("test database (is PostgreSQL running? see README)");
+                common::cases::$case(&db.store).await;
+                db.remove().await.expect("remove test database");
+            }
+        )*
+    };
+}
