@@ -1,1 +1,203 @@
-//! placeholder
+//! The public API gateway: authenticates the web backend's (and the desktop
+//! app's) bearer tokens, scopes every call to the caller, validates input,
+//! applies the creation rules, and fans out to the internal services.
+//!
+//! It owns no data: what it knows of automations and runs it asks for.
+
+pub mod auth;
+mod automations;
+mod runs;
+pub mod upstream;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use automesh_domain::{ModelCatalog, Placement, Principal};
+use automesh_proto::v1::automations_server::AutomationsServer;
+use automesh_proto::v1::runs_server::RunsServer;
+use automesh_proto::worker::v1 as wpb;
+use automesh_rpc::{GrpcServer, InternalCredential, ServerSettings, convert, status};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tonic::{Code, Status};
+
+pub use auth::{Authenticator, mint};
+pub use upstream::{UpstreamAddrs, Upstreams};
+
+/// Settings of a gateway process.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Config {
+    /// Address to listen on.
+    #[arg(
+        long = "listen",
+        env = "AUTOMESH_GATEWAY_LISTEN",
+        default_value = "127.0.0.1:50051"
+    )]
+    pub listen: SocketAddr,
+    #[command(flatten)]
+    pub upstreams: UpstreamAddrs,
+    /// A JSON model catalogue (`{"models":[{"id":…,"authorized_orgs":["*"]}]}`);
+    /// without it, the development catalogue is used.
+    #[arg(long, env = "AUTOMESH_MODELS_FILE")]
+    pub models_file: Option<PathBuf>,
+}
+
+/// The gateway's state. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Gateway {
+    auth: Authenticator,
+    models: Arc<ModelCatalog>,
+    upstreams: Upstreams,
+}
+
+impl Gateway {
+    pub fn new(auth: Authenticator, models: ModelCatalog, upstreams: Upstreams) -> Self {
+        Self {
+            auth,
+            models: Arc::new(models),
+            upstreams,
+        }
+    }
+
+    fn principal<T>(&self, request: &tonic::Request<T>) -> Result<Principal, Status> {
+        self.auth.principal(request.metadata())
+    }
+
+    /// A model must exist; for a cloud automation it must also be authorised
+    /// for the caller's organisation.
+    fn check_model(
+        &self,
+        owner: &Principal,
+        model: &str,
+        placement: Placement,
+    ) -> Result<(), Status> {
+        if self.models.get(model).is_none() {
+            let known: Vec<&str> = self.models.models.iter().map(|m| m.id.as_str()).collect();
+            return Err(status::invalid_field(
+                "automation.model",
+                &format!(
+                    "unknown model {model:?}; known models: {}",
+                    known.join(", ")
+                ),
+            ));
+        }
+        if placement == Placement::Cloud && !self.models.authorizes(model, &owner.org_id) {
+            return Err(status::failed_precondition(
+                "MODEL_AUTHORIZATION",
+                &format!("models/{model}"),
+                &format!(
+                    "model {model} is not authorised for organisation {}",
+                    owner.org_id
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A cloud automation needs the owner's existing cloud worker (stopped is
+    /// fine); nothing is allocated silently.
+    async fn require_cloud_worker(&self, owner: &Principal) -> Result<(), Status> {
+        let mut lifecycle = self.upstreams.lifecycle.clone();
+        match lifecycle
+            .get_worker(wpb::GetWorkerRequest {
+                caller: Some(convert::caller(owner)),
+            })
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(s) if s.code() == Code::NotFound => Err(status::failed_precondition(
+                "CLOUD_WORKER",
+                &format!("users/{}", owner.user_id),
+                "creating a cloud automation requires an existing cloud worker for this user; \
+                 none exists, and none is allocated silently",
+            )),
+            Err(s) => Err(status::forward(s)),
+        }
+    }
+}
+
+/// Loads the configured model catalogue, or the development one.
+pub fn load_models(path: Option<&std::path::Path>) -> anyhow::Result<ModelCatalog> {
+    match path {
+        None => Ok(ModelCatalog::development()),
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| anyhow::anyhow!("cannot read model catalogue {}: {e}", p.display()))?;
+            ModelCatalog::from_json(&text)
+                .map_err(|e| anyhow::anyhow!("invalid model catalogue {}: {e}", p.display()))
+        }
+    }
+}
+
+/// Serves the public API on `listener` until `shutdown` is cancelled.
+pub async fn serve(
+    gateway: Gateway,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let mut server = GrpcServer::new(ServerSettings::default())?;
+    server.add_service(AutomationsServer::new(gateway.clone()));
+    server.add_service(RunsServer::new(gateway.clone()));
+    let upstreams = gateway.upstreams.clone();
+    server
+        .serve(
+            listener,
+            shutdown,
+            Box::new(move || {
+                let upstreams = upstreams.clone();
+                Box::pin(async move { upstreams.all_serving().await })
+            }),
+        )
+        .await?;
+    Ok(())
+}
+
+/// Builds a gateway from its configuration and serves it.
+pub async fn run(
+    config: Config,
+    jwt_secret: &[u8],
+    credential: InternalCredential,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let gateway = Gateway::new(
+        Authenticator::hs256(jwt_secret)?,
+        load_models(config.models_file.as_deref())?,
+        Upstreams::new(&config.upstreams, &credential)?,
+    );
+    serve(gateway, listener, shutdown).await
+}
+
+/// The gateway as a command: its settings plus its secrets.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Command {
+    #[command(flatten)]
+    pub config: Config,
+    /// The HS256 key that verifies bearer tokens (at least 32 bytes).
+    #[arg(long, env = "AUTOMESH_JWT_SECRET", hide_env_values = true)]
+    pub jwt_secret: String,
+    /// The internal service credential shared by the mesh.
+    #[arg(long, env = "AUTOMESH_INTERNAL_TOKEN", hide_env_values = true)]
+    pub internal_token: String,
+}
+
+impl Command {
+    /// Runs the gateway until SIGINT or SIGTERM.
+    pub async fn execute(self) -> anyhow::Result<()> {
+        let started = automesh_rpc::runtime::start(
+            "automesh-gateway",
+            self.config.listen,
+            &self.internal_token,
+        )
+        .await?;
+        run(
+            self.config,
+            self.jwt_secret.as_bytes(),
+            started.credential,
+            started.listener,
+            started.shutdown,
+        )
+        .await
+    }
+}

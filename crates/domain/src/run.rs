@@ -221,7 +221,9 @@ mod tests {
     fn terminal_is_final() {
         use RunState::*;
         for t in [Succeeded, Failed, TimedOut, Cancelled, Skipped, Missed] {
-            for n in [Pending, Waking, Admitted, Running, Succeeded, Failed, Cancelled] {
+            for n in [
+                Pending, Waking, Admitted, Running, Succeeded, Failed, Cancelled,
+            ] {
                 assert!(!t.can_move_to(n), "{t} -> {n}");
             }
         }

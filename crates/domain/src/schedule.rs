@@ -324,7 +324,10 @@ mod tests {
         // 03:00 EDT is 07:00Z, the transition instant; the next day is normal.
         assert_eq!(
             got,
-            vec![utc("2026-03-08T07:00:00Z"), utc("2026-03-09T02:30:00-04:00")]
+            vec![
+                utc("2026-03-08T07:00:00Z"),
+                utc("2026-03-09T02:30:00-04:00")
+            ]
         );
     }
 

@@ -14,11 +14,8 @@ fn zone() -> impl Strategy<Value = Tz> {
 
 fn time_of_day() -> impl Strategy<Value = TimeOfDay> {
     // Bias towards the small hours, where transitions happen.
-    prop_oneof![
-        (0u32..4, 0u32..60),
-        (0u32..24, 0u32..60),
-    ]
-    .prop_map(|(h, m)| TimeOfDay::new(h, m).expect("valid"))
+    prop_oneof![(0u32..4, 0u32..60), (0u32..24, 0u32..60),]
+        .prop_map(|(h, m)| TimeOfDay::new(h, m).expect("valid"))
 }
 
 fn date() -> impl Strategy<Value = NaiveDate> {
@@ -57,14 +54,21 @@ fn take(s: &Schedule, from: DateTime<Utc>, n: usize) -> Vec<DateTime<Utc>> {
 
 /// The DST rules for one slot: exact local time when it exists (the first of
 /// two when ambiguous), else the first instant after the missing time.
-fn check_slot(zone: Tz, d: NaiveDate, time: TimeOfDay, t: DateTime<Utc>) -> Result<(), TestCaseError> {
+fn check_slot(
+    zone: Tz,
+    d: NaiveDate,
+    time: TimeOfDay,
+    t: DateTime<Utc>,
+) -> Result<(), TestCaseError> {
     let wanted = d.and_hms_opt(time.hour(), time.minute(), 0).expect("time");
     match zone.from_local_datetime(&wanted) {
         LocalResult::Single(x) => prop_assert_eq!(x.with_timezone(&Utc), t),
         LocalResult::Ambiguous(a, b) => prop_assert_eq!(a.min(b).with_timezone(&Utc), t),
         LocalResult::None => {
             let local = t.with_timezone(&zone).naive_local();
-            let before = (t - Duration::seconds(1)).with_timezone(&zone).naive_local();
+            let before = (t - Duration::seconds(1))
+                .with_timezone(&zone)
+                .naive_local();
             prop_assert!(local > wanted, "{local} not after {wanted}");
             prop_assert!(before < wanted, "{before} not before {wanted}");
         }
@@ -127,22 +131,53 @@ proptest! {
 fn europe_london_transitions() {
     let london = chrono_tz::Europe::London;
     // 2026-03-29: 01:00 GMT jumps to 02:00 BST; 01:30 fires at 02:00 BST.
-    let t = slot_instant(london, NaiveDate::from_ymd_opt(2026, 3, 29).expect("d"), TimeOfDay::new(1, 30).expect("t"));
-    assert_eq!(t, DateTime::parse_from_rfc3339("2026-03-29T01:00:00Z").expect("t").with_timezone(&Utc));
+    let t = slot_instant(
+        london,
+        NaiveDate::from_ymd_opt(2026, 3, 29).expect("d"),
+        TimeOfDay::new(1, 30).expect("t"),
+    );
+    assert_eq!(
+        t,
+        DateTime::parse_from_rfc3339("2026-03-29T01:00:00Z")
+            .expect("t")
+            .with_timezone(&Utc)
+    );
     // 2026-10-25: 02:00 BST falls back to 01:00 GMT; 01:30 fires at the BST one.
-    let t = slot_instant(london, NaiveDate::from_ymd_opt(2026, 10, 25).expect("d"), TimeOfDay::new(1, 30).expect("t"));
-    assert_eq!(t, DateTime::parse_from_rfc3339("2026-10-25T00:30:00Z").expect("t").with_timezone(&Utc));
+    let t = slot_instant(
+        london,
+        NaiveDate::from_ymd_opt(2026, 10, 25).expect("d"),
+        TimeOfDay::new(1, 30).expect("t"),
+    );
+    assert_eq!(
+        t,
+        DateTime::parse_from_rfc3339("2026-10-25T00:30:00Z")
+            .expect("t")
+            .with_timezone(&Utc)
+    );
 }
 
 #[test]
 fn samoa_skipped_day_fires_once_at_the_next_valid_instant() {
     // Pacific/Apia skipped 2011-12-30 entirely.
     let apia = chrono_tz::Pacific::Apia;
-    let s = Schedule::Daily { time: TimeOfDay::new(9, 0).expect("t"), zone: apia };
-    let from = DateTime::parse_from_rfc3339("2011-12-28T00:00:00Z").expect("t").with_timezone(&Utc);
+    let s = Schedule::Daily {
+        time: TimeOfDay::new(9, 0).expect("t"),
+        zone: apia,
+    };
+    let from = DateTime::parse_from_rfc3339("2011-12-28T00:00:00Z")
+        .expect("t")
+        .with_timezone(&Utc);
     let got: Vec<String> = take(&s, from, 4)
         .into_iter()
         .map(|t| t.with_timezone(&apia).format("%F %R").to_string())
         .collect();
-    assert_eq!(got, ["2011-12-28 09:00", "2011-12-29 09:00", "2011-12-31 00:00", "2011-12-31 09:00"]);
+    assert_eq!(
+        got,
+        [
+            "2011-12-28 09:00",
+            "2011-12-29 09:00",
+            "2011-12-31 00:00",
+            "2011-12-31 09:00"
+        ]
+    );
 }

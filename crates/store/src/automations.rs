@@ -7,7 +7,9 @@ use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
 use crate::page::{Cursor, Page};
-use crate::rows::{instant, int, micros, opt_instant, opt_micros, opt_parsed, opt_text, parsed, text};
+use crate::rows::{
+    instant, int, micros, opt_instant, opt_micros, opt_parsed, opt_text, parsed, text,
+};
 use crate::{Result, Store, StoreError};
 
 const INSERT: &str = "INSERT INTO automations (id, org_id, owner_id, name, prompt, model, placement, \
@@ -37,7 +39,8 @@ const UPDATE_IF_VERSION: &str = "UPDATE automations SET name = $4, prompt = $5, 
      next_run_at = $11, updated_at = $12, version = version + 1 \
      WHERE id = $1 AND org_id = $2 AND owner_id = $3 AND version = $13";
 
-const COUNT_FOR_OWNER: &str = "SELECT COUNT(*) FROM automations WHERE org_id = $1 AND owner_id = $2";
+const COUNT_FOR_OWNER: &str =
+    "SELECT COUNT(*) FROM automations WHERE org_id = $1 AND owner_id = $2";
 
 fn decode(row: &AnyRow) -> Result<Automation> {
     let schedule_json = text(row, "schedule")?;

@@ -139,16 +139,15 @@ impl Store {
     /// Whether every migration of this binary has been applied.
     pub async fn is_migrated(&self) -> Result<bool> {
         let latest = migrations::latest_version(self.backend);
-        let applied: Option<i64> = sqlx::query_scalar(
-            "SELECT MAX(version) FROM _sqlx_migrations WHERE success = TRUE",
-        )
-        .fetch_one(&self.pool)
-        .await
-        .or_else(|e| match e {
-            // No migrations table yet.
-            sqlx::Error::Database(_) => Ok(None),
-            e => Err(e),
-        })?;
+        let applied: Option<i64> =
+            sqlx::query_scalar("SELECT MAX(version) FROM _sqlx_migrations WHERE success = TRUE")
+                .fetch_one(&self.pool)
+                .await
+                .or_else(|e| match e {
+                    // No migrations table yet.
+                    sqlx::Error::Database(_) => Ok(None),
+                    e => Err(e),
+                })?;
         Ok(applied == Some(latest))
     }
 
@@ -170,6 +169,35 @@ impl Store {
         Ok(match self.backend {
             Backend::Postgres => self.pool.begin().await?,
             Backend::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await?,
+        })
+    }
+}
+
+/// A readiness probe in the shape `automesh_rpc::server::Probe` expects.
+pub type ReadinessProbe = Box<
+    dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send>> + Send + Sync,
+>;
+
+impl Store {
+    /// Ready means reachable and migrated. Until the schema is current the
+    /// probe applies the migrations itself, so a service that starts before
+    /// its database becomes ready as soon as the database does.
+    pub fn readiness_probe(&self) -> ReadinessProbe {
+        let store = self.clone();
+        Box::new(move || {
+            let store = store.clone();
+            Box::pin(async move {
+                match store.is_migrated().await {
+                    Ok(true) => store.ping().await.is_ok(),
+                    Ok(false) | Err(_) => match store.migrate().await {
+                        Ok(()) => true,
+                        Err(error) => {
+                            tracing::warn!(%error, "database not ready");
+                            false
+                        }
+                    },
+                }
+            })
         })
     }
 }

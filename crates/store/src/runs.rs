@@ -81,7 +81,10 @@ impl Store {
             .bind(micros(now))
             .execute(self.pool())
             .await?;
-        Ok((self.get_run_unscoped(&new.id).await?, done.rows_affected() == 1))
+        Ok((
+            self.get_run_unscoped(&new.id).await?,
+            done.rows_affected() == 1,
+        ))
     }
 
     /// One run of `owner`; another tenant's answers `NotFound`.

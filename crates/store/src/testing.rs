@@ -25,7 +25,11 @@ fn unique_suffix() -> String {
         "{}_{}_{}",
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::Relaxed),
-        uuid::Uuid::new_v4().simple().to_string().get(..8).unwrap_or("0")
+        uuid::Uuid::new_v4()
+            .simple()
+            .to_string()
+            .get(..8)
+            .unwrap_or("0")
     )
 }
 

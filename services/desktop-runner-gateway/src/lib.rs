@@ -1,1 +1,185 @@
-//! placeholder
+//! The desktop-runner-gateway service: holds the desktop runners'
+//! bidirectional streams (authentication, presence, assignment, events,
+//! cancellation) and mints and revokes their per-runner credentials.
+//!
+//! Runner tokens are shown once and stored only as a SHA-256 hash: a token is
+//! 256 bits of OS randomness, so a fast hash is enough to make the stored
+//! value useless to a reader of the database.
+
+use std::net::SocketAddr;
+
+use automesh_domain::ids::new_runner_id;
+use automesh_proto::runner::v1 as rpb;
+use automesh_proto::runner::v1::runner_token_service_server::{
+    RunnerTokenService, RunnerTokenServiceServer,
+};
+use automesh_rpc::{
+    GrpcServer, InternalCredential, RequireInternal, ServerSettings, convert, status,
+};
+use automesh_store::{Store, StoreError, StoreOptions};
+use chrono::Utc;
+use sha2::{Digest, Sha256};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+/// Settings of a desktop-runner-gateway process.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Config {
+    /// Address to listen on (runners connect here).
+    #[arg(
+        long = "listen",
+        env = "AUTOMESH_RUNNER_GATEWAY_LISTEN",
+        default_value = "127.0.0.1:50052"
+    )]
+    pub listen: SocketAddr,
+    /// Database URL: postgres://… or sqlite:….
+    #[arg(long, env = "AUTOMESH_DATABASE_URL")]
+    pub database_url: String,
+}
+
+/// Prefix of every runner token, so a leaked one is recognisable.
+pub const TOKEN_PREFIX: &str = "amr_";
+
+/// The stored form of a runner token.
+pub fn hash_token(token: &str) -> String {
+    hex::encode(Sha256::digest(token.as_bytes()))
+}
+
+/// The runner-token service's state. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct RunnerTokens {
+    store: Store,
+}
+
+fn store_status(e: StoreError) -> Status {
+    match e {
+        StoreError::NotFound => status::not_found("runner"),
+        e @ StoreError::Database(_) => status::unavailable("database", &e),
+        e => status::internal("runner store", &e),
+    }
+}
+
+#[tonic::async_trait]
+impl RunnerTokenService for RunnerTokens {
+    async fn create_runner_token(
+        &self,
+        request: Request<rpb::CreateRunnerTokenRequest>,
+    ) -> Result<Response<rpb::CreateRunnerTokenResponse>, Status> {
+        let req = request.into_inner();
+        let owner = convert::principal(req.caller.as_ref())?;
+        let mut v = automesh_domain::Violations::default();
+        automesh_domain::validation::check_text(&mut v, "runner_name", &req.runner_name, 200);
+        if !v.is_empty() {
+            return Err(status::invalid_argument(&v));
+        }
+        let token = automesh_rpc::runtime::random_secret(TOKEN_PREFIX);
+        let runner = self
+            .store
+            .create_runner(
+                &owner,
+                &new_runner_id(),
+                req.runner_name.trim(),
+                &hash_token(&token),
+                Utc::now(),
+            )
+            .await
+            .map_err(store_status)?;
+        tracing::info!(runner_id = %runner.id, "runner token created");
+        Ok(Response::new(rpb::CreateRunnerTokenResponse {
+            runner_id: runner.id,
+            token,
+            create_time: Some(convert::timestamp(runner.created_at)),
+        }))
+    }
+
+    async fn revoke_runner_token(
+        &self,
+        request: Request<rpb::RevokeRunnerTokenRequest>,
+    ) -> Result<Response<rpb::RevokeRunnerTokenResponse>, Status> {
+        let req = request.into_inner();
+        let owner = convert::principal(req.caller.as_ref())?;
+        if req.runner_id.is_empty() {
+            return Err(status::invalid_field("runner_id", "required"));
+        }
+        self.store
+            .revoke_runner(&owner, &req.runner_id, Utc::now())
+            .await
+            .map_err(store_status)?;
+        tracing::info!(runner_id = %req.runner_id, "runner revoked");
+        Ok(Response::new(rpb::RevokeRunnerTokenResponse {}))
+    }
+}
+
+/// Serves the runner gateway on `listener` until `shutdown` is cancelled.
+pub async fn run(
+    config: Config,
+    credential: InternalCredential,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let store = Store::connect_lazy(&config.database_url, StoreOptions::default())?;
+    serve(store, credential, listener, shutdown).await
+}
+
+/// Serves over an existing store (used by `dev` mode and tests).
+pub async fn serve(
+    store: Store,
+    credential: InternalCredential,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let mut server = GrpcServer::new(ServerSettings::default())?;
+    server.add_service(RunnerTokenServiceServer::with_interceptor(
+        RunnerTokens {
+            store: store.clone(),
+        },
+        RequireInternal(credential),
+    ));
+    server
+        .serve(listener, shutdown, store.readiness_probe())
+        .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_hash_is_stable_and_not_the_token() {
+        let token = "amr_0123456789abcdef";
+        assert_eq!(hash_token(token), hash_token(token));
+        assert_eq!(hash_token(token).len(), 64);
+        assert!(!hash_token(token).contains("0123456789abcdef"));
+    }
+}
+
+/// The service as a command: its settings plus the mesh's internal credential.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Command {
+    #[command(flatten)]
+    pub config: Config,
+    /// The internal service credential shared by the mesh.
+    #[arg(long, env = "AUTOMESH_INTERNAL_TOKEN", hide_env_values = true)]
+    pub internal_token: String,
+}
+
+impl Command {
+    /// Runs the service until SIGINT or SIGTERM.
+    pub async fn execute(self) -> anyhow::Result<()> {
+        let started = automesh_rpc::runtime::start(
+            "automesh-desktop-runner-gateway",
+            self.config.listen,
+            &self.internal_token,
+        )
+        .await?;
+        run(
+            self.config,
+            started.credential,
+            started.listener,
+            started.shutdown,
+        )
+        .await
+    }
+}

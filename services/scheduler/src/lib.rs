@@ -1,1 +1,124 @@
-//! placeholder
+//! The scheduler service: owns automation definitions and schedules, keeps
+//! each active automation's next occurrence, and creates runs (scheduled
+//! occurrences and run-now) with ids derived so that each is created once.
+//!
+//! Handlers are thin: they convert protobuf into domain types with
+//! `automesh_rpc::convert`, call [`Scheduler`], and map its [`Error`] into a
+//! `Status` in one place.
+
+mod error;
+mod service;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use automesh_proto::scheduler::v1::scheduler_service_server::SchedulerServiceServer;
+use automesh_rpc::{GrpcServer, InternalCredential, RequireInternal, ServerSettings};
+use automesh_store::{Store, StoreOptions};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+pub use error::Error;
+pub use service::Scheduler;
+
+/// Settings of a scheduler process.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Config {
+    /// Address to listen on.
+    #[arg(
+        long = "listen",
+        env = "AUTOMESH_SCHEDULER_LISTEN",
+        default_value = "127.0.0.1:50053"
+    )]
+    pub listen: SocketAddr,
+    /// Database URL: postgres://… or sqlite:….
+    #[arg(long, env = "AUTOMESH_DATABASE_URL")]
+    pub database_url: String,
+    /// How long a run may take from creation to its end, wake-up and
+    /// admission included (for example 30m, 2h).
+    #[arg(long, env = "AUTOMESH_RUN_DEADLINE", default_value = "30m", value_parser = parse_duration)]
+    pub run_deadline: Duration,
+}
+
+/// Parses `90s`, `30m`, `2h` or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((s, "s"), |i| s.split_at(i));
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("expected a duration such as 90s, 30m or 2h, got {s:?}"))?;
+    let secs = match unit {
+        "ms" => return Ok(Duration::from_millis(n)),
+        "s" => n,
+        "m" => n * 60,
+        "h" => n * 3600,
+        _ => {
+            return Err(format!(
+                "unknown duration unit {unit:?} in {s:?}; use ms, s, m or h"
+            ));
+        }
+    };
+    Ok(Duration::from_secs(secs))
+}
+
+/// Serves the scheduler on `listener` until `shutdown` is cancelled.
+pub async fn run(
+    config: Config,
+    credential: InternalCredential,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let store = Store::connect_lazy(&config.database_url, StoreOptions::default())?;
+    serve(store, config.run_deadline, credential, listener, shutdown).await
+}
+
+/// Serves the scheduler over an existing store (used by `dev` mode and tests).
+pub async fn serve(
+    store: Store,
+    run_deadline: Duration,
+    credential: InternalCredential,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let scheduler = Scheduler::new(store.clone(), run_deadline);
+    let mut server = GrpcServer::new(ServerSettings::default())?;
+    server.add_service(SchedulerServiceServer::with_interceptor(
+        scheduler,
+        RequireInternal(credential),
+    ));
+    server
+        .serve(listener, shutdown, store.readiness_probe())
+        .await?;
+    Ok(())
+}
+
+/// The service as a command: its settings plus the mesh's internal credential.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Command {
+    #[command(flatten)]
+    pub config: Config,
+    /// The internal service credential shared by the mesh.
+    #[arg(long, env = "AUTOMESH_INTERNAL_TOKEN", hide_env_values = true)]
+    pub internal_token: String,
+}
+
+impl Command {
+    /// Runs the service until SIGINT or SIGTERM.
+    pub async fn execute(self) -> anyhow::Result<()> {
+        let started = automesh_rpc::runtime::start(
+            "automesh-scheduler",
+            self.config.listen,
+            &self.internal_token,
+        )
+        .await?;
+        run(
+            self.config,
+            started.credential,
+            started.listener,
+            started.shutdown,
+        )
+        .await
+    }
+}

@@ -6,10 +6,10 @@ use automesh_domain::{
     ErrorCode, Placement, Principal, Receipt, RunEventPayload, RunState, RunTrigger, Schedule,
     Surface, TimeOfDay, Usage,
 };
+use automesh_store::Store;
 use automesh_store::StoreError;
 use automesh_store::events::NewEvent;
 use automesh_store::page::Cursor;
-use automesh_store::Store;
 use chrono::{DateTime, Duration, Utc};
 
 fn t(secs: i64) -> DateTime<Utc> {
@@ -42,7 +42,11 @@ fn new_automation(owner: &Principal, id: &str, surface: Surface) -> NewAutomatio
 
 async fn create(store: &Store, owner: &Principal, id: &str, at: DateTime<Utc>) -> Automation {
     store
-        .create_automation(&new_automation(owner, id, Surface::Web), Some(at + Duration::hours(1)), at)
+        .create_automation(
+            &new_automation(owner, id, Surface::Web),
+            Some(at + Duration::hours(1)),
+            at,
+        )
         .await
         .expect("create automation")
 }
@@ -247,7 +251,10 @@ pub async fn placement_is_immutable_in_the_schema(store: &Store) {
 
 pub async fn run_creation_is_idempotent_by_id(store: &Store) {
     let a = create(store, &alice(), "a1", t(0)).await;
-    let (first, created) = store.create_run(&new_run(&a, "r1"), t(1)).await.expect("create");
+    let (first, created) = store
+        .create_run(&new_run(&a, "r1"), t(1))
+        .await
+        .expect("create");
     assert!(created);
     let again = NewRun {
         prompt: "a different prompt must not overwrite".into(),
@@ -266,14 +273,19 @@ pub async fn run_creation_is_idempotent_by_id(store: &Store) {
 
 pub async fn run_transitions_are_guarded(store: &Store) {
     let a = create(store, &alice(), "a1", t(0)).await;
-    store.create_run(&new_run(&a, "r1"), t(1)).await.expect("create");
+    store
+        .create_run(&new_run(&a, "r1"), t(1))
+        .await
+        .expect("create");
     let r = store
         .transition_run("r1", RunState::Admitted, None, t(2))
         .await
         .expect("pending -> admitted");
     assert_eq!(r.state, RunState::Admitted);
     assert!(matches!(
-        store.transition_run("r1", RunState::Waking, None, t(3)).await,
+        store
+            .transition_run("r1", RunState::Waking, None, t(3))
+            .await,
         Err(StoreError::IllegalTransition { .. })
     ));
     store
@@ -297,15 +309,23 @@ pub async fn run_transitions_are_guarded(store: &Store) {
         ));
     }
     assert!(matches!(
-        store.transition_run("nope", RunState::Running, None, t(5)).await,
+        store
+            .transition_run("nope", RunState::Running, None, t(5))
+            .await,
         Err(StoreError::NotFound)
     ));
-    assert_eq!(store.get_run_unscoped("r1").await.expect("get").state, RunState::Failed);
+    assert_eq!(
+        store.get_run_unscoped("r1").await.expect("get").state,
+        RunState::Failed
+    );
 }
 
 pub async fn terminal_runs_are_final_in_the_schema(store: &Store) {
     let a = create(store, &alice(), "a1", t(0)).await;
-    store.create_run(&new_run(&a, "r1"), t(1)).await.expect("create");
+    store
+        .create_run(&new_run(&a, "r1"), t(1))
+        .await
+        .expect("create");
     store
         .finish_run(&receipt("r1", RunState::Succeeded), t(2))
         .await
@@ -323,7 +343,10 @@ pub async fn terminal_runs_are_final_in_the_schema(store: &Store) {
 
 pub async fn finish_run_writes_exactly_one_receipt(store: &Store) {
     let a = create(store, &alice(), "a1", t(0)).await;
-    store.create_run(&new_run(&a, "r1"), t(1)).await.expect("create");
+    store
+        .create_run(&new_run(&a, "r1"), t(1))
+        .await
+        .expect("create");
     let mut failed = receipt("r1", RunState::TimedOut);
     failed.error_code = Some(ErrorCode::DeadlineExceeded);
     failed.error_message = Some("deadline reached".into());
@@ -331,39 +354,60 @@ pub async fn finish_run_writes_exactly_one_receipt(store: &Store) {
     assert_eq!(run.state, RunState::TimedOut);
     assert_eq!(run.error_code, Some(ErrorCode::DeadlineExceeded));
     assert!(matches!(
-        store.finish_run(&receipt("r1", RunState::Succeeded), t(3)).await,
+        store
+            .finish_run(&receipt("r1", RunState::Succeeded), t(3))
+            .await,
         Err(StoreError::IllegalTransition { .. })
     ));
-    let stored = store.get_receipt("r1").await.expect("get").expect("receipt");
+    let stored = store
+        .get_receipt("r1")
+        .await
+        .expect("get")
+        .expect("receipt");
     assert_eq!(stored, failed);
     assert!(store.get_receipt("nope").await.expect("get").is_none());
 }
 
 pub async fn events_are_ordered_and_deduplicated(store: &Store) {
     let a = create(store, &alice(), "a1", t(0)).await;
-    store.create_run(&new_run(&a, "r1"), t(1)).await.expect("create");
+    store
+        .create_run(&new_run(&a, "r1"), t(1))
+        .await
+        .expect("create");
     let batch = [
         text_event("e1", "one"),
         text_event("e2", "two"),
         text_event("e1", "one again, same id"),
     ];
-    let appended = store.append_events("r1", &batch, t(2)).await.expect("append");
+    let appended = store
+        .append_events("r1", &batch, t(2))
+        .await
+        .expect("append");
     assert_eq!(
         appended.iter().map(|e| e.sequence).collect::<Vec<_>>(),
         [1, 2]
     );
     // Redelivery adds nothing.
-    let again = store.append_events("r1", &batch, t(3)).await.expect("redeliver");
+    let again = store
+        .append_events("r1", &batch, t(3))
+        .await
+        .expect("redeliver");
     assert!(again.is_empty());
     let more = store
-        .append_events("r1", &[text_event("e2", "dup"), text_event("e3", "three")], t(4))
+        .append_events(
+            "r1",
+            &[text_event("e2", "dup"), text_event("e3", "three")],
+            t(4),
+        )
         .await
         .expect("append");
     assert_eq!(more.len(), 1);
     assert_eq!(more[0].sequence, 3);
     let all = store.list_events("r1", 0, 100).await.expect("list");
     assert_eq!(
-        all.iter().map(|e| (e.sequence, e.event_id.as_str())).collect::<Vec<_>>(),
+        all.iter()
+            .map(|e| (e.sequence, e.event_id.as_str()))
+            .collect::<Vec<_>>(),
         [(1, "e1"), (2, "e2"), (3, "e3")]
     );
     assert_eq!(
@@ -381,7 +425,10 @@ pub async fn events_are_ordered_and_deduplicated(store: &Store) {
 
 pub async fn concurrent_event_appenders_get_contiguous_sequences(store: &Store) {
     let a = create(store, &alice(), "a1", t(0)).await;
-    store.create_run(&new_run(&a, "r1"), t(1)).await.expect("create");
+    store
+        .create_run(&new_run(&a, "r1"), t(1))
+        .await
+        .expect("create");
     let mut tasks = vec![];
     for producer in 0..6 {
         let store = store.clone();
@@ -392,7 +439,10 @@ pub async fn concurrent_event_appenders_get_contiguous_sequences(store: &Store) 
                     text_event(&format!("p{producer}-{i}"), "x"),
                     text_event(&format!("shared-{i}"), "y"),
                 ];
-                store.append_events("r1", &events, t(2)).await.expect("append");
+                store
+                    .append_events("r1", &events, t(2))
+                    .await
+                    .expect("append");
             }
         }));
     }
@@ -408,8 +458,14 @@ pub async fn concurrent_event_appenders_get_contiguous_sequences(store: &Store) 
 pub async fn runs_are_scoped_and_listed(store: &Store) {
     let a = create(store, &alice(), "a1", t(0)).await;
     let b = create(store, &alice(), "a2", t(0)).await;
-    store.create_run(&new_run(&a, "r1"), t(1)).await.expect("create");
-    store.create_run(&new_run(&b, "r2"), t(2)).await.expect("create");
+    store
+        .create_run(&new_run(&a, "r1"), t(1))
+        .await
+        .expect("create");
+    store
+        .create_run(&new_run(&b, "r2"), t(2))
+        .await
+        .expect("create");
     assert!(matches!(
         store.get_run(&mallory(), "r1").await,
         Err(StoreError::NotFound)
@@ -462,15 +518,39 @@ pub async fn runner_tokens_resolve_until_revoked(store: &Store) {
         .expect("find")
         .expect("runner");
     assert_eq!(found.id, "runner-1");
-    assert!(store.find_runner_by_token_hash("hash-2").await.expect("find").is_none());
+    assert!(
+        store
+            .find_runner_by_token_hash("hash-2")
+            .await
+            .expect("find")
+            .is_none()
+    );
     assert!(matches!(
         store.revoke_runner(&mallory(), "runner-1", t(1)).await,
         Err(StoreError::NotFound)
     ));
-    assert!(store.find_runner_by_token_hash("hash-1").await.expect("find").is_some());
-    store.revoke_runner(&alice(), "runner-1", t(2)).await.expect("revoke");
-    assert!(store.find_runner_by_token_hash("hash-1").await.expect("find").is_none());
-    store.revoke_runner(&alice(), "runner-1", t(3)).await.expect("revoke twice");
+    assert!(
+        store
+            .find_runner_by_token_hash("hash-1")
+            .await
+            .expect("find")
+            .is_some()
+    );
+    store
+        .revoke_runner(&alice(), "runner-1", t(2))
+        .await
+        .expect("revoke");
+    assert!(
+        store
+            .find_runner_by_token_hash("hash-1")
+            .await
+            .expect("find")
+            .is_none()
+    );
+    store
+        .revoke_runner(&alice(), "runner-1", t(3))
+        .await
+        .expect("revoke twice");
 }
 
 pub async fn invalid_page_token_is_rejected(store: &Store) {

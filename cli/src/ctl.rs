@@ -1,0 +1,678 @@
+//! `automesh ctl`: the public API for people.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use automesh_proto::v1 as pb;
+use automesh_proto::v1::automations_client::AutomationsClient;
+use automesh_proto::v1::runs_client::RunsClient;
+use automesh_rpc::convert;
+use chrono::{DateTime, Utc};
+use clap::{Args, Subcommand, ValueEnum};
+use tokio_stream::StreamExt;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+
+#[derive(Debug, Args)]
+pub struct CtlArgs {
+    /// The public gateway.
+    #[arg(
+        long,
+        env = "AUTOMESH_ADDR",
+        default_value = "http://127.0.0.1:50051",
+        global = true
+    )]
+    addr: String,
+    /// Bearer token; defaults to AUTOMESH_TOKEN, then <data-dir>/dev-token.
+    #[arg(long, env = "AUTOMESH_TOKEN", hide_env_values = true, global = true)]
+    token: Option<String>,
+    /// The dev mesh's data directory (for its token and signing key).
+    #[arg(
+        long,
+        env = "AUTOMESH_DATA_DIR",
+        default_value = ".automesh",
+        global = true
+    )]
+    data_dir: PathBuf,
+    #[command(subcommand)]
+    command: CtlCommand,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum SurfaceArg {
+    Desktop,
+    Web,
+    CloudChat,
+}
+
+/// A schedule given on the command line.
+#[derive(Debug, Args, Default)]
+struct ScheduleArgs {
+    /// Fire once at an RFC 3339 instant, such as 2026-12-24T09:00:00Z.
+    #[arg(long, conflicts_with_all = ["daily", "weekly"])]
+    once: Option<String>,
+    /// Fire every day at HH:MM local time.
+    #[arg(long, conflicts_with = "weekly")]
+    daily: Option<String>,
+    /// Fire on these weekdays (mon,tue,…) at --at local time.
+    #[arg(long, value_delimiter = ',')]
+    weekly: Option<Vec<String>>,
+    /// Time of day for --weekly, HH:MM.
+    #[arg(long)]
+    at: Option<String>,
+    /// IANA time zone of --daily / --weekly.
+    #[arg(long, default_value = "UTC")]
+    tz: String,
+}
+
+#[derive(Debug, Subcommand)]
+enum CtlCommand {
+    /// Create an automation.
+    Create {
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        prompt: String,
+        #[arg(long, default_value = "openai/gpt-4.1-mini")]
+        model: String,
+        /// The creating surface, which decides placement (desktop → desktop; web, cloud-chat → cloud).
+        #[arg(long, value_enum, default_value = "desktop")]
+        surface: SurfaceArg,
+        #[command(flatten)]
+        schedule: ScheduleArgs,
+    },
+    /// List your automations.
+    List {
+        /// Include archived automations.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Show one automation.
+    Get { id: String },
+    /// Change name, prompt, model or schedule (placement never changes).
+    Update {
+        id: String,
+        #[arg(long)]
+        name: Option<String>,
+        #[arg(long)]
+        prompt: Option<String>,
+        #[arg(long)]
+        model: Option<String>,
+        #[command(flatten)]
+        schedule: ScheduleArgs,
+        /// Only update if the automation is still at this etag.
+        #[arg(long)]
+        etag: Option<String>,
+    },
+    /// Resume scheduling (also clears needs-attention).
+    Activate { id: String },
+    /// Pause scheduling.
+    Deactivate { id: String },
+    /// Archive: keep history, no more occurrences.
+    Archive { id: String },
+    /// Start a manual run.
+    RunNow {
+        id: String,
+        /// Idempotency key; the same key returns the same run (default: random).
+        #[arg(long)]
+        key: Option<String>,
+    },
+    /// List runs, newest first.
+    Runs {
+        /// Only runs of this automation.
+        #[arg(long)]
+        automation: Option<String>,
+        #[arg(long, default_value_t = 20)]
+        limit: i32,
+    },
+    /// Show one run and its receipt.
+    Run { id: String },
+    /// Cancel a run.
+    Cancel { id: String },
+    /// Print a run's events after a sequence number.
+    Events {
+        id: String,
+        #[arg(long, default_value_t = 0)]
+        after: i64,
+    },
+    /// Follow a run's events live until it ends.
+    Watch {
+        id: String,
+        #[arg(long, default_value_t = 0)]
+        after: i64,
+    },
+    /// Mint a desktop runner token (shown once).
+    RunnerToken {
+        #[arg(long)]
+        name: String,
+    },
+    /// Mint a development token for another user (dev mode: signs with <data-dir>/jwt-secret).
+    Token {
+        #[arg(long)]
+        user: String,
+        #[arg(long)]
+        org: String,
+        /// Validity in hours.
+        #[arg(long, default_value_t = 24 * 30)]
+        hours: i64,
+    },
+}
+
+#[derive(Clone)]
+struct Bearer(MetadataValue<Ascii>);
+
+impl Interceptor for Bearer {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        req.metadata_mut().insert("authorization", self.0.clone());
+        req.set_timeout(Duration::from_secs(30));
+        Ok(req)
+    }
+}
+
+type Authed = InterceptedService<Channel, Bearer>;
+
+/// A status as a person should read it: code, message, offending fields.
+fn explain(status: tonic::Status) -> anyhow::Error {
+    let violations = automesh_rpc::status::field_violations(&status);
+    if violations.is_empty() {
+        return anyhow::anyhow!("{:?}: {}", status.code(), status.message());
+    }
+    let mut msg = format!("{:?}:", status.code());
+    for (field, description) in violations {
+        msg.push_str(&format!("\n  {field}: {description}"));
+    }
+    anyhow::anyhow!(msg)
+}
+
+fn token(args: &CtlArgs) -> anyhow::Result<String> {
+    if let Some(t) = &args.token {
+        return Ok(t.clone());
+    }
+    let path = args.data_dir.join("dev-token");
+    std::fs::read_to_string(&path)
+        .map(|t| t.trim().to_owned())
+        .with_context(|| {
+            format!(
+                "no token: pass --token, set AUTOMESH_TOKEN, or start `automesh dev` (which writes {})",
+                path.display()
+            )
+        })
+}
+
+fn ts(t: &Option<prost_types::Timestamp>) -> String {
+    t.as_ref()
+        .and_then(convert::from_timestamp)
+        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
+        .unwrap_or_else(|| "-".into())
+}
+
+fn parse_time_of_day(s: &str) -> anyhow::Result<pb::TimeOfDay> {
+    let (h, m) = s
+        .split_once(':')
+        .with_context(|| format!("expected HH:MM, got {s:?}"))?;
+    Ok(pb::TimeOfDay {
+        hours: h.parse().with_context(|| format!("bad hour in {s:?}"))?,
+        minutes: m.parse().with_context(|| format!("bad minute in {s:?}"))?,
+    })
+}
+
+fn parse_day(d: &str) -> anyhow::Result<i32> {
+    let day = match d.trim().to_ascii_lowercase().get(..3) {
+        Some("mon") => pb::DayOfWeek::Monday,
+        Some("tue") => pb::DayOfWeek::Tuesday,
+        Some("wed") => pb::DayOfWeek::Wednesday,
+        Some("thu") => pb::DayOfWeek::Thursday,
+        Some("fri") => pb::DayOfWeek::Friday,
+        Some("sat") => pb::DayOfWeek::Saturday,
+        Some("sun") => pb::DayOfWeek::Sunday,
+        _ => anyhow::bail!("unknown weekday {d:?}; use mon, tue, wed, thu, fri, sat, sun"),
+    };
+    Ok(day as i32)
+}
+
+impl ScheduleArgs {
+    fn to_pb(&self) -> anyhow::Result<Option<pb::Schedule>> {
+        use pb::schedule::Kind;
+        let kind = if let Some(at) = &self.once {
+            let at: DateTime<Utc> = DateTime::parse_from_rfc3339(at)
+                .with_context(|| format!("--once wants an RFC 3339 instant, got {at:?}"))?
+                .with_timezone(&Utc);
+            Kind::Once(pb::OnceSchedule {
+                at: Some(convert::timestamp(at)),
+            })
+        } else if let Some(t) = &self.daily {
+            Kind::Daily(pb::DailySchedule {
+                time_of_day: Some(parse_time_of_day(t)?),
+                time_zone: self.tz.clone(),
+            })
+        } else if let Some(days) = &self.weekly {
+            let at = self.at.as_deref().context("--weekly needs --at HH:MM")?;
+            Kind::Weekly(pb::WeeklySchedule {
+                days: days
+                    .iter()
+                    .map(|d| parse_day(d))
+                    .collect::<anyhow::Result<_>>()?,
+                time_of_day: Some(parse_time_of_day(at)?),
+                time_zone: self.tz.clone(),
+            })
+        } else {
+            return Ok(None);
+        };
+        Ok(Some(pb::Schedule { kind: Some(kind) }))
+    }
+}
+
+fn describe_schedule(s: &Option<pb::Schedule>) -> String {
+    use pb::schedule::Kind;
+    let tod = |t: &Option<pb::TimeOfDay>| {
+        t.as_ref()
+            .map(|t| format!("{:02}:{:02}", t.hours, t.minutes))
+            .unwrap_or_default()
+    };
+    match s.as_ref().and_then(|s| s.kind.as_ref()) {
+        Some(Kind::Once(o)) => format!("once at {}", ts(&o.at)),
+        Some(Kind::Daily(d)) => format!("daily at {} {}", tod(&d.time_of_day), d.time_zone),
+        Some(Kind::Weekly(w)) => {
+            let days: Vec<String> = w
+                .days
+                .iter()
+                .filter_map(|d| pb::DayOfWeek::try_from(*d).ok())
+                .map(|d| {
+                    d.as_str_name()
+                        .trim_start_matches("DAY_OF_WEEK_")
+                        .to_ascii_lowercase()
+                })
+                .collect();
+            format!(
+                "weekly {} at {} {}",
+                days.join(","),
+                tod(&w.time_of_day),
+                w.time_zone
+            )
+        }
+        None => "-".into(),
+    }
+}
+
+fn enum_name(s: &str, prefix: &str) -> String {
+    s.trim_start_matches(prefix).to_ascii_lowercase()
+}
+
+fn print_automation(a: &pb::Automation) {
+    let state = pb::AutomationState::try_from(a.state)
+        .map(|s| enum_name(s.as_str_name(), "AUTOMATION_STATE_"))
+        .unwrap_or_default();
+    let placement = pb::Placement::try_from(a.placement)
+        .map(|s| enum_name(s.as_str_name(), "PLACEMENT_"))
+        .unwrap_or_default();
+    println!("id:         {}", a.id);
+    println!("name:       {}", a.name);
+    println!("placement:  {placement}");
+    println!("state:      {state}");
+    if !a.attention_reason.is_empty() {
+        println!(
+            "attention:  {} ({})",
+            a.attention_reason, a.attention_message
+        );
+    }
+    println!("model:      {}", a.model);
+    println!("schedule:   {}", describe_schedule(&a.schedule));
+    println!("next run:   {}", ts(&a.next_run_time));
+    println!("etag:       {}", a.etag);
+    println!("prompt:     {}", a.prompt);
+}
+
+fn print_run(r: &pb::Run) {
+    let state = pb::RunState::try_from(r.state)
+        .map(|s| enum_name(s.as_str_name(), "RUN_STATE_"))
+        .unwrap_or_default();
+    println!("run:        {}", r.id);
+    println!("automation: {}", r.automation_id);
+    println!("state:      {state}");
+    if !r.error_code.is_empty() {
+        println!("error:      {} — {}", r.error_code, r.error_message);
+    }
+    println!("created:    {}", ts(&r.create_time));
+    println!("deadline:   {}", ts(&r.deadline_time));
+    if !r.trace_id.is_empty() {
+        println!("trace:      {}", r.trace_id);
+    }
+    if let Some(receipt) = &r.receipt {
+        let usage = receipt.usage.unwrap_or_default();
+        println!(
+            "receipt:    engine={} tokens in/out={}/{} cost={}µ",
+            receipt.engine, usage.input_tokens, usage.output_tokens, usage.cost_micros
+        );
+    }
+}
+
+fn print_event(e: &pb::RunEvent) {
+    use pb::run_event::Payload;
+    let what = match &e.payload {
+        Some(Payload::AssistantText(t)) => format!("assistant: {}", t.text),
+        Some(Payload::ToolCall(c)) => format!("tool call {} {}", c.tool, c.input_json),
+        Some(Payload::ToolResult(r)) => format!(
+            "tool result {}{}: {}",
+            r.tool,
+            if r.is_error { " (error)" } else { "" },
+            r.output
+        ),
+        Some(Payload::PermissionPrompt(p)) => format!(
+            "permission {} {:?} → {}",
+            p.permission,
+            p.patterns,
+            if p.reply.is_empty() {
+                "pending"
+            } else {
+                &p.reply
+            }
+        ),
+        Some(Payload::Usage(u)) => format!(
+            "usage in={} out={} cost={}µ",
+            u.input_tokens, u.output_tokens, u.cost_micros
+        ),
+        Some(Payload::StatusChange(s)) => format!(
+            "status {:?} {} {}",
+            pb::RunState::try_from(s.state).unwrap_or_default(),
+            s.error_code,
+            s.message
+        ),
+        None => "(empty)".into(),
+    };
+    println!("{:>5}  {}  {what}", e.sequence, ts(&e.create_time));
+}
+
+pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
+    if let CtlCommand::Token { user, org, hours } = &args.command {
+        let path = args.data_dir.join("jwt-secret");
+        let secret = std::fs::read_to_string(&path).with_context(|| {
+            format!(
+                "minting needs the dev mesh's signing key at {}",
+                path.display()
+            )
+        })?;
+        let token = automesh_gateway::mint(
+            secret.trim().as_bytes(),
+            org,
+            user,
+            chrono::Duration::hours(*hours),
+        )?;
+        println!("{token}");
+        return Ok(());
+    }
+    let bearer: MetadataValue<Ascii> = format!("Bearer {}", token(&args)?)
+        .parse()
+        .context("the token is not valid ASCII")?;
+    let channel = automesh_rpc::client::channel(&args.addr)?;
+    let authed: Authed = InterceptedService::new(channel, Bearer(bearer));
+    let mut automations = AutomationsClient::new(authed.clone());
+    let mut runs = RunsClient::new(authed);
+
+    match args.command {
+        CtlCommand::Create {
+            name,
+            prompt,
+            model,
+            surface,
+            schedule,
+        } => {
+            let surface = match surface {
+                SurfaceArg::Desktop => pb::Surface::Desktop,
+                SurfaceArg::Web => pb::Surface::Web,
+                SurfaceArg::CloudChat => pb::Surface::CloudChat,
+            };
+            let schedule = schedule
+                .to_pb()?
+                .context("a schedule is required: --once, --daily or --weekly")?;
+            let resp = automations
+                .create_automation(pb::CreateAutomationRequest {
+                    automation: Some(pb::Automation {
+                        name,
+                        prompt,
+                        model,
+                        schedule: Some(schedule),
+                        ..Default::default()
+                    }),
+                    surface: surface as i32,
+                })
+                .await
+                .map_err(explain)?;
+            print_automation(&resp.into_inner().automation.unwrap_or_default());
+        }
+        CtlCommand::List { all } => {
+            let mut token = String::new();
+            println!(
+                "{:<36}  {:<15}  {:<7}  {:<20}  NAME",
+                "ID", "STATE", "PLACE", "NEXT RUN"
+            );
+            loop {
+                let page = automations
+                    .list_automations(pb::ListAutomationsRequest {
+                        page_size: 100,
+                        page_token: token,
+                        show_archived: all,
+                    })
+                    .await
+                    .map_err(explain)?
+                    .into_inner();
+                for a in &page.automations {
+                    let state = pb::AutomationState::try_from(a.state)
+                        .map(|s| enum_name(s.as_str_name(), "AUTOMATION_STATE_"))
+                        .unwrap_or_default();
+                    let place = pb::Placement::try_from(a.placement)
+                        .map(|s| enum_name(s.as_str_name(), "PLACEMENT_"))
+                        .unwrap_or_default();
+                    println!(
+                        "{:<36}  {:<15}  {:<7}  {:<20}  {}",
+                        a.id,
+                        state,
+                        place,
+                        ts(&a.next_run_time),
+                        a.name
+                    );
+                }
+                if page.next_page_token.is_empty() {
+                    break;
+                }
+                token = page.next_page_token;
+            }
+        }
+        CtlCommand::Get { id } => {
+            let resp = automations
+                .get_automation(pb::GetAutomationRequest { id })
+                .await
+                .map_err(explain)?;
+            print_automation(&resp.into_inner().automation.unwrap_or_default());
+        }
+        CtlCommand::Update {
+            id,
+            name,
+            prompt,
+            model,
+            schedule,
+            etag,
+        } => {
+            let mut paths = vec![];
+            let schedule = schedule.to_pb()?;
+            if name.is_some() {
+                paths.push("name".to_owned());
+            }
+            if prompt.is_some() {
+                paths.push("prompt".to_owned());
+            }
+            if model.is_some() {
+                paths.push("model".to_owned());
+            }
+            if schedule.is_some() {
+                paths.push("schedule".to_owned());
+            }
+            anyhow::ensure!(
+                !paths.is_empty(),
+                "nothing to update: pass --name, --prompt, --model or a schedule"
+            );
+            let resp = automations
+                .update_automation(pb::UpdateAutomationRequest {
+                    automation: Some(pb::Automation {
+                        id,
+                        name: name.unwrap_or_default(),
+                        prompt: prompt.unwrap_or_default(),
+                        model: model.unwrap_or_default(),
+                        schedule,
+                        etag: etag.unwrap_or_default(),
+                        ..Default::default()
+                    }),
+                    update_mask: Some(prost_types::FieldMask { paths }),
+                })
+                .await
+                .map_err(explain)?;
+            print_automation(&resp.into_inner().automation.unwrap_or_default());
+        }
+        CtlCommand::Activate { id } => {
+            let r = automations
+                .activate_automation(pb::ActivateAutomationRequest {
+                    id,
+                    etag: String::new(),
+                })
+                .await
+                .map_err(explain)?;
+            print_automation(&r.into_inner().automation.unwrap_or_default());
+        }
+        CtlCommand::Deactivate { id } => {
+            let r = automations
+                .deactivate_automation(pb::DeactivateAutomationRequest {
+                    id,
+                    etag: String::new(),
+                })
+                .await
+                .map_err(explain)?;
+            print_automation(&r.into_inner().automation.unwrap_or_default());
+        }
+        CtlCommand::Archive { id } => {
+            let r = automations
+                .archive_automation(pb::ArchiveAutomationRequest {
+                    id,
+                    etag: String::new(),
+                })
+                .await
+                .map_err(explain)?;
+            print_automation(&r.into_inner().automation.unwrap_or_default());
+        }
+        CtlCommand::RunNow { id, key } => {
+            let key = key.unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+            let r = automations
+                .run_automation_now(pb::RunAutomationNowRequest {
+                    id,
+                    idempotency_key: key.clone(),
+                })
+                .await
+                .map_err(explain)?;
+            println!("idempotency key: {key}");
+            print_run(&r.into_inner().run.unwrap_or_default());
+        }
+        CtlCommand::Runs { automation, limit } => {
+            let page = runs
+                .list_runs(pb::ListRunsRequest {
+                    automation_id: automation.unwrap_or_default(),
+                    page_size: limit,
+                    page_token: String::new(),
+                })
+                .await
+                .map_err(explain)?
+                .into_inner();
+            println!(
+                "{:<36}  {:<10}  {:<20}  {:<22}  AUTOMATION",
+                "RUN", "STATE", "CREATED", "ERROR"
+            );
+            for r in &page.runs {
+                let state = pb::RunState::try_from(r.state)
+                    .map(|s| enum_name(s.as_str_name(), "RUN_STATE_"))
+                    .unwrap_or_default();
+                println!(
+                    "{:<36}  {:<10}  {:<20}  {:<22}  {}",
+                    r.id,
+                    state,
+                    ts(&r.create_time),
+                    r.error_code,
+                    r.automation_id
+                );
+            }
+        }
+        CtlCommand::Run { id } => {
+            let r = runs
+                .get_run(pb::GetRunRequest { id })
+                .await
+                .map_err(explain)?;
+            print_run(&r.into_inner().run.unwrap_or_default());
+        }
+        CtlCommand::Cancel { id } => {
+            let r = runs
+                .cancel_run(pb::CancelRunRequest { id })
+                .await
+                .map_err(explain)?;
+            print_run(&r.into_inner().run.unwrap_or_default());
+        }
+        CtlCommand::Events { id, after } => {
+            let mut after = after;
+            loop {
+                let page = runs
+                    .list_run_events(pb::ListRunEventsRequest {
+                        run_id: id.clone(),
+                        after_sequence: after,
+                        page_size: 500,
+                    })
+                    .await
+                    .map_err(explain)?
+                    .into_inner();
+                page.events.iter().for_each(print_event);
+                if page.events.is_empty() {
+                    break;
+                }
+                after = page.last_sequence;
+            }
+        }
+        CtlCommand::Watch { id, after } => {
+            let mut stream = runs
+                .watch_run(pb::WatchRunRequest {
+                    run_id: id,
+                    after_sequence: after,
+                })
+                .await
+                .map_err(explain)?
+                .into_inner();
+            while let Some(item) = stream.next().await {
+                match item.map_err(explain)?.update {
+                    Some(pb::watch_run_response::Update::Event(e)) => print_event(&e),
+                    Some(pb::watch_run_response::Update::Run(r)) => {
+                        let state = pb::RunState::try_from(r.state)
+                            .map(|s| enum_name(s.as_str_name(), "RUN_STATE_"))
+                            .unwrap_or_default();
+                        println!(
+                            "-- run {} is {state}{}",
+                            r.id,
+                            if r.error_code.is_empty() {
+                                String::new()
+                            } else {
+                                format!(" ({})", r.error_code)
+                            }
+                        );
+                    }
+                    None => {}
+                }
+            }
+        }
+        CtlCommand::RunnerToken { name } => {
+            let r = automations
+                .create_runner_token(pb::CreateRunnerTokenRequest { runner_name: name })
+                .await
+                .map_err(explain)?
+                .into_inner();
+            println!("runner id: {}", r.runner_id);
+            println!("token (shown once): {}", r.token);
+        }
+        CtlCommand::Token { .. } => unreachable!("handled above"),
+    }
+    Ok(())
+}

@@ -1,0 +1,289 @@
+//! `automesh dev`: the whole mesh in one process, on SQLite under a data
+//! directory, each service on its own loopback port.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use automesh_domain::Principal;
+use automesh_rpc::InternalCredential;
+use automesh_rpc::runtime::{bind, random_secret, shutdown_on_signal};
+use automesh_store::{Store, StoreOptions};
+use tokio::task::JoinSet;
+
+/// The user and organisation of the printed development token.
+pub const DEV_USER: &str = "dev";
+pub const DEV_ORG: &str = "dev";
+
+#[derive(Debug, clap::Args)]
+pub struct DevArgs {
+    /// Where the SQLite database and the development secrets live.
+    #[arg(long, env = "AUTOMESH_DATA_DIR", default_value = ".automesh")]
+    pub data_dir: PathBuf,
+    /// Use this database instead of SQLite under the data directory.
+    #[arg(long, env = "AUTOMESH_DATABASE_URL")]
+    pub database_url: Option<String>,
+    /// The public API (web backend, `automesh ctl`).
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    pub gateway_listen: SocketAddr,
+    /// Where desktop runners connect.
+    #[arg(long, default_value = "127.0.0.1:50052")]
+    pub runner_gateway_listen: SocketAddr,
+    #[arg(long, default_value = "127.0.0.1:50053")]
+    pub scheduler_listen: SocketAddr,
+    #[arg(long, default_value = "127.0.0.1:50054")]
+    pub coordinator_listen: SocketAddr,
+    #[arg(long, default_value = "127.0.0.1:50055")]
+    pub lifecycle_listen: SocketAddr,
+    /// How long a run may take from creation to its end.
+    #[arg(long, default_value = "30m", value_parser = automesh_scheduler::parse_duration)]
+    pub run_deadline: Duration,
+    /// Do not record a (stopped) cloud worker for the `dev` user. Without
+    /// one, creating a cloud automation fails its precondition, as it would
+    /// for a user who has no cloud worker.
+    #[arg(long)]
+    pub no_dev_worker: bool,
+}
+
+/// Reads a secret from `path`, creating it (mode 0600) on first use.
+pub fn secret_file(path: &Path, prefix: &str) -> anyhow::Result<String> {
+    if let Ok(existing) = std::fs::read_to_string(path) {
+        let existing = existing.trim().to_owned();
+        if !existing.is_empty() {
+            return Ok(existing);
+        }
+    }
+    let secret = random_secret(prefix);
+    write_private(path, &secret)?;
+    Ok(secret)
+}
+
+/// Writes a file only its owner can read.
+pub fn write_private(path: &Path, contents: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    #[cfg(unix)]
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    options.mode(0o600);
+    let mut file = options
+        .open(path)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    file.write_all(contents.as_bytes())?;
+    Ok(())
+}
+
+pub async fn run(args: DevArgs) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&args.data_dir)
+        .with_context(|| format!("cannot create data directory {}", args.data_dir.display()))?;
+    let _telemetry = automesh_rpc::telemetry::init("automesh-dev")?;
+    let jwt_secret = secret_file(&args.data_dir.join("jwt-secret"), "jwt_")?;
+    let internal = secret_file(&args.data_dir.join("internal-token"), "ait_")?;
+    let credential = InternalCredential::new(internal)?;
+
+    let database_url = args.database_url.clone().unwrap_or_else(|| {
+        format!(
+            "sqlite://{}?mode=rwc",
+            args.data_dir.join("automesh.db").display()
+        )
+    });
+    let store = Store::connect_and_migrate(&database_url, StoreOptions::default())
+        .await
+        .with_context(|| format!("cannot open the database at {database_url}"))?;
+
+    // Bind every port before serving anything, so a taken port fails fast.
+    let gateway_l = bind(args.gateway_listen).await?;
+    let runner_l = bind(args.runner_gateway_listen).await?;
+    let scheduler_l = bind(args.scheduler_listen).await?;
+    let coordinator_l = bind(args.coordinator_listen).await?;
+    let lifecycle_l = bind(args.lifecycle_listen).await?;
+    let addr = |l: &tokio::net::TcpListener| -> anyhow::Result<String> {
+        Ok(format!("http://{}", l.local_addr()?))
+    };
+    let upstreams = automesh_gateway::UpstreamAddrs {
+        scheduler_addr: addr(&scheduler_l)?,
+        coordinator_addr: addr(&coordinator_l)?,
+        lifecycle_addr: addr(&lifecycle_l)?,
+        runner_gateway_addr: addr(&runner_l)?,
+    };
+    let public = addr(&gateway_l)?;
+    let runners = addr(&runner_l)?;
+
+    if !args.no_dev_worker {
+        store
+            .register_worker(
+                &Principal::new(DEV_ORG, DEV_USER),
+                "local-process",
+                chrono::Utc::now(),
+            )
+            .await?;
+    }
+
+    let shutdown = shutdown_on_signal();
+    let mut tasks: JoinSet<(&'static str, anyhow::Result<()>)> = JoinSet::new();
+    {
+        let (s, c, sd) = (store.clone(), credential.clone(), shutdown.clone());
+        let deadline = args.run_deadline;
+        tasks.spawn(async move {
+            (
+                "scheduler",
+                automesh_scheduler::serve(s, deadline, c, scheduler_l, sd).await,
+            )
+        });
+    }
+    {
+        let (s, c, sd) = (store.clone(), credential.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            (
+                "run-coordinator",
+                automesh_run_coordinator::serve(s, c, coordinator_l, sd).await,
+            )
+        });
+    }
+    {
+        let (s, c, sd) = (store.clone(), credential.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            (
+                "cloud-worker-lifecycle",
+                automesh_cloud_worker_lifecycle::serve(
+                    s,
+                    "local-process".into(),
+                    c,
+                    lifecycle_l,
+                    sd,
+                )
+                .await,
+            )
+        });
+    }
+    {
+        let (s, c, sd) = (store.clone(), credential.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            (
+                "desktop-runner-gateway",
+                automesh_desktop_runner_gateway::serve(s, c, runner_l, sd).await,
+            )
+        });
+    }
+    {
+        let gateway = automesh_gateway::Gateway::new(
+            automesh_gateway::Authenticator::hs256(jwt_secret.as_bytes())?,
+            automesh_gateway::load_models(None)?,
+            automesh_gateway::Upstreams::new(&upstreams, &credential)?,
+        );
+        let sd = shutdown.clone();
+        tasks.spawn(async move {
+            (
+                "gateway",
+                automesh_gateway::serve(gateway, gateway_l, sd).await,
+            )
+        });
+    }
+
+    let token = automesh_gateway::mint(
+        jwt_secret.as_bytes(),
+        DEV_ORG,
+        DEV_USER,
+        chrono::Duration::days(30),
+    )?;
+    let token_path = args.data_dir.join("dev-token");
+    write_private(&token_path, &token)?;
+
+    println!("automesh dev mesh");
+    println!("  database              {}", redact_url(&database_url));
+    println!("  public gateway        {public}   (automesh.v1.Automations, automesh.v1.Runs)");
+    println!("  desktop runners       {runners}");
+    println!("  scheduler             {}", upstreams.scheduler_addr);
+    println!("  run-coordinator       {}", upstreams.coordinator_addr);
+    println!("  cloud-worker-lifecycle {}", upstreams.lifecycle_addr);
+    println!();
+    println!(
+        "development token for user {DEV_USER:?} of org {DEV_ORG:?} (30 days; also in {}):",
+        token_path.display()
+    );
+    println!("{token}");
+    println!();
+    println!("try:  automesh ctl list");
+    println!(
+        "      grpcurl -plaintext -H \"authorization: Bearer $(cat {})\" {} list",
+        token_path.display(),
+        args.gateway_listen
+    );
+
+    match wait_serving(&public, Duration::from_secs(30)).await {
+        Ok(()) => println!("ready"),
+        Err(e) => tracing::warn!(error = %e, "the mesh is not serving yet"),
+    }
+
+    // Run until a signal, or until any service stops on its own.
+    let first = tokio::select! {
+        () = shutdown.cancelled() => None,
+        done = tasks.join_next() => done,
+    };
+    if let Some(done) = first {
+        shutdown.cancel();
+        match done {
+            Ok((name, Ok(()))) => {
+                tracing::warn!(service = name, "service stopped; stopping the mesh")
+            }
+            Ok((name, Err(e))) => {
+                tracing::error!(service = name, error = %e, "service failed; stopping the mesh")
+            }
+            Err(e) => tracing::error!(error = %e, "service panicked; stopping the mesh"),
+        }
+    }
+    let drained = tokio::time::timeout(Duration::from_secs(15), async {
+        while let Some(done) = tasks.join_next().await {
+            if let Ok((name, Err(e))) = done {
+                tracing::error!(service = name, error = %e, "service failed while stopping");
+            }
+        }
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!("services did not drain within 15 s; exiting");
+    }
+    store.close().await;
+    Ok(())
+}
+
+/// Waits, bounded, until the gateway's health reports SERVING.
+pub async fn wait_serving(addr: &str, within: Duration) -> anyhow::Result<()> {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    let channel = automesh_rpc::client::channel(addr)?;
+    let mut client = HealthClient::new(channel);
+    let give_up = tokio::time::Instant::now() + within;
+    loop {
+        if let Ok(r) = client
+            .check(HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+            && r.get_ref().status == ServingStatus::Serving as i32
+        {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= give_up {
+            anyhow::bail!("{addr} did not report SERVING within {within:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A database URL without its password, for printing.
+fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.find('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}

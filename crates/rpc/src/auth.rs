@@ -1,0 +1,67 @@
+//! The internal service credential: a shared secret every internal call
+//! carries as `authorization: Bearer <secret>`, checked by every internal
+//! service. (mTLS can replace it at deployment; the check stays the same.)
+
+use std::sync::Arc;
+
+use tonic::metadata::MetadataValue;
+use tonic::service::Interceptor;
+use tonic::{Request, Status};
+
+/// The secret shared by the services of one mesh. Its `Debug` never prints it.
+#[derive(Clone)]
+pub struct InternalCredential(Arc<str>);
+
+impl std::fmt::Debug for InternalCredential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("InternalCredential(<redacted>)")
+    }
+}
+
+/// Why a credential cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum CredentialError {
+    #[error("the internal credential must be at least 16 visible ASCII characters")]
+    TooWeak,
+}
+
+impl InternalCredential {
+    pub fn new(secret: impl Into<String>) -> Result<Self, CredentialError> {
+        let secret = secret.into();
+        if secret.len() < 16 || !secret.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(CredentialError::TooWeak);
+        }
+        Ok(Self(secret.into()))
+    }
+
+    pub(crate) fn header_value(&self) -> MetadataValue<tonic::metadata::Ascii> {
+        // Visible ASCII was checked in `new`.
+        MetadataValue::try_from(format!("Bearer {}", self.0))
+            .unwrap_or_else(|_| MetadataValue::from_static("Bearer invalid"))
+    }
+
+    fn matches(&self, presented: &[u8]) -> bool {
+        let expected = format!("Bearer {}", self.0);
+        constant_time_eq(expected.as_bytes(), presented)
+    }
+}
+
+/// Compares without an early exit on the first differing byte.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Server-side interceptor that admits only calls with the internal credential.
+#[derive(Clone, Debug)]
+pub struct RequireInternal(pub InternalCredential);
+
+impl Interceptor for RequireInternal {
+    fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
+        match req.metadata().get("authorization") {
+            Some(v) if self.0.matches(v.as_bytes()) => Ok(req),
+            _ => Err(Status::unauthenticated(
+                "missing or invalid internal service credential",
+            )),
+        }
+    }
+}

@@ -1,0 +1,82 @@
+//! What every service binary does around its server: bind the listener,
+//! turn SIGINT/SIGTERM into a cancellation token, and make secrets.
+
+use std::net::SocketAddr;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// A token cancelled on SIGINT or SIGTERM, so servers drain and stop.
+pub fn shutdown_on_signal() -> CancellationToken {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    tokio::spawn(async move {
+        let ctrl_c = tokio::signal::ctrl_c();
+        #[cfg(unix)]
+        {
+            let mut term =
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(s) => s,
+                    Err(error) => {
+                        tracing::warn!(%error, "cannot listen for SIGTERM");
+                        let _ = ctrl_c.await;
+                        t.cancel();
+                        return;
+                    }
+                };
+            tokio::select! {
+                _ = ctrl_c => {}
+                _ = term.recv() => {}
+            }
+        }
+        #[cfg(not(unix))]
+        let _ = ctrl_c.await;
+        tracing::info!("shutdown requested: draining");
+        t.cancel();
+    });
+    token
+}
+
+/// Binds a listener, naming the address in the error.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}")))
+}
+
+/// A fresh random secret (244 bits from the OS generator), URL-safe.
+pub fn random_secret(prefix: &str) -> String {
+    format!(
+        "{prefix}{}{}",
+        uuid::Uuid::new_v4().simple(),
+        uuid::Uuid::new_v4().simple()
+    )
+}
+
+/// What a service process needs before it serves.
+#[derive(Debug)]
+pub struct Started {
+    pub telemetry: crate::telemetry::Telemetry,
+    pub credential: crate::InternalCredential,
+    pub listener: TcpListener,
+    pub shutdown: CancellationToken,
+}
+
+/// Initialises telemetry, checks the internal credential, binds `listen`,
+/// and arms shutdown on SIGINT/SIGTERM.
+pub async fn start(
+    service: &str,
+    listen: SocketAddr,
+    internal_token: &str,
+) -> anyhow::Result<Started> {
+    let telemetry = crate::telemetry::init(service)?;
+    let credential = crate::InternalCredential::new(internal_token)?;
+    let listener = bind(listen).await?;
+    tracing::info!(service, addr = %listen, "listening");
+    Ok(Started {
+        telemetry,
+        credential,
+        listener,
+        shutdown: shutdown_on_signal(),
+    })
+}

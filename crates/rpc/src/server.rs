@@ -1,0 +1,229 @@
+//! The one server builder every automesh service uses: gRPC health (NOT
+//! SERVING until the readiness probe passes), server reflection (v1 and
+//! v1alpha), a span per request that continues the caller's trace, request
+//! timeouts and connection limits, and graceful shutdown.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic::body::Body;
+use tonic::server::NamedService;
+use tonic::service::RoutesBuilder;
+use tonic::transport::Server;
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+use crate::propagation;
+
+/// Limits and timeouts of a server.
+#[derive(Debug, Clone)]
+pub struct ServerSettings {
+    /// Bound on a unary call (and on producing a stream's first response).
+    pub request_timeout: Duration,
+    /// HTTP/2 streams one connection may have open at once.
+    pub max_concurrent_streams: u32,
+    /// Requests one connection may have in flight at once.
+    pub concurrency_per_connection: usize,
+    /// How often to probe readiness (database reachable and migrated).
+    pub readiness_interval: Duration,
+}
+
+impl Default for ServerSettings {
+    fn default() -> Self {
+        Self {
+            request_timeout: Duration::from_secs(30),
+            max_concurrent_streams: 1024,
+            concurrency_per_connection: 1024,
+            readiness_interval: Duration::from_secs(2),
+        }
+    }
+}
+
+const HEALTH_SERVICE: &str = "grpc.health.v1.Health";
+
+/// A readiness probe: `true` when the service can do its work.
+pub type Probe = Box<dyn Fn() -> Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync>;
+
+/// Collects a service's gRPC services, then serves them with health and
+/// reflection on one listener.
+pub struct GrpcServer {
+    routes: RoutesBuilder,
+    names: Vec<&'static str>,
+    health: HealthReporter,
+    settings: ServerSettings,
+}
+
+impl std::fmt::Debug for GrpcServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrpcServer")
+            .field("services", &self.names)
+            .finish()
+    }
+}
+
+/// Why a server could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("reflection descriptor set is invalid: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    #[error("transport error: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+impl GrpcServer {
+    /// A server with health and reflection mounted.
+    pub fn new(settings: ServerSettings) -> Result<Self, ServeError> {
+        let (health, health_service) = tonic_health::server::health_reporter();
+        let mut routes = RoutesBuilder::default();
+        routes.add_service(health_service);
+        Ok(Self {
+            routes,
+            names: Vec::new(),
+            health,
+            settings,
+        })
+    }
+
+    /// Mounts one gRPC service.
+    pub fn add_service<S>(&mut self, service: S) -> &mut Self
+    where
+        S: tower::Service<http::Request<Body>, Error = Infallible>
+            + NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Response: axum::response::IntoResponse,
+        S::Future: Send + 'static,
+    {
+        self.names.push(S::NAME);
+        self.routes.add_service(service);
+        self
+    }
+
+    /// The health reporter, for services that report more than readiness.
+    pub fn health(&self) -> HealthReporter {
+        self.health.clone()
+    }
+
+    /// Serves until `shutdown` is cancelled, then drains in-flight calls.
+    /// Health answers NOT_SERVING until `probe` first passes, and follows it
+    /// afterwards.
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: CancellationToken,
+        probe: Probe,
+    ) -> Result<(), ServeError> {
+        let GrpcServer {
+            mut routes,
+            names,
+            health,
+            settings,
+        } = self;
+        // Reflection advertises exactly what this server serves.
+        let reflection = || {
+            names.iter().fold(
+                tonic_reflection::server::Builder::configure()
+                    .register_encoded_file_descriptor_set(automesh_proto::FILE_DESCRIPTOR_SET)
+                    .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+                    // So reflection clients can decode the rich error details.
+                    .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
+                    .with_service_name(HEALTH_SERVICE),
+                |b, name| b.with_service_name(*name),
+            )
+        };
+        routes.add_service(reflection().build_v1()?);
+        routes.add_service(reflection().build_v1alpha()?);
+        let readiness = tokio::spawn(
+            follow_readiness(
+                health.clone(),
+                names.clone(),
+                probe,
+                settings.readiness_interval,
+                shutdown.clone(),
+            )
+            .in_current_span(),
+        );
+        let result = Server::builder()
+            .timeout(settings.request_timeout)
+            .max_concurrent_streams(Some(settings.max_concurrent_streams))
+            .concurrency_limit_per_connection(settings.concurrency_per_connection)
+            .http2_keepalive_interval(Some(Duration::from_secs(20)))
+            .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+            .tcp_nodelay(true)
+            .trace_fn(request_span)
+            .add_routes(routes.routes())
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown.cancelled())
+            .await;
+        readiness.abort();
+        Ok(result?)
+    }
+}
+
+/// The span of one inbound request, continuing the caller's trace.
+fn request_span(req: &http::Request<()>) -> tracing::Span {
+    let path = req.uri().path();
+    let span = tracing::info_span!(
+        "grpc.server",
+        otel.name = %path,
+        otel.kind = "server",
+        rpc.system = "grpc",
+        rpc.method = %path,
+        trace_id = tracing::field::Empty,
+    );
+    let _ = span.set_parent(propagation::extract(req.headers()));
+    let trace_id = {
+        use opentelemetry::trace::TraceContextExt;
+        span.context().span().span_context().trace_id()
+    };
+    span.record("trace_id", tracing::field::display(trace_id));
+    span
+}
+
+async fn follow_readiness(
+    health: HealthReporter,
+    names: Vec<&'static str>,
+    probe: Probe,
+    interval: Duration,
+    shutdown: CancellationToken,
+) {
+    let mut last: Option<bool> = None;
+    loop {
+        let ready = tokio::select! {
+            ready = tokio::time::timeout(interval.max(Duration::from_secs(1)) * 5, probe()) => ready.unwrap_or(false),
+            () = shutdown.cancelled() => false,
+        };
+        if last != Some(ready) {
+            let status = if ready {
+                ServingStatus::Serving
+            } else {
+                ServingStatus::NotServing
+            };
+            health.set_service_status("", status).await;
+            for name in &names {
+                health.set_service_status(*name, status).await;
+            }
+            if ready {
+                tracing::info!(services = ?names, "serving");
+            } else {
+                tracing::warn!(services = ?names, "not serving: readiness probe failed");
+            }
+            last = Some(ready);
+        }
+        if shutdown.is_cancelled() {
+            return;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(interval) => {}
+            () = shutdown.cancelled() => {}
+        }
+    }
+}

@@ -1,0 +1,86 @@
+//! Building `tonic::Status` values the same way everywhere: field violations
+//! as the standard `BadRequest` details, preconditions as
+//! `PreconditionFailure`, internal errors logged once and answered with a
+//! clean message that names the trace.
+
+use automesh_domain::Violations;
+use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+use crate::propagation;
+
+/// INVALID_ARGUMENT naming every offending field.
+pub fn invalid_argument(violations: &Violations) -> Status {
+    let mut details = ErrorDetails::new();
+    for v in violations.iter() {
+        details.add_bad_request_violation(v.field.clone(), v.description.clone());
+    }
+    Status::with_error_details(
+        Code::InvalidArgument,
+        format!("invalid request: {violations}"),
+        details,
+    )
+}
+
+/// INVALID_ARGUMENT for one field.
+pub fn invalid_field(field: &str, description: &str) -> Status {
+    let mut v = Violations::default();
+    v.field(field, description);
+    invalid_argument(&v)
+}
+
+/// NOT_FOUND; also the answer for another tenant's object.
+pub fn not_found(what: &str) -> Status {
+    Status::not_found(format!("{what} not found"))
+}
+
+/// FAILED_PRECONDITION with a `PreconditionFailure` detail.
+pub fn failed_precondition(kind: &str, subject: &str, description: &str) -> Status {
+    Status::with_error_details(
+        Code::FailedPrecondition,
+        description.to_owned(),
+        ErrorDetails::with_precondition_failure_violation(kind, subject, description),
+    )
+}
+
+/// ABORTED: a concurrent change won (stale etag).
+pub fn aborted(message: &str) -> Status {
+    Status::aborted(message.to_owned())
+}
+
+/// Logs an internal error once, with context, and answers INTERNAL with a
+/// message that carries no detail but the trace id to look it up by.
+pub fn internal(context: &str, error: &dyn std::fmt::Display) -> Status {
+    tracing::error!(%error, context, "internal error");
+    let trace = propagation::current_trace_id().unwrap_or_default();
+    Status::internal(format!("internal error (trace {trace})"))
+}
+
+/// UNAVAILABLE: a dependency (database, another service) did not answer.
+pub fn unavailable(context: &str, error: &dyn std::fmt::Display) -> Status {
+    tracing::warn!(%error, context, "dependency unavailable");
+    Status::unavailable(format!("{context}: temporarily unavailable"))
+}
+
+/// Re-issues a status received from an internal service: code, message and
+/// rich details pass through; transport metadata does not.
+pub fn forward(status: Status) -> Status {
+    Status::with_details(
+        status.code(),
+        status.message().to_owned(),
+        status.details().to_vec().into(),
+    )
+}
+
+/// The field violations carried by a status (for clients and tests).
+pub fn field_violations(status: &Status) -> Vec<(String, String)> {
+    status
+        .get_details_bad_request()
+        .map(|b| {
+            b.field_violations
+                .into_iter()
+                .map(|v| (v.field, v.description))
+                .collect()
+        })
+        .unwrap_or_default()
+}

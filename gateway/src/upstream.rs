@@ -1,0 +1,106 @@
+//! Clients of the internal services the gateway fans out to.
+
+use automesh_proto::coordinator::v1::run_coordinator_service_client::RunCoordinatorServiceClient;
+use automesh_proto::runner::v1::runner_token_service_client::RunnerTokenServiceClient;
+use automesh_proto::scheduler::v1::scheduler_service_client::SchedulerServiceClient;
+use automesh_proto::worker::v1::cloud_worker_lifecycle_service_client::CloudWorkerLifecycleServiceClient;
+use automesh_rpc::client::ChannelError;
+use automesh_rpc::{InternalChannel, InternalCredential, internal_channel};
+use tonic::transport::Channel;
+use tonic_health::pb::health_client::HealthClient;
+
+/// One lazily connected channel per internal service.
+#[derive(Debug, Clone)]
+pub struct Upstreams {
+    pub scheduler: SchedulerServiceClient<InternalChannel>,
+    pub coordinator: RunCoordinatorServiceClient<InternalChannel>,
+    pub lifecycle: CloudWorkerLifecycleServiceClient<InternalChannel>,
+    pub runner_tokens: RunnerTokenServiceClient<InternalChannel>,
+    health: Vec<(&'static str, HealthClient<Channel>)>,
+}
+
+/// Where the internal services listen.
+#[derive(Debug, Clone, clap::Args)]
+pub struct UpstreamAddrs {
+    #[arg(
+        long,
+        env = "AUTOMESH_SCHEDULER_ADDR",
+        default_value = "http://127.0.0.1:50053"
+    )]
+    pub scheduler_addr: String,
+    #[arg(
+        long,
+        env = "AUTOMESH_COORDINATOR_ADDR",
+        default_value = "http://127.0.0.1:50054"
+    )]
+    pub coordinator_addr: String,
+    #[arg(
+        long,
+        env = "AUTOMESH_LIFECYCLE_ADDR",
+        default_value = "http://127.0.0.1:50055"
+    )]
+    pub lifecycle_addr: String,
+    #[arg(
+        long,
+        env = "AUTOMESH_RUNNER_GATEWAY_ADDR",
+        default_value = "http://127.0.0.1:50052"
+    )]
+    pub runner_gateway_addr: String,
+}
+
+impl Upstreams {
+    pub fn new(
+        addrs: &UpstreamAddrs,
+        credential: &InternalCredential,
+    ) -> Result<Self, ChannelError> {
+        let health = |name, addr: &str| -> Result<_, ChannelError> {
+            Ok((
+                name,
+                HealthClient::new(automesh_rpc::client::channel(addr)?),
+            ))
+        };
+        Ok(Self {
+            scheduler: SchedulerServiceClient::new(internal_channel(
+                &addrs.scheduler_addr,
+                credential,
+            )?),
+            coordinator: RunCoordinatorServiceClient::new(internal_channel(
+                &addrs.coordinator_addr,
+                credential,
+            )?),
+            lifecycle: CloudWorkerLifecycleServiceClient::new(internal_channel(
+                &addrs.lifecycle_addr,
+                credential,
+            )?),
+            runner_tokens: RunnerTokenServiceClient::new(internal_channel(
+                &addrs.runner_gateway_addr,
+                credential,
+            )?),
+            health: vec![
+                health("scheduler", &addrs.scheduler_addr)?,
+                health("run-coordinator", &addrs.coordinator_addr)?,
+                health("cloud-worker-lifecycle", &addrs.lifecycle_addr)?,
+                health("desktop-runner-gateway", &addrs.runner_gateway_addr)?,
+            ],
+        })
+    }
+
+    /// Whether every internal service reports SERVING (the gateway's own
+    /// readiness: it can do nothing without them).
+    pub async fn all_serving(&self) -> bool {
+        use tonic_health::pb::HealthCheckRequest;
+        use tonic_health::pb::health_check_response::ServingStatus;
+        for (name, client) in &self.health {
+            let mut client = client.clone();
+            let ok = matches!(
+                client.check(HealthCheckRequest { service: String::new() }).await,
+                Ok(r) if r.get_ref().status == ServingStatus::Serving as i32
+            );
+            if !ok {
+                tracing::debug!(upstream = name, "upstream not serving");
+                return false;
+            }
+        }
+        true
+    }
+}

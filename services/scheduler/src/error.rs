@@ -1,0 +1,52 @@
+//! The scheduler's errors, and their one mapping into `Status`.
+
+use automesh_domain::Violations;
+use automesh_domain::automation::IllegalStateChange;
+use automesh_rpc::status;
+use automesh_store::StoreError;
+use tonic::Status;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid request: {0}")]
+    Invalid(#[from] Violations),
+    #[error("{0}")]
+    IllegalStateChange(#[from] IllegalStateChange),
+    #[error("the automation is archived")]
+    Archived,
+    #[error("the etag is stale")]
+    Stale,
+    #[error("the automation kept changing while being updated")]
+    Contended,
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl From<Error> for Status {
+    fn from(e: Error) -> Status {
+        match e {
+            Error::Invalid(v) => status::invalid_argument(&v),
+            Error::IllegalStateChange(e) => {
+                status::failed_precondition("AUTOMATION_STATE", "automation", &e.to_string())
+            }
+            Error::Archived => status::failed_precondition(
+                "AUTOMATION_STATE",
+                "automation",
+                "the automation is archived: its history is kept but it cannot change or run",
+            ),
+            Error::Stale | Error::Store(StoreError::VersionConflict { .. }) => status::aborted(
+                "the etag is stale: the automation changed since it was read; read it again",
+            ),
+            Error::Contended => Status::aborted("the automation kept changing; retry"),
+            Error::Store(StoreError::NotFound) => status::not_found("automation"),
+            Error::Store(StoreError::InvalidPageToken) => {
+                status::invalid_field("page_token", "not a page token issued by this service")
+            }
+            Error::Store(StoreError::Invariant(msg)) => {
+                status::failed_precondition("INVARIANT", "automation", &msg)
+            }
+            Error::Store(e @ StoreError::Database(_)) => status::unavailable("database", &e),
+            Error::Store(e) => status::internal("scheduler store", &e),
+        }
+    }
+}
