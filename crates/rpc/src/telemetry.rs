@@ -12,6 +12,7 @@ use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::Layer;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
@@ -65,11 +66,15 @@ pub fn init(service_name: &str) -> Result<Telemetry, TelemetryError> {
     let provider = builder.build();
     global::set_tracer_provider(provider.clone());
     let tracer = provider.tracer(service_name.to_owned());
-    let otel = tracing_opentelemetry::layer().with_tracer(tracer);
+    // Filters are per layer: `RUST_LOG` quiets the logs, never the spans
+    // that carry trace context between services.
+    let otel = tracing_opentelemetry::layer()
+        .with_tracer(tracer)
+        .with_filter(span_filter());
     let filter = EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| EnvFilter::new("info,h2=warn,hyper=warn,tower=warn,sqlx=warn"));
     let json = std::env::var("AUTOMESH_LOG_FORMAT").is_ok_and(|v| v == "json");
-    let registry = tracing_subscriber::registry().with(filter).with(otel);
+    let registry = tracing_subscriber::registry().with(otel);
     let installed = if json {
         registry
             .with(
@@ -77,20 +82,49 @@ pub fn init(service_name: &str) -> Result<Telemetry, TelemetryError> {
                     .json()
                     .with_current_span(true)
                     .with_span_list(false)
-                    .with_writer(std::io::stderr),
+                    .with_writer(std::io::stderr)
+                    .with_filter(filter),
             )
             .try_init()
     } else {
         registry
-            .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(std::io::stderr)
+                    .with_filter(filter),
+            )
             .try_init()
     };
     installed.map_err(|_| TelemetryError::AlreadyInstalled)?;
     Ok(Telemetry { provider })
 }
 
-/// Installs only the propagator and a tracer provider (no subscriber), for
-/// tests that bring their own subscriber or none.
+/// The spans exported as traces: automesh's own at info and above, and
+/// nothing from the transport crates underneath.
+fn span_filter() -> EnvFilter {
+    EnvFilter::new("info,h2=off,hyper=off,hyper_util=off,tower=off,sqlx=warn")
+}
+
+/// For tests: the propagator, an in-process tracer provider (no export),
+/// and a subscriber that writes through the test harness. Idempotent, so
+/// every test may call it.
 pub fn init_for_tests() {
-    global::set_text_map_propagator(TraceContextPropagator::new());
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        global::set_text_map_propagator(TraceContextPropagator::new());
+        let provider = SdkTracerProvider::builder().build();
+        global::set_tracer_provider(provider.clone());
+        let otel = tracing_opentelemetry::layer()
+            .with_tracer(provider.tracer("automesh-tests"))
+            .with_filter(span_filter());
+        let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+        let _ = tracing_subscriber::registry()
+            .with(otel)
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_test_writer()
+                    .with_filter(filter),
+            )
+            .try_init();
+    });
 }

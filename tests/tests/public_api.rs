@@ -1,0 +1,1177 @@
+//! The public API end to end: the whole mesh over real gRPC on loopback, on
+//! SQLite and on PostgreSQL.
+
+use std::time::Duration;
+
+use automesh_domain::Principal;
+use automesh_e2e_tests::{Mesh, on_both_backends, wait_for_health};
+use automesh_proto::v1 as pb;
+use automesh_rpc::status::field_violations;
+use automesh_store::Backend;
+use chrono::Utc;
+use tonic::Code;
+
+fn daily(hours: i32, minutes: i32, zone: &str) -> pb::Schedule {
+    pb::Schedule {
+        kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
+            time_of_day: Some(pb::TimeOfDay { hours, minutes }),
+            time_zone: zone.into(),
+        })),
+    }
+}
+
+fn automation(name: &str, model: &str, schedule: pb::Schedule) -> pb::Automation {
+    pb::Automation {
+        name: name.into(),
+        prompt: "summarise my inbox".into(),
+        model: model.into(),
+        schedule: Some(schedule),
+        ..Default::default()
+    }
+}
+
+fn create_req(a: pb::Automation, surface: pb::Surface) -> pb::CreateAutomationRequest {
+    pb::CreateAutomationRequest {
+        automation: Some(a),
+        surface: surface as i32,
+    }
+}
+
+/// Everything the bad-input table must leave untouched.
+async fn snapshot(mesh: &Mesh) -> Vec<String> {
+    use sqlx::Row;
+    let mut rows = vec![];
+    for sql in [
+        "SELECT id || '|' || version || '|' || name || '|' || prompt || '|' || model || '|' || placement || '|' || state || '|' || schedule AS r FROM automations ORDER BY id",
+        "SELECT id || '|' || state AS r FROM runs ORDER BY id",
+        "SELECT id AS r FROM runners ORDER BY id",
+    ] {
+        for row in sqlx::query(sql)
+            .fetch_all(mesh.store().pool())
+            .await
+            .expect("snapshot")
+        {
+            rows.push(row.try_get::<String, _>("r").expect("text"));
+        }
+    }
+    rows
+}
+
+#[track_caller]
+fn expect_field(result: Result<impl std::fmt::Debug, tonic::Status>, code: Code, field: &str) {
+    let status = result.expect_err("the request must fail");
+    assert_eq!(status.code(), code, "{status:?}");
+    if !field.is_empty() {
+        let fields: Vec<String> = field_violations(&status)
+            .into_iter()
+            .map(|(f, _)| f)
+            .collect();
+        assert!(
+            fields.iter().any(|f| f == field),
+            "expected a violation of {field}, got {fields:?} ({})",
+            status.message()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reflection_sees_the_public_api() {
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+
+    let mesh = Mesh::start(Backend::Sqlite).await.expect("mesh");
+    let mut client =
+        ServerReflectionClient::new(automesh_rpc::client::channel(&mesh.gateway).expect("channel"));
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut stream = client
+        .server_reflection_info(tokio_stream::iter([request]))
+        .await
+        .expect("reflection")
+        .into_inner();
+    let response = stream.message().await.expect("answer").expect("one answer");
+    let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
+        panic!("unexpected reflection answer {response:?}");
+    };
+    let mut names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "automesh.v1.Automations",
+            "automesh.v1.Runs",
+            "grpc.health.v1.Health"
+        ]
+    );
+    mesh.stop().await.expect("stop");
+}
+
+async fn automation_lifecycle(backend: Backend) {
+    let mesh = Mesh::start(backend).await.expect("mesh");
+    let token = mesh.token("acme", "alice");
+    let mut api = mesh.automations(Some(&token));
+
+    let mut ids = vec![];
+    for i in 0..3 {
+        let a = api
+            .create_automation(create_req(
+                automation(&format!("a{i}"), "fake/echo", daily(9, 30, "Europe/Paris")),
+                pb::Surface::Desktop,
+            ))
+            .await
+            .expect("create")
+            .into_inner()
+            .automation
+            .expect("automation");
+        assert_eq!(a.placement, pb::Placement::Desktop as i32);
+        assert_eq!(a.state, pb::AutomationState::Active as i32);
+        assert_eq!(a.organization_id, "acme");
+        assert_eq!(a.owner_id, "alice");
+        assert!(a.next_run_time.is_some());
+        ids.push(a.id);
+    }
+
+    // Paging: one at a time, newest first, no gaps or repeats.
+    let mut seen = vec![];
+    let mut page_token = String::new();
+    loop {
+        let page = api
+            .list_automations(pb::ListAutomationsRequest {
+                page_size: 1,
+                page_token,
+                show_archived: false,
+            })
+            .await
+            .expect("list")
+            .into_inner();
+        seen.extend(page.automations.into_iter().map(|a| a.id));
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        page_token = page.next_page_token;
+    }
+    assert_eq!(seen, ids.iter().rev().cloned().collect::<Vec<_>>());
+
+    // Update with the current etag; the etag moves on.
+    let current = api
+        .get_automation(pb::GetAutomationRequest { id: ids[0].clone() })
+        .await
+        .expect("get")
+        .into_inner()
+        .automation
+        .expect("automation");
+    let updated = api
+        .update_automation(pb::UpdateAutomationRequest {
+            automation: Some(pb::Automation {
+                id: ids[0].clone(),
+                name: "renamed".into(),
+                etag: current.etag.clone(),
+                schedule: Some(daily(6, 0, "America/New_York")),
+                ..Default::default()
+            }),
+            update_mask: Some(prost_types::FieldMask {
+                paths: vec!["name".into(), "schedule".into()],
+            }),
+        })
+        .await
+        .expect("update")
+        .into_inner()
+        .automation
+        .expect("automation");
+    assert_eq!(updated.name, "renamed");
+    assert_eq!(
+        updated.prompt, current.prompt,
+        "fields outside the mask stay"
+    );
+    assert_ne!(updated.etag, current.etag);
+    assert_ne!(updated.next_run_time, current.next_run_time);
+    assert_eq!(updated.placement, current.placement);
+
+    // Deactivate clears the next occurrence; activate brings it back.
+    let off = api
+        .deactivate_automation(pb::DeactivateAutomationRequest {
+            id: ids[0].clone(),
+            etag: updated.etag.clone(),
+        })
+        .await
+        .expect("deactivate")
+        .into_inner()
+        .automation
+        .expect("automation");
+    assert_eq!(off.state, pb::AutomationState::Inactive as i32);
+    assert!(off.next_run_time.is_none());
+    let on = api
+        .activate_automation(pb::ActivateAutomationRequest {
+            id: ids[0].clone(),
+            etag: String::new(),
+        })
+        .await
+        .expect("activate")
+        .into_inner()
+        .automation
+        .expect("automation");
+    assert_eq!(on.state, pb::AutomationState::Active as i32);
+    assert!(on.next_run_time.is_some());
+
+    // Archive: kept, hidden by default, and frozen.
+    let archived = api
+        .archive_automation(pb::ArchiveAutomationRequest {
+            id: ids[1].clone(),
+            etag: String::new(),
+        })
+        .await
+        .expect("archive")
+        .into_inner()
+        .automation
+        .expect("automation");
+    assert_eq!(archived.state, pb::AutomationState::Archived as i32);
+    let visible = api
+        .list_automations(pb::ListAutomationsRequest {
+            page_size: 10,
+            ..Default::default()
+        })
+        .await
+        .expect("list")
+        .into_inner();
+    assert_eq!(visible.automations.len(), 2);
+    let all = api
+        .list_automations(pb::ListAutomationsRequest {
+            page_size: 10,
+            show_archived: true,
+            ..Default::default()
+        })
+        .await
+        .expect("list")
+        .into_inner();
+    assert_eq!(all.automations.len(), 3);
+    expect_field(
+        api.activate_automation(pb::ActivateAutomationRequest {
+            id: ids[1].clone(),
+            etag: String::new(),
+        })
+        .await,
+        Code::FailedPrecondition,
+        "",
+    );
+    expect_field(
+        api.run_automation_now(pb::RunAutomationNowRequest {
+            id: ids[1].clone(),
+            idempotency_key: "k".into(),
+        })
+        .await,
+        Code::FailedPrecondition,
+        "",
+    );
+    mesh.stop().await.expect("stop");
+}
+
+async fn bad_input_changes_nothing(backend: Backend) {
+    let mesh = Mesh::start(backend).await.expect("mesh");
+    let alice_token = mesh.token("acme", "alice");
+    let mut alice = mesh.automations(Some(&alice_token));
+    mesh.store()
+        .register_worker(
+            &Principal::new("acme", "alice"),
+            "local-process",
+            Utc::now(),
+        )
+        .await
+        .expect("worker");
+    mesh.store()
+        .register_worker(
+            &Principal::new("other", "carol"),
+            "local-process",
+            Utc::now(),
+        )
+        .await
+        .expect("worker");
+
+    // Data the table must not touch: a desktop and a cloud automation, at v2.
+    let desktop = alice
+        .create_automation(create_req(
+            automation("desk", "fake/echo", daily(8, 0, "UTC")),
+            pb::Surface::Desktop,
+        ))
+        .await
+        .expect("create desktop")
+        .into_inner()
+        .automation
+        .expect("automation");
+    let cloud = alice
+        .create_automation(create_req(
+            automation("cloud", "restricted/acme-only", daily(8, 0, "UTC")),
+            pb::Surface::Web,
+        ))
+        .await
+        .expect("create cloud (alice has a worker, acme may use the model)")
+        .into_inner()
+        .automation
+        .expect("automation");
+    assert_eq!(cloud.placement, pb::Placement::Cloud as i32);
+    let v2 = alice
+        .update_automation(pb::UpdateAutomationRequest {
+            automation: Some(pb::Automation {
+                id: desktop.id.clone(),
+                prompt: "new prompt".into(),
+                ..Default::default()
+            }),
+            update_mask: Some(prost_types::FieldMask {
+                paths: vec!["prompt".into()],
+            }),
+        })
+        .await
+        .expect("update")
+        .into_inner()
+        .automation
+        .expect("automation");
+    let run = alice
+        .run_automation_now(pb::RunAutomationNowRequest {
+            id: desktop.id.clone(),
+            idempotency_key: "setup".into(),
+        })
+        .await
+        .expect("run now")
+        .into_inner()
+        .run
+        .expect("run");
+
+    let before = snapshot(&mesh).await;
+    let past = prost_types::Timestamp {
+        seconds: Utc::now().timestamp() - 60,
+        nanos: 0,
+    };
+    let weekly_no_days = pb::Schedule {
+        kind: Some(pb::schedule::Kind::Weekly(pb::WeeklySchedule {
+            days: vec![],
+            time_of_day: Some(pb::TimeOfDay {
+                hours: 9,
+                minutes: 0,
+            }),
+            time_zone: "Europe/London".into(),
+        })),
+    };
+    let once_past = pb::Schedule {
+        kind: Some(pb::schedule::Kind::Once(pb::OnceSchedule {
+            at: Some(past),
+        })),
+    };
+    let create = |a: pb::Automation, s: pb::Surface| create_req(a, s);
+
+    // Schedules.
+    expect_field(
+        alice
+            .create_automation(create(
+                automation("x", "fake/echo", daily(9, 0, "Mars/Olympus_Mons")),
+                pb::Surface::Desktop,
+            ))
+            .await,
+        Code::InvalidArgument,
+        "automation.schedule.daily.time_zone",
+    );
+    expect_field(
+        alice
+            .create_automation(create(
+                automation("x", "fake/echo", daily(24, 0, "UTC")),
+                pb::Surface::Desktop,
+            ))
+            .await,
+        Code::InvalidArgument,
+        "automation.schedule.daily.time_of_day",
+    );
+    expect_field(
+        alice
+            .create_automation(create(
+                automation("x", "fake/echo", weekly_no_days),
+                pb::Surface::Desktop,
+            ))
+            .await,
+        Code::InvalidArgument,
+        "automation.schedule.weekly.days",
+    );
+    expect_field(
+        alice
+            .create_automation(create(
+                automation("x", "fake/echo", once_past),
+                pb::Surface::Desktop,
+            ))
+            .await,
+        Code::InvalidArgument,
+        "automation.schedule.once.at",
+    );
+    expect_field(
+        alice
+            .create_automation(create(
+                pb::Automation {
+                    schedule: None,
+                    ..automation("x", "fake/echo", daily(9, 0, "UTC"))
+                },
+                pb::Surface::Desktop,
+            ))
+            .await,
+        Code::InvalidArgument,
+        "automation.schedule",
+    );
+    // Text fields and the model.
+    expect_field(
+        alice
+            .create_automation(create(
+                pb::Automation {
+                    prompt: "  ".into(),
+                    ..automation("x", "fake/echo", daily(9, 0, "UTC"))
+                },
+                pb::Surface::Desktop,
+            ))
+            .await,
+        Code::InvalidArgument,
+        "automation.prompt",
+    );
+    expect_field(
+        alice
+            .create_automation(create(
+                pb::Automation {
+                    prompt: "p".repeat(40 * 1024),
+                    ..automation("x", "fake/echo", daily(9, 0, "UTC"))
+                },
+                pb::Surface::Desktop,
+            ))
+            .await,
+        Code::InvalidArgument,
+        "automation.prompt",
+    );
+    expect_field(
+        alice
+            .create_automation(create(
+                automation("", "fake/echo", daily(9, 0, "UTC")),
+                pb::Surface::Desktop,
+            ))
+            .await,
+        Code::InvalidArgument,
+        "automation.name",
+    );
+    expect_field(
+        alice
+            .create_automation(create(
+                automation("x", "nobody/knows", daily(9, 0, "UTC")),
+                pb::Surface::Desktop,
+            ))
+            .await,
+        Code::InvalidArgument,
+        "automation.model",
+    );
+    // Placement belongs to the surface, and never changes.
+    expect_field(
+        alice
+            .create_automation(create_req(
+                automation("x", "fake/echo", daily(9, 0, "UTC")),
+                pb::Surface::Unspecified,
+            ))
+            .await,
+        Code::InvalidArgument,
+        "surface",
+    );
+    expect_field(
+        alice
+            .create_automation(create(
+                pb::Automation {
+                    placement: pb::Placement::Cloud as i32,
+                    ..automation("x", "fake/echo", daily(9, 0, "UTC"))
+                },
+                pb::Surface::Desktop,
+            ))
+            .await,
+        Code::InvalidArgument,
+        "automation.placement",
+    );
+    expect_field(
+        alice
+            .update_automation(pb::UpdateAutomationRequest {
+                automation: Some(pb::Automation {
+                    id: desktop.id.clone(),
+                    placement: pb::Placement::Cloud as i32,
+                    ..Default::default()
+                }),
+                update_mask: Some(prost_types::FieldMask {
+                    paths: vec!["placement".into()],
+                }),
+            })
+            .await,
+        Code::InvalidArgument,
+        "update_mask",
+    );
+    expect_field(
+        alice
+            .update_automation(pb::UpdateAutomationRequest {
+                automation: Some(pb::Automation {
+                    id: desktop.id.clone(),
+                    name: "moved".into(),
+                    placement: pb::Placement::Cloud as i32,
+                    ..Default::default()
+                }),
+                update_mask: Some(prost_types::FieldMask {
+                    paths: vec!["name".into()],
+                }),
+            })
+            .await,
+        Code::InvalidArgument,
+        "automation.placement",
+    );
+    // Concurrency.
+    expect_field(
+        alice
+            .update_automation(pb::UpdateAutomationRequest {
+                automation: Some(pb::Automation {
+                    id: desktop.id.clone(),
+                    name: "stale".into(),
+                    etag: desktop.etag.clone(),
+                    ..Default::default()
+                }),
+                update_mask: Some(prost_types::FieldMask {
+                    paths: vec!["name".into()],
+                }),
+            })
+            .await,
+        Code::Aborted,
+        "",
+    );
+    expect_field(
+        alice
+            .deactivate_automation(pb::DeactivateAutomationRequest {
+                id: desktop.id.clone(),
+                etag: desktop.etag.clone(),
+            })
+            .await,
+        Code::Aborted,
+        "",
+    );
+    expect_field(
+        alice
+            .update_automation(pb::UpdateAutomationRequest {
+                automation: Some(pb::Automation {
+                    id: desktop.id.clone(),
+                    name: "x".into(),
+                    etag: "garbage".into(),
+                    ..Default::default()
+                }),
+                update_mask: Some(prost_types::FieldMask {
+                    paths: vec!["name".into()],
+                }),
+            })
+            .await,
+        Code::InvalidArgument,
+        "automation.etag",
+    );
+    // Creation rules for cloud automations.
+    let bob_token = mesh.token("acme", "bob");
+    expect_field(
+        mesh.automations(Some(&bob_token))
+            .create_automation(create(
+                automation("x", "fake/echo", daily(9, 0, "UTC")),
+                pb::Surface::Web,
+            ))
+            .await,
+        Code::FailedPrecondition,
+        "",
+    );
+    let carol_token = mesh.token("other", "carol");
+    expect_field(
+        mesh.automations(Some(&carol_token))
+            .create_automation(create(
+                automation("x", "restricted/acme-only", daily(9, 0, "UTC")),
+                pb::Surface::CloudChat,
+            ))
+            .await,
+        Code::FailedPrecondition,
+        "",
+    );
+    // Paging and run-now input.
+    expect_field(
+        alice
+            .list_automations(pb::ListAutomationsRequest {
+                page_size: -1,
+                ..Default::default()
+            })
+            .await,
+        Code::InvalidArgument,
+        "page_size",
+    );
+    expect_field(
+        alice
+            .list_automations(pb::ListAutomationsRequest {
+                page_token: "forged".into(),
+                ..Default::default()
+            })
+            .await,
+        Code::InvalidArgument,
+        "page_token",
+    );
+    expect_field(
+        alice
+            .run_automation_now(pb::RunAutomationNowRequest {
+                id: desktop.id.clone(),
+                idempotency_key: String::new(),
+            })
+            .await,
+        Code::InvalidArgument,
+        "idempotency_key",
+    );
+    // Authentication.
+    expect_field(
+        mesh.automations(None)
+            .list_automations(pb::ListAutomationsRequest::default())
+            .await,
+        Code::Unauthenticated,
+        "",
+    );
+    let forged = automesh_gateway::mint(
+        b"another-key-that-is-long-enough-!!",
+        "acme",
+        "alice",
+        chrono::Duration::hours(1),
+    )
+    .expect("mint");
+    expect_field(
+        mesh.automations(Some(&forged))
+            .create_automation(create(
+                automation("x", "fake/echo", daily(9, 0, "UTC")),
+                pb::Surface::Desktop,
+            ))
+            .await,
+        Code::Unauthenticated,
+        "",
+    );
+    expect_field(
+        mesh.automations(Some("not-a-jwt"))
+            .get_automation(pb::GetAutomationRequest {
+                id: desktop.id.clone(),
+            })
+            .await,
+        Code::Unauthenticated,
+        "",
+    );
+    // Another tenant's objects are not found, whatever the call.
+    for token in [
+        mesh.token("evil", "mallory"),
+        mesh.token("other", "alice"),
+        mesh.token("acme", "bob"),
+    ] {
+        let mut api = mesh.automations(Some(&token));
+        expect_field(
+            api.get_automation(pb::GetAutomationRequest {
+                id: desktop.id.clone(),
+            })
+            .await,
+            Code::NotFound,
+            "",
+        );
+        expect_field(
+            api.update_automation(pb::UpdateAutomationRequest {
+                automation: Some(pb::Automation {
+                    id: desktop.id.clone(),
+                    name: "stolen".into(),
+                    ..Default::default()
+                }),
+                update_mask: Some(prost_types::FieldMask {
+                    paths: vec!["name".into()],
+                }),
+            })
+            .await,
+            Code::NotFound,
+            "",
+        );
+        expect_field(
+            api.archive_automation(pb::ArchiveAutomationRequest {
+                id: cloud.id.clone(),
+                etag: String::new(),
+            })
+            .await,
+            Code::NotFound,
+            "",
+        );
+        expect_field(
+            api.deactivate_automation(pb::DeactivateAutomationRequest {
+                id: cloud.id.clone(),
+                etag: String::new(),
+            })
+            .await,
+            Code::NotFound,
+            "",
+        );
+        expect_field(
+            api.run_automation_now(pb::RunAutomationNowRequest {
+                id: desktop.id.clone(),
+                idempotency_key: "steal".into(),
+            })
+            .await,
+            Code::NotFound,
+            "",
+        );
+        let mut runs = mesh.runs(Some(&token));
+        expect_field(
+            runs.get_run(pb::GetRunRequest { id: run.id.clone() }).await,
+            Code::NotFound,
+            "",
+        );
+        expect_field(
+            runs.cancel_run(pb::CancelRunRequest { id: run.id.clone() })
+                .await,
+            Code::NotFound,
+            "",
+        );
+        expect_field(
+            runs.list_run_events(pb::ListRunEventsRequest {
+                run_id: run.id.clone(),
+                ..Default::default()
+            })
+            .await,
+            Code::NotFound,
+            "",
+        );
+        let listed = api
+            .list_automations(pb::ListAutomationsRequest::default())
+            .await
+            .expect("list")
+            .into_inner();
+        assert!(listed.automations.is_empty());
+    }
+
+    assert_eq!(
+        snapshot(&mesh).await,
+        before,
+        "bad input changed stored data"
+    );
+    // And the data is still what alice last wrote.
+    let still = alice
+        .get_automation(pb::GetAutomationRequest {
+            id: desktop.id.clone(),
+        })
+        .await
+        .expect("get")
+        .into_inner()
+        .automation
+        .expect("automation");
+    assert_eq!(still.etag, v2.etag);
+    assert_eq!(still.placement, pb::Placement::Desktop as i32);
+    mesh.stop().await.expect("stop");
+}
+
+async fn run_now_is_idempotent_and_cancellable(backend: Backend) {
+    let mesh = Mesh::start(backend).await.expect("mesh");
+    let token = mesh.token("acme", "alice");
+    let mut api = mesh.automations(Some(&token));
+    let mut runs = mesh.runs(Some(&token));
+    let a = api
+        .create_automation(create_req(
+            automation("a", "fake/echo", daily(9, 0, "UTC")),
+            pb::Surface::Desktop,
+        ))
+        .await
+        .expect("create")
+        .into_inner()
+        .automation
+        .expect("automation");
+    let run_now = |key: &str| pb::RunAutomationNowRequest {
+        id: a.id.clone(),
+        idempotency_key: key.into(),
+    };
+    let first = api
+        .run_automation_now(run_now("k1"))
+        .await
+        .expect("run")
+        .into_inner()
+        .run
+        .expect("run");
+    let again = api
+        .run_automation_now(run_now("k1"))
+        .await
+        .expect("run")
+        .into_inner()
+        .run
+        .expect("run");
+    let other = api
+        .run_automation_now(run_now("k2"))
+        .await
+        .expect("run")
+        .into_inner()
+        .run
+        .expect("run");
+    assert_eq!(first.id, again.id);
+    assert_ne!(first.id, other.id);
+    assert_eq!(first.state, pb::RunState::Pending as i32);
+    assert_eq!(first.trigger, pb::RunTrigger::Manual as i32);
+    assert_eq!(first.placement, pb::Placement::Desktop as i32);
+    assert!(first.deadline_time.is_some());
+    let listed = runs
+        .list_runs(pb::ListRunsRequest {
+            automation_id: a.id.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("list")
+        .into_inner();
+    assert_eq!(listed.runs.len(), 2);
+
+    let cancelled = runs
+        .cancel_run(pb::CancelRunRequest {
+            id: first.id.clone(),
+        })
+        .await
+        .expect("cancel")
+        .into_inner()
+        .run
+        .expect("run");
+    assert_eq!(cancelled.state, pb::RunState::Cancelled as i32);
+    let receipt = cancelled.receipt.expect("a terminal run has a receipt");
+    assert_eq!(receipt.outcome, pb::RunState::Cancelled as i32);
+    assert_eq!(receipt.placement, pb::Placement::Desktop as i32);
+    // Cancelling again changes nothing; run-now with the same key returns the cancelled run.
+    let twice = runs
+        .cancel_run(pb::CancelRunRequest {
+            id: first.id.clone(),
+        })
+        .await
+        .expect("cancel")
+        .into_inner()
+        .run
+        .expect("run");
+    assert_eq!(twice.update_time, cancelled.update_time);
+    let same = api
+        .run_automation_now(run_now("k1"))
+        .await
+        .expect("run")
+        .into_inner()
+        .run
+        .expect("run");
+    assert_eq!(same.state, pb::RunState::Cancelled as i32);
+    mesh.stop().await.expect("stop");
+}
+
+async fn watch_run_resumes_without_gaps_or_repeats(backend: Backend) {
+    use automesh_domain::{Receipt, RunEventPayload, RunState};
+    use automesh_store::events::NewEvent;
+    use tokio_stream::StreamExt;
+
+    let mesh = Mesh::start(backend).await.expect("mesh");
+    let token = mesh.token("acme", "alice");
+    let mut api = mesh.automations(Some(&token));
+    let a = api
+        .create_automation(create_req(
+            automation("a", "fake/echo", daily(9, 0, "UTC")),
+            pb::Surface::Desktop,
+        ))
+        .await
+        .expect("create")
+        .into_inner()
+        .automation
+        .expect("automation");
+    let run = api
+        .run_automation_now(pb::RunAutomationNowRequest {
+            id: a.id.clone(),
+            idempotency_key: "w".into(),
+        })
+        .await
+        .expect("run")
+        .into_inner()
+        .run
+        .expect("run");
+    let event = |id: &str| NewEvent {
+        event_id: id.into(),
+        payload: RunEventPayload::AssistantText {
+            text: format!("text {id}"),
+        },
+    };
+    let store = mesh.store();
+    store
+        .append_events(
+            &run.id,
+            &[
+                event("e1"),
+                event("e2"),
+                event("e3"),
+                event("e4"),
+                event("e5"),
+            ],
+            Utc::now(),
+        )
+        .await
+        .expect("append");
+
+    let mut stream = mesh
+        .runs(Some(&token))
+        .watch_run(pb::WatchRunRequest {
+            run_id: run.id.clone(),
+            after_sequence: 2,
+        })
+        .await
+        .expect("watch")
+        .into_inner();
+    let mut sequences = vec![];
+    let mut states = vec![];
+    // Read what is there, then produce more while watching.
+    while sequences.len() < 3 {
+        match tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .expect("bounded")
+            .expect("open")
+            .expect("ok")
+            .update
+        {
+            Some(pb::watch_run_response::Update::Event(e)) => sequences.push(e.sequence),
+            Some(pb::watch_run_response::Update::Run(r)) => states.push(r.state),
+            None => {}
+        }
+    }
+    // A redelivered event adds nothing; a new one arrives once.
+    store
+        .append_events(&run.id, &[event("e3"), event("e6")], Utc::now())
+        .await
+        .expect("append");
+    let receipt = Receipt {
+        run_id: run.id.clone(),
+        outcome: RunState::Succeeded,
+        error_code: None,
+        error_message: None,
+        placement: automesh_domain::Placement::Desktop,
+        engine: Some("test".into()),
+        queued_micros: 0,
+        wake_micros: 0,
+        admission_micros: 0,
+        execution_micros: 0,
+        usage: Default::default(),
+        worker_id: None,
+        workspace_id: None,
+        thread_id: None,
+        message_id: None,
+        created_at: Utc::now(),
+    };
+    store
+        .finish_run(&receipt, Utc::now())
+        .await
+        .expect("finish");
+    while let Some(item) = tokio::time::timeout(Duration::from_secs(10), stream.next())
+        .await
+        .expect("the stream ends after the terminal state")
+    {
+        match item.expect("ok").update {
+            Some(pb::watch_run_response::Update::Event(e)) => sequences.push(e.sequence),
+            Some(pb::watch_run_response::Update::Run(r)) => states.push(r.state),
+            None => {}
+        }
+    }
+    assert_eq!(sequences, [3, 4, 5, 6]);
+    assert_eq!(states.first(), Some(&(pb::RunState::Pending as i32)));
+    assert_eq!(states.last(), Some(&(pb::RunState::Succeeded as i32)));
+
+    let all = mesh
+        .runs(Some(&token))
+        .list_run_events(pb::ListRunEventsRequest {
+            run_id: run.id.clone(),
+            after_sequence: 0,
+            page_size: 0,
+        })
+        .await
+        .expect("list")
+        .into_inner();
+    assert_eq!(
+        all.events.iter().map(|e| e.sequence).collect::<Vec<_>>(),
+        [1, 2, 3, 4, 5, 6]
+    );
+    assert_eq!(all.last_sequence, 6);
+    mesh.stop().await.expect("stop");
+}
+
+on_both_backends!(
+    automation_lifecycle,
+    bad_input_changes_nothing,
+    run_now_is_idempotent_and_cancellable,
+    watch_run_resumes_without_gaps_or_repeats,
+);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trace_context_follows_run_now_into_the_run() {
+    let mesh = Mesh::start(Backend::Sqlite).await.expect("mesh");
+    let token = mesh.token("acme", "alice");
+    let mut api = mesh.automations(Some(&token));
+    let a = api
+        .create_automation(create_req(
+            automation("a", "fake/echo", daily(9, 0, "UTC")),
+            pb::Surface::Desktop,
+        ))
+        .await
+        .expect("create")
+        .into_inner()
+        .automation
+        .expect("automation");
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let mut request = tonic::Request::new(pb::RunAutomationNowRequest {
+        id: a.id.clone(),
+        idempotency_key: "traced".into(),
+    });
+    request.metadata_mut().insert(
+        "traceparent",
+        format!("00-{trace_id}-00f067aa0ba902b7-01")
+            .parse()
+            .expect("ascii"),
+    );
+    let run = api
+        .run_automation_now(request)
+        .await
+        .expect("run")
+        .into_inner()
+        .run
+        .expect("run");
+    // The client's trace crossed the gateway and the scheduler into the stored run.
+    assert_eq!(run.trace_id, trace_id);
+    let stored = mesh.store().get_run_unscoped(&run.id).await.expect("run");
+    let tp = stored.traceparent.expect("stored traceparent");
+    assert!(tp.starts_with(&format!("00-{trace_id}-")), "{tp}");
+    mesh.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn internal_services_require_the_internal_credential() {
+    use automesh_proto::scheduler::v1 as spb;
+    use automesh_proto::scheduler::v1::scheduler_service_client::SchedulerServiceClient;
+    let mesh = Mesh::start(Backend::Sqlite).await.expect("mesh");
+    let request = || spb::ListAutomationsRequest {
+        caller: Some(automesh_rpc::convert::caller(&Principal::new(
+            "acme", "alice",
+        ))),
+        request: None,
+    };
+    let mut anonymous = SchedulerServiceClient::new(
+        automesh_rpc::client::channel(&mesh.scheduler).expect("channel"),
+    );
+    assert_eq!(
+        anonymous
+            .list_automations(request())
+            .await
+            .expect_err("refused")
+            .code(),
+        Code::Unauthenticated
+    );
+    let wrong =
+        automesh_rpc::InternalCredential::new("a-wrong-credential-of-some-length").expect("cred");
+    let mut wrong = SchedulerServiceClient::new(
+        automesh_rpc::internal_channel(&mesh.scheduler, &wrong).expect("channel"),
+    );
+    assert_eq!(
+        wrong
+            .list_automations(request())
+            .await
+            .expect_err("refused")
+            .code(),
+        Code::Unauthenticated
+    );
+    let mut right = SchedulerServiceClient::new(
+        automesh_rpc::internal_channel(&mesh.scheduler, &mesh.credential).expect("channel"),
+    );
+    right.list_automations(request()).await.expect("accepted");
+    // Even with the credential, a call must name its caller.
+    let no_caller = spb::ListAutomationsRequest {
+        caller: None,
+        request: None,
+    };
+    assert_eq!(
+        right
+            .list_automations(no_caller)
+            .await
+            .expect_err("refused")
+            .code(),
+        Code::Unauthenticated
+    );
+    mesh.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_is_not_serving_while_the_database_is_unreachable() {
+    automesh_rpc::telemetry::init_for_tests();
+    // Nothing listens on port 9 (discard) on loopback here.
+    let store = automesh_store::Store::connect_lazy(
+        "postgres://postgres@127.0.0.1:9/nowhere",
+        automesh_store::StoreOptions {
+            acquire_timeout: Duration::from_millis(500),
+            ..Default::default()
+        },
+    )
+    .expect("lazy pool");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = format!("http://{}", listener.local_addr().expect("addr"));
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let credential =
+        automesh_rpc::InternalCredential::new("test-internal-credential-0123").expect("cred");
+    let server = tokio::spawn(automesh_scheduler::serve(
+        store,
+        Duration::from_secs(60),
+        credential,
+        listener,
+        shutdown.clone(),
+    ));
+    wait_for_health(&addr, Duration::from_secs(10), false)
+        .await
+        .expect("NOT_SERVING");
+    // It stays so: the probe keeps failing.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    wait_for_health(&addr, Duration::from_secs(1), false)
+        .await
+        .expect("still NOT_SERVING");
+    shutdown.cancel();
+    server.await.expect("join").expect("clean stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runner_tokens_are_returned_once_and_stored_hashed() {
+    use sqlx::Row;
+    let mesh = Mesh::start(Backend::Sqlite).await.expect("mesh");
+    let token = mesh.token("acme", "alice");
+    let minted = mesh
+        .automations(Some(&token))
+        .create_runner_token(pb::CreateRunnerTokenRequest {
+            runner_name: "laptop".into(),
+        })
+        .await
+        .expect("mint")
+        .into_inner();
+    assert!(minted.token.starts_with("amr_"));
+    let hash = automesh_desktop_runner_gateway::hash_token(&minted.token);
+    let runner = mesh
+        .store()
+        .find_runner_by_token_hash(&hash)
+        .await
+        .expect("find")
+        .expect("runner");
+    assert_eq!(runner.id, minted.runner_id);
+    assert_eq!(
+        (runner.org_id.as_str(), runner.owner_id.as_str()),
+        ("acme", "alice")
+    );
+    // No column of any row holds the token itself.
+    for table in ["runners", "runner_tokens"] {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!("SELECT * FROM {table}")))
+            .fetch_all(mesh.store().pool())
+            .await
+            .expect("scan");
+        for row in rows {
+            for i in 0..row.len() {
+                if let Ok(Some(v)) = row.try_get::<Option<String>, _>(i) {
+                    assert!(!v.contains(&minted.token[4..]), "{table} stores the token");
+                }
+            }
+        }
+    }
+    expect_field(
+        mesh.automations(Some(&token))
+            .create_runner_token(pb::CreateRunnerTokenRequest {
+                runner_name: " ".into(),
+            })
+            .await,
+        Code::InvalidArgument,
+        "runner_name",
+    );
+    mesh.stop().await.expect("stop");
+}
