@@ -1,0 +1,13 @@
+# One image with the `automesh` binary; docker-compose.yml picks the service
+# by subcommand.
+FROM rust:1.95-bookworm AS build
+WORKDIR /src
+COPY . .
+RUN cargo build --release -p automesh
+
+FROM debian:bookworm-slim
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+COPY --from=build /src/target/release/automesh /usr/local/bin/automesh
+USER nobody
+ENTRYPOINT ["automesh"]
