@@ -64,10 +64,11 @@ fn json_field(json: &str, key: &str) -> String {
         .to_owned()
 }
 
-#[test]
-fn grpcurl_with_reflection_drives_the_dev_mesh() {
-    let tool = grpcurl();
-    let data_dir = std::env::temp_dir().join(format!("automesh-dev-test-{}", std::process::id()));
+/// Starts `automesh dev` on ephemeral ports with `env`, waits (bounded) for
+/// `ready`, and returns it with the gateway address and the printed token.
+fn start_dev(name: &str, env: &[(&str, String)]) -> (Dev, String, String) {
+    let data_dir =
+        std::env::temp_dir().join(format!("automesh-dev-test-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&data_dir);
     let mut child = Command::new(env!("CARGO_BIN_EXE_automesh"))
         .arg("dev")
@@ -86,6 +87,7 @@ fn grpcurl_with_reflection_drives_the_dev_mesh() {
             "127.0.0.1:0",
         ])
         .env("RUST_LOG", "warn")
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -127,6 +129,13 @@ fn grpcurl_with_reflection_drives_the_dev_mesh() {
     let token = token.expect("token printed");
     let on_disk = std::fs::read_to_string(dev.data_dir.join("dev-token")).expect("dev-token file");
     assert_eq!(on_disk.trim(), token);
+    (dev, gateway, token)
+}
+
+#[test]
+fn grpcurl_with_reflection_drives_the_dev_mesh() {
+    let tool = grpcurl();
+    let (dev, gateway, token) = start_dev("grpcurl", &[]);
     let auth = format!("authorization: Bearer {token}");
 
     let (ok, listing) = grpc(&tool, &["-plaintext", &gateway, "list"]);
@@ -246,4 +255,160 @@ fn grpcurl_with_reflection_drives_the_dev_mesh() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// A fake OpenTelemetry collector: the real OTLP/gRPC trace service on
+/// loopback, recording (trace id, span name) of every span it receives.
+mod collector {
+    use std::sync::{Arc, Mutex};
+
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+        TraceService, TraceServiceServer,
+    };
+    use opentelemetry_proto::tonic::collector::trace::v1::{
+        ExportTraceServiceRequest, ExportTraceServiceResponse,
+    };
+
+    pub type Spans = Arc<Mutex<Vec<(String, String)>>>;
+
+    #[derive(Clone, Default)]
+    struct Collector(Spans);
+
+    #[tonic::async_trait]
+    impl TraceService for Collector {
+        async fn export(
+            &self,
+            request: tonic::Request<ExportTraceServiceRequest>,
+        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+            let mut spans = self.0.lock().expect("lock");
+            for rs in &request.get_ref().resource_spans {
+                for ss in &rs.scope_spans {
+                    for span in &ss.spans {
+                        spans.push((hex::encode(&span.trace_id), span.name.clone()));
+                    }
+                }
+            }
+            Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+        }
+    }
+
+    /// Serves until the runtime ends; returns its address and what it saw.
+    pub async fn start() -> (String, Spans) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = format!("http://{}", listener.local_addr().expect("addr"));
+        let spans = Spans::default();
+        let service = TraceServiceServer::new(Collector(spans.clone()));
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        (addr, spans)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn traces_are_exported_over_otlp_and_one_trace_crosses_the_services() {
+    use automesh_proto::v1 as pb;
+    use automesh_proto::v1::automations_client::AutomationsClient;
+
+    let (endpoint, spans) = collector::start().await;
+    let (dev, gateway, token) = tokio::task::spawn_blocking(move || {
+        start_dev(
+            "otlp",
+            &[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
+                ("OTEL_BSP_SCHEDULE_DELAY", "100".to_owned()),
+            ],
+        )
+    })
+    .await
+    .expect("start");
+
+    let channel = automesh_rpc::client::channel(&format!("http://{gateway}")).expect("channel");
+    let mut api = AutomationsClient::new(channel);
+    fn with_auth<T>(token: &str, mut r: tonic::Request<T>) -> tonic::Request<T> {
+        r.metadata_mut().insert(
+            "authorization",
+            format!("Bearer {token}").parse().expect("ascii"),
+        );
+        r
+    }
+    let created = api
+        .create_automation(with_auth(
+            &token,
+            tonic::Request::new(pb::CreateAutomationRequest {
+                automation: Some(pb::Automation {
+                    name: "traced".into(),
+                    prompt: "p".into(),
+                    model: "fake/echo".into(),
+                    schedule: Some(pb::Schedule {
+                        kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
+                            time_of_day: Some(pb::TimeOfDay {
+                                hours: 7,
+                                minutes: 0,
+                            }),
+                            time_zone: "UTC".into(),
+                        })),
+                    }),
+                    ..Default::default()
+                }),
+                surface: pb::Surface::Desktop as i32,
+            }),
+        ))
+        .await
+        .expect("create")
+        .into_inner()
+        .automation
+        .expect("automation");
+
+    let trace_id = "0af7651916cd43dd8448eb211c80319c";
+    let mut request = with_auth(
+        &token,
+        tonic::Request::new(pb::RunAutomationNowRequest {
+            id: created.id,
+            idempotency_key: "otlp".into(),
+        }),
+    );
+    request.metadata_mut().insert(
+        "traceparent",
+        format!("00-{trace_id}-b7ad6b7169203331-01")
+            .parse()
+            .expect("ascii"),
+    );
+    let run = api
+        .run_automation_now(request)
+        .await
+        .expect("run now")
+        .into_inner()
+        .run
+        .expect("run");
+    assert_eq!(run.trace_id, trace_id);
+
+    // Both hops of the call arrive at the collector, in the caller's trace.
+    let wanted = [
+        "/automesh.v1.Automations/RunAutomationNow",
+        "/automesh.scheduler.v1.SchedulerService/RunAutomationNow",
+    ];
+    let give_up = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let seen: Vec<(String, String)> = spans.lock().expect("lock").clone();
+        let in_trace: Vec<&str> = seen
+            .iter()
+            .filter(|(t, _)| t == trace_id)
+            .map(|(_, n)| n.as_str())
+            .collect();
+        if wanted.iter().all(|w| in_trace.contains(w)) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < give_up,
+            "spans of trace {trace_id} not all exported within 30 s; saw {in_trace:?} (all: {} spans)",
+            seen.len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(dev);
 }

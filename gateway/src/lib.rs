@@ -41,6 +41,9 @@ pub struct Config {
     /// without it, the development catalogue is used.
     #[arg(long, env = "AUTOMESH_MODELS_FILE")]
     pub models_file: Option<PathBuf>,
+    /// The HS256 key that verifies bearer tokens (at least 32 bytes).
+    #[arg(long, env = "AUTOMESH_JWT_SECRET", hide_env_values = true)]
+    pub jwt_secret: automesh_rpc::auth::Secret,
 }
 
 /// The gateway's state. Cheap to clone.
@@ -156,48 +159,34 @@ pub async fn serve(
 /// Builds a gateway from its configuration and serves it.
 pub async fn run(
     config: Config,
-    jwt_secret: &[u8],
     credential: InternalCredential,
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let gateway = Gateway::new(
-        Authenticator::hs256(jwt_secret)?,
+        Authenticator::hs256(config.jwt_secret.expose().as_bytes())?,
         load_models(config.models_file.as_deref())?,
         Upstreams::new(&config.upstreams, &credential)?,
     );
     serve(gateway, listener, shutdown).await
 }
 
-/// The gateway as a command: its settings plus its secrets.
-#[derive(Debug, Clone, clap::Args)]
-pub struct Command {
-    #[command(flatten)]
-    pub config: Config,
-    /// The HS256 key that verifies bearer tokens (at least 32 bytes).
-    #[arg(long, env = "AUTOMESH_JWT_SECRET", hide_env_values = true)]
-    pub jwt_secret: String,
-    /// The internal service credential shared by the mesh.
-    #[arg(long, env = "AUTOMESH_INTERNAL_TOKEN", hide_env_values = true)]
-    pub internal_token: String,
-}
+impl automesh_rpc::runtime::ServiceMain for Config {
+    const NAME: &'static str = "automesh-gateway";
 
-impl Command {
-    /// Runs the gateway until SIGINT or SIGTERM.
-    pub async fn execute(self) -> anyhow::Result<()> {
-        let started = automesh_rpc::runtime::start(
-            "automesh-gateway",
-            self.config.listen,
-            &self.internal_token,
-        )
-        .await?;
-        run(
-            self.config,
-            self.jwt_secret.as_bytes(),
-            started.credential,
-            started.listener,
-            started.shutdown,
-        )
-        .await
+    fn listen(&self) -> SocketAddr {
+        self.listen
+    }
+
+    async fn run(
+        self,
+        credential: InternalCredential,
+        listener: TcpListener,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<()> {
+        run(self, credential, listener, shutdown).await
     }
 }
+
+/// The gateway as a command: its settings plus the internal credential.
+pub type Command = automesh_rpc::runtime::ServiceCommand<Config>;

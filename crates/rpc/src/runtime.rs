@@ -80,3 +80,39 @@ pub async fn start(
         shutdown: shutdown_on_signal(),
     })
 }
+
+/// A service that can run as its own process: its settings know where it
+/// listens and how it serves.
+pub trait ServiceMain: clap::Args + Send + Sized + 'static {
+    /// The service name, for telemetry and logs.
+    const NAME: &'static str;
+
+    fn listen(&self) -> SocketAddr;
+
+    fn run(
+        self,
+        credential: crate::InternalCredential,
+        listener: TcpListener,
+        shutdown: CancellationToken,
+    ) -> impl std::future::Future<Output = anyhow::Result<()>> + Send;
+}
+
+/// A service as a command: its settings plus the mesh's internal credential.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServiceCommand<C: clap::Args> {
+    #[command(flatten)]
+    pub config: C,
+    /// The internal service credential shared by the mesh.
+    #[arg(long, env = "AUTOMESH_INTERNAL_TOKEN", hide_env_values = true)]
+    pub internal_token: crate::auth::Secret,
+}
+
+impl<C: ServiceMain> ServiceCommand<C> {
+    /// Runs the service until SIGINT or SIGTERM.
+    pub async fn execute(self) -> anyhow::Result<()> {
+        let started = start(C::NAME, self.config.listen(), self.internal_token.expose()).await?;
+        self.config
+            .run(started.credential, started.listener, started.shutdown)
+            .await
+    }
+}

@@ -195,35 +195,40 @@ async fn follow_readiness(
     interval: Duration,
     shutdown: CancellationToken,
 ) {
-    let mut last: Option<bool> = None;
-    loop {
-        let ready = tokio::select! {
-            ready = tokio::time::timeout(interval.max(Duration::from_secs(1)) * 5, probe()) => ready.unwrap_or(false),
-            () = shutdown.cancelled() => false,
-        };
-        if last != Some(ready) {
-            let status = if ready {
-                ServingStatus::Serving
-            } else {
-                ServingStatus::NotServing
-            };
+    let set = |status: ServingStatus| {
+        let (health, names) = (health.clone(), names.clone());
+        async move {
             health.set_service_status("", status).await;
             for name in &names {
                 health.set_service_status(*name, status).await;
             }
+        }
+    };
+    set(ServingStatus::NotServing).await;
+    let mut serving = false;
+    loop {
+        // A probe that hangs counts as a failure.
+        let bound = interval.max(Duration::from_secs(1)) * 5;
+        let ready = tokio::select! {
+            ready = tokio::time::timeout(bound, probe()) => ready.unwrap_or(false),
+            () = shutdown.cancelled() => break,
+        };
+        if ready != serving {
             if ready {
+                set(ServingStatus::Serving).await;
                 tracing::info!(services = ?names, "serving");
             } else {
+                set(ServingStatus::NotServing).await;
                 tracing::warn!(services = ?names, "not serving: readiness probe failed");
             }
-            last = Some(ready);
-        }
-        if shutdown.is_cancelled() {
-            return;
+            serving = ready;
         }
         tokio::select! {
             () = tokio::time::sleep(interval) => {}
-            () = shutdown.cancelled() => {}
+            () = shutdown.cancelled() => break,
         }
     }
+    // Draining: tell load balancers to stop sending work.
+    set(ServingStatus::NotServing).await;
+    tracing::info!(services = ?names, "not serving: shutting down");
 }

@@ -51,6 +51,24 @@ pub struct Page<T> {
     pub next: Option<Cursor>,
 }
 
+impl<T> Page<T> {
+    /// A page from up to `limit + 1` rows read in listing order: the extra
+    /// row, when present, only says that another page follows.
+    pub(crate) fn from_rows(
+        mut items: Vec<T>,
+        limit: u32,
+        cursor_of: impl Fn(&T) -> Cursor,
+    ) -> Self {
+        let next = if items.len() > limit as usize {
+            items.truncate(limit as usize);
+            items.last().map(cursor_of)
+        } else {
+            None
+        };
+        Page { items, next }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

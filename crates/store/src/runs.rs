@@ -126,17 +126,11 @@ impl Store {
             .bind(i64::from(limit) + 1)
             .fetch_all(self.pool())
             .await?;
-        let mut items = rows.iter().map(decode).collect::<Result<Vec<_>>>()?;
-        let next = if items.len() > limit as usize {
-            items.truncate(limit as usize);
-            items.last().map(|r| Cursor {
-                created_micros: micros(r.created_at),
-                id: r.id.clone(),
-            })
-        } else {
-            None
-        };
-        Ok(Page { items, next })
+        let items = rows.iter().map(decode).collect::<Result<Vec<_>>>()?;
+        Ok(Page::from_rows(items, limit, |x| Cursor {
+            created_micros: micros(x.created_at),
+            id: x.id.clone(),
+        }))
     }
 
     /// Moves a run to `to` if its current state allows it; otherwise

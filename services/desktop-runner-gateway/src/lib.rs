@@ -142,6 +142,26 @@ pub async fn serve(
     Ok(())
 }
 
+impl automesh_rpc::runtime::ServiceMain for Config {
+    const NAME: &'static str = "automesh-desktop-runner-gateway";
+
+    fn listen(&self) -> SocketAddr {
+        self.listen
+    }
+
+    async fn run(
+        self,
+        credential: InternalCredential,
+        listener: TcpListener,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<()> {
+        run(self, credential, listener, shutdown).await
+    }
+}
+
+/// The service as a command: its settings plus the internal credential.
+pub type Command = automesh_rpc::runtime::ServiceCommand<Config>;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -152,34 +172,5 @@ mod tests {
         assert_eq!(hash_token(token), hash_token(token));
         assert_eq!(hash_token(token).len(), 64);
         assert!(!hash_token(token).contains("0123456789abcdef"));
-    }
-}
-
-/// The service as a command: its settings plus the mesh's internal credential.
-#[derive(Debug, Clone, clap::Args)]
-pub struct Command {
-    #[command(flatten)]
-    pub config: Config,
-    /// The internal service credential shared by the mesh.
-    #[arg(long, env = "AUTOMESH_INTERNAL_TOKEN", hide_env_values = true)]
-    pub internal_token: String,
-}
-
-impl Command {
-    /// Runs the service until SIGINT or SIGTERM.
-    pub async fn execute(self) -> anyhow::Result<()> {
-        let started = automesh_rpc::runtime::start(
-            "automesh-desktop-runner-gateway",
-            self.config.listen,
-            &self.internal_token,
-        )
-        .await?;
-        run(
-            self.config,
-            started.credential,
-            started.listener,
-            started.shutdown,
-        )
-        .await
     }
 }

@@ -62,31 +62,22 @@ pub async fn serve(
     Ok(())
 }
 
-/// The service as a command: its settings plus the mesh's internal credential.
-#[derive(Debug, Clone, clap::Args)]
-pub struct Command {
-    #[command(flatten)]
-    pub config: Config,
-    /// The internal service credential shared by the mesh.
-    #[arg(long, env = "AUTOMESH_INTERNAL_TOKEN", hide_env_values = true)]
-    pub internal_token: String,
-}
+impl automesh_rpc::runtime::ServiceMain for Config {
+    const NAME: &'static str = "automesh-run-coordinator";
 
-impl Command {
-    /// Runs the service until SIGINT or SIGTERM.
-    pub async fn execute(self) -> anyhow::Result<()> {
-        let started = automesh_rpc::runtime::start(
-            "automesh-run-coordinator",
-            self.config.listen,
-            &self.internal_token,
-        )
-        .await?;
-        run(
-            self.config,
-            started.credential,
-            started.listener,
-            started.shutdown,
-        )
-        .await
+    fn listen(&self) -> SocketAddr {
+        self.listen
+    }
+
+    async fn run(
+        self,
+        credential: InternalCredential,
+        listener: TcpListener,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<()> {
+        run(self, credential, listener, shutdown).await
     }
 }
+
+/// The service as a command: its settings plus the internal credential.
+pub type Command = automesh_rpc::runtime::ServiceCommand<Config>;
