@@ -16,6 +16,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "automesh/coordinator/v1/coordinator.proto",
         "automesh/worker/v1/lifecycle.proto",
         "automesh/runner/v1/runner.proto",
+        "automesh/executor/v1/executor.proto",
     ];
     for file in files {
         println!("cargo:rerun-if-changed={file}");

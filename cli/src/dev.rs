@@ -39,6 +39,9 @@ pub struct DevArgs {
     /// How long a run may take from creation to its end.
     #[arg(long, default_value = "30m", value_parser = automesh_scheduler::parse_duration)]
     pub run_deadline: Duration,
+    /// How late a missed occurrence may be and still run once after downtime.
+    #[arg(long, default_value = "1h", value_parser = automesh_scheduler::parse_duration)]
+    pub catch_up_window: Duration,
     /// Do not record a (stopped) cloud worker for the `dev` user. Without
     /// one, creating a cloud automation fails its precondition, as it would
     /// for a user who has no cloud worker.
@@ -125,11 +128,15 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let mut tasks: JoinSet<(&'static str, anyhow::Result<()>)> = JoinSet::new();
     {
         let (s, c, sd) = (store.clone(), credential.clone(), shutdown.clone());
-        let deadline = args.run_deadline;
+        let settings = automesh_scheduler::occurrences::Settings {
+            catch_up_window: args.catch_up_window,
+            run_deadline: args.run_deadline,
+            max_sleep: Duration::from_secs(1),
+        };
         tasks.spawn(async move {
             (
                 "scheduler",
-                automesh_scheduler::serve(s, deadline, c, scheduler_l, sd).await,
+                automesh_scheduler::serve(s, settings, c, scheduler_l, sd).await,
             )
         });
     }
@@ -138,7 +145,15 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         tasks.spawn(async move {
             (
                 "run-coordinator",
-                automesh_run_coordinator::serve(s, c, coordinator_l, sd).await,
+                automesh_run_coordinator::serve(
+                    s,
+                    automesh_run_coordinator::driver::Settings::default(),
+                    automesh_run_coordinator::driver::Executors::default(),
+                    c,
+                    coordinator_l,
+                    sd,
+                )
+                .await,
             )
         });
     }

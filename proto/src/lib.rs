@@ -53,3 +53,11 @@ pub mod runner {
         tonic::include_proto!("automesh.runner.v1");
     }
 }
+
+#[allow(clippy::all, missing_docs)]
+pub mod executor {
+    //! `automesh.executor.v1`: how the coordinator drives a run on an executor.
+    pub mod v1 {
+        tonic::include_proto!("automesh.executor.v1");
+    }
+}

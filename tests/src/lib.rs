@@ -2,6 +2,8 @@
 //! real gRPC on loopback, against a fresh SQLite or PostgreSQL database, with
 //! clients that authenticate like the web backend does.
 
+pub mod executor;
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -23,6 +25,34 @@ use tonic::transport::Channel;
 /// The JWT key of every test mesh.
 pub const JWT_SECRET: &[u8] = b"test-only-jwt-secret-0123456789abcdef";
 
+/// How a test mesh is put together.
+#[derive(Debug, Clone)]
+pub struct MeshOptions {
+    /// The executor both placements use (a [`executor::TestExecutor`]).
+    pub executor: Option<String>,
+    pub lease: Duration,
+    pub cancel_bound: Duration,
+    pub run_deadline: Duration,
+    pub catch_up_window: Duration,
+    /// Replicas of the scheduler and of the coordinator.
+    pub schedulers: usize,
+    pub coordinators: usize,
+}
+
+impl Default for MeshOptions {
+    fn default() -> Self {
+        Self {
+            executor: None,
+            lease: Duration::from_secs(2),
+            cancel_bound: Duration::from_secs(2),
+            run_deadline: Duration::from_secs(1800),
+            catch_up_window: Duration::from_secs(3600),
+            schedulers: 1,
+            coordinators: 1,
+        }
+    }
+}
+
 /// A running mesh; call [`Mesh::stop`] at the end of the test.
 pub struct Mesh {
     pub db: TestDatabase,
@@ -32,6 +62,10 @@ pub struct Mesh {
     pub lifecycle: String,
     pub runner_gateway: String,
     pub credential: InternalCredential,
+    pub options: MeshOptions,
+    /// One handle per coordinator replica; aborting one kills it without
+    /// any cleanup, as a crash would.
+    pub coordinators: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
     shutdown: CancellationToken,
     tasks: JoinSet<anyhow::Result<()>>,
 }
@@ -57,6 +91,11 @@ impl Mesh {
     /// Starts every service on a fresh database of `backend` and waits until
     /// the gateway reports SERVING.
     pub async fn start(backend: Backend) -> anyhow::Result<Mesh> {
+        Self::start_with(backend, MeshOptions::default()).await
+    }
+
+    /// Starts a mesh as `options` say.
+    pub async fn start_with(backend: Backend, options: MeshOptions) -> anyhow::Result<Mesh> {
         automesh_rpc::telemetry::init_for_tests();
         let db = TestDatabase::new(backend)
             .await
@@ -70,19 +109,39 @@ impl Mesh {
         let (ll, lifecycle) = listener().await?;
         let (rl, runner_gateway) = listener().await?;
         let store = db.store.clone();
-        tasks.spawn(automesh_scheduler::serve(
-            store.clone(),
-            Duration::from_secs(1800),
-            credential.clone(),
-            sl,
-            shutdown.clone(),
-        ));
-        tasks.spawn(automesh_run_coordinator::serve(
-            store.clone(),
-            credential.clone(),
-            cl,
-            shutdown.clone(),
-        ));
+        let mut first = Some(sl);
+        for _ in 0..options.schedulers.max(1) {
+            let l = match first.take() {
+                Some(l) => l,
+                None => listener().await?.0,
+            };
+            tasks.spawn(automesh_scheduler::serve(
+                store.clone(),
+                automesh_scheduler::occurrences::Settings {
+                    catch_up_window: options.catch_up_window,
+                    run_deadline: options.run_deadline,
+                    max_sleep: Duration::from_secs(1),
+                },
+                credential.clone(),
+                l,
+                shutdown.clone(),
+            ));
+        }
+        let mut coordinators = vec![];
+        let mut first = Some(cl);
+        for _ in 0..options.coordinators.max(1) {
+            let l = match first.take() {
+                Some(l) => l,
+                None => listener().await?.0,
+            };
+            coordinators.push(spawn_coordinator(
+                &store,
+                &options,
+                &credential,
+                l,
+                &shutdown,
+            )?);
+        }
         tasks.spawn(automesh_cloud_worker_lifecycle::serve(
             store.clone(),
             "local-process".into(),
@@ -116,6 +175,8 @@ impl Mesh {
             lifecycle,
             runner_gateway,
             credential,
+            options,
+            coordinators,
             shutdown,
             tasks,
         };
@@ -126,6 +187,20 @@ impl Mesh {
 
     pub fn store(&self) -> &Store {
         &self.db.store
+    }
+
+    /// Starts one more coordinator replica on this mesh's database.
+    pub async fn add_coordinator(&mut self) -> anyhow::Result<()> {
+        let (l, _) = listener().await?;
+        let handle = spawn_coordinator(
+            &self.db.store,
+            &self.options,
+            &self.credential,
+            l,
+            &self.shutdown,
+        )?;
+        self.coordinators.push(handle);
+        Ok(())
     }
 
     /// Waits (bounded) until `addr` reports SERVING.
@@ -162,6 +237,14 @@ impl Mesh {
             while let Some(done) = self.tasks.join_next().await {
                 done??;
             }
+            for c in self.coordinators.drain(..) {
+                match c.await {
+                    Ok(result) => result?,
+                    // A coordinator the test killed.
+                    Err(e) if e.is_cancelled() => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
             anyhow::Ok(())
         })
         .await
@@ -169,6 +252,34 @@ impl Mesh {
         self.db.remove().await?;
         Ok(())
     }
+}
+
+fn spawn_coordinator(
+    store: &Store,
+    options: &MeshOptions,
+    credential: &InternalCredential,
+    listener: TcpListener,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<tokio::task::JoinHandle<anyhow::Result<()>>> {
+    let executors = automesh_run_coordinator::executors(
+        options.executor.as_deref(),
+        options.executor.as_deref(),
+        credential,
+    )?;
+    let settings = automesh_run_coordinator::driver::Settings {
+        lease: options.lease,
+        cancel_bound: options.cancel_bound,
+        poll: Duration::from_millis(100),
+        ..Default::default()
+    };
+    Ok(tokio::spawn(automesh_run_coordinator::serve(
+        store.clone(),
+        settings,
+        executors,
+        credential.clone(),
+        listener,
+        shutdown.clone(),
+    )))
 }
 
 /// Waits (bounded) until `addr`'s overall health is SERVING (`want = true`)

@@ -1107,7 +1107,11 @@ async fn health_is_not_serving_while_the_database_is_unreachable() {
         automesh_rpc::InternalCredential::new("test-internal-credential-0123").expect("cred");
     let server = tokio::spawn(automesh_scheduler::serve(
         store,
-        Duration::from_secs(60),
+        automesh_scheduler::occurrences::Settings {
+            catch_up_window: Duration::from_secs(60),
+            run_deadline: Duration::from_secs(60),
+            max_sleep: Duration::from_secs(1),
+        },
         credential,
         listener,
         shutdown.clone(),

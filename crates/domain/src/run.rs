@@ -98,6 +98,14 @@ pub struct Run {
     pub deadline_at: DateTime<Utc>,
     /// W3C `traceparent` of the trace that follows this run.
     pub traceparent: Option<String>,
+    /// The deterministic identity of the user message, persisted before the
+    /// prompt is first submitted.
+    pub message_id: Option<String>,
+    /// When a user asked for cancellation.
+    pub cancel_requested_at: Option<DateTime<Utc>>,
+    /// When an executor accepted the run, and when it started executing.
+    pub admitted_at: Option<DateTime<Utc>>,
+    pub started_at: Option<DateTime<Utc>>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }

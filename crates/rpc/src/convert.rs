@@ -631,3 +631,42 @@ pub fn event_to_pb(e: &RunEvent) -> pb::RunEvent {
 pub fn is_terminal_pb(state: i32) -> bool {
     run_state_from_pb(state).is_some_and(RunState::is_terminal)
 }
+
+/// What an event means, from its protobuf form; `None` for an empty payload.
+pub fn event_payload_from_pb(e: &pb::RunEvent) -> Option<RunEventPayload> {
+    use pb::run_event::Payload;
+    Some(match e.payload.as_ref()? {
+        Payload::AssistantText(t) => RunEventPayload::AssistantText {
+            text: t.text.clone(),
+        },
+        Payload::ToolCall(c) => RunEventPayload::ToolCall {
+            call_id: c.call_id.clone(),
+            tool: c.tool.clone(),
+            input_json: c.input_json.clone(),
+        },
+        Payload::ToolResult(r) => RunEventPayload::ToolResult {
+            call_id: r.call_id.clone(),
+            tool: r.tool.clone(),
+            output: r.output.clone(),
+            is_error: r.is_error,
+        },
+        Payload::PermissionPrompt(p) => RunEventPayload::PermissionPrompt {
+            permission_id: p.permission_id.clone(),
+            permission: p.permission.clone(),
+            patterns: p.patterns.clone(),
+            reply: (!p.reply.is_empty()).then(|| p.reply.clone()),
+        },
+        Payload::Usage(u) => RunEventPayload::Usage(Usage {
+            input_tokens: u.input_tokens,
+            output_tokens: u.output_tokens,
+            cost_micros: u.cost_micros,
+        }),
+        Payload::StatusChange(s) => RunEventPayload::StatusChange {
+            state: run_state_from_pb(s.state)
+                .map(|s| s.as_str().to_owned())
+                .unwrap_or_default(),
+            error_code: (!s.error_code.is_empty()).then(|| s.error_code.clone()),
+            message: (!s.message.is_empty()).then(|| s.message.clone()),
+        },
+    })
+}

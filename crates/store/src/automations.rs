@@ -42,7 +42,7 @@ const UPDATE_IF_VERSION: &str = "UPDATE automations SET name = $4, prompt = $5, 
 const COUNT_FOR_OWNER: &str =
     "SELECT COUNT(*) FROM automations WHERE org_id = $1 AND owner_id = $2";
 
-fn decode(row: &AnyRow) -> Result<Automation> {
+pub(crate) fn decode(row: &AnyRow) -> Result<Automation> {
     let schedule_json = text(row, "schedule")?;
     let record: ScheduleRecord = serde_json::from_str(&schedule_json)
         .map_err(|e| StoreError::Corrupt(format!("schedule: {e}")))?;

@@ -13,12 +13,15 @@
 pub mod automations;
 mod error;
 pub mod events;
+pub mod leases;
 mod migrations;
 pub mod page;
 pub mod receipts;
 mod rows;
 pub mod runners;
 pub mod runs;
+pub mod scheduling;
+mod signal;
 pub mod testing;
 pub mod workers;
 
@@ -28,6 +31,7 @@ use sqlx::any::{AnyPoolOptions, install_default_drivers};
 use sqlx::{Any, AnyPool, Executor, Transaction};
 
 pub use error::{Result, StoreError};
+pub use signal::RunWatcher;
 
 /// Which database a store talks to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,6 +75,7 @@ impl Default for StoreOptions {
 pub struct Store {
     pool: AnyPool,
     backend: Backend,
+    url: std::sync::Arc<str>,
 }
 
 impl std::fmt::Debug for Store {
@@ -107,7 +112,11 @@ impl Store {
             });
         }
         let pool = pool.connect_lazy(url)?;
-        Ok(Store { pool, backend })
+        Ok(Store {
+            pool,
+            backend,
+            url: url.into(),
+        })
     }
 
     /// Opens a pool, connects, and applies every migration.
@@ -119,6 +128,11 @@ impl Store {
 
     pub fn backend(&self) -> Backend {
         self.backend
+    }
+
+    /// The connection URL (it may hold a password: never log it).
+    pub(crate) fn url(&self) -> &str {
+        &self.url
     }
 
     /// Applies the migrations of this backend; safe to run concurrently from

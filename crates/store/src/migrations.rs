@@ -8,12 +8,20 @@ use sqlx::migrate::{Migration, MigrationType, Migrator};
 use crate::Backend;
 
 /// (version, description, PostgreSQL SQL, SQLite SQL), in order.
-const MIGRATIONS: &[(i64, &str, &str, &str)] = &[(
-    1,
-    "initial",
-    include_str!("../../../migrations/postgres/0001_initial.sql"),
-    include_str!("../../../migrations/sqlite/0001_initial.sql"),
-)];
+const MIGRATIONS: &[(i64, &str, &str, &str)] = &[
+    (
+        1,
+        "initial",
+        include_str!("../../../migrations/postgres/0001_initial.sql"),
+        include_str!("../../../migrations/sqlite/0001_initial.sql"),
+    ),
+    (
+        2,
+        "run lifecycle",
+        include_str!("../../../migrations/postgres/0002_run_lifecycle.sql"),
+        include_str!("../../../migrations/sqlite/0002_run_lifecycle.sql"),
+    ),
+];
 
 pub(crate) fn migrator(backend: Backend) -> Migrator {
     Migrator::with_migrations(

@@ -11,7 +11,8 @@ use crate::{Result, Store, StoreError};
 const INSERT: &str = "INSERT INTO receipts (run_id, outcome, error_code, error_message, placement, \
      engine, queued_us, wake_us, admission_us, execution_us, input_tokens, output_tokens, \
      cost_micros, worker_id, workspace_id, thread_id, message_id, created_at) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)";
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18) \
+     ON CONFLICT (run_id) DO NOTHING";
 
 const GET: &str = "SELECT run_id, outcome, error_code, error_message, placement, engine, queued_us, \
      wake_us, admission_us, execution_us, input_tokens, output_tokens, cost_micros, worker_id, \
@@ -107,7 +108,10 @@ impl Store {
     }
 }
 
-async fn insert(tx: &mut sqlx::Transaction<'static, sqlx::Any>, r: &Receipt) -> Result<()> {
+pub(crate) async fn insert(
+    tx: &mut sqlx::Transaction<'static, sqlx::Any>,
+    r: &Receipt,
+) -> Result<()> {
     let terminal: RunState = r.outcome;
     sqlx::query(INSERT)
         .bind(&r.run_id)

@@ -10,33 +10,48 @@ use crate::page::{Cursor, Page};
 use crate::rows::{instant, micros, opt_instant, opt_micros, opt_parsed, opt_text, parsed, text};
 use crate::{Result, Store, StoreError};
 
+/// The columns every run query reads, in `decode`'s terms.
+macro_rules! run_columns {
+    () => {
+        "id, automation_id, org_id, owner_id, placement, trigger, scheduled_for, idempotency_key, \
+         prompt, model, state, error_code, error_message, deadline_at, traceparent, message_id, \
+         cancel_requested_at, admitted_at, started_at, created_at, updated_at"
+    };
+}
+pub(crate) use run_columns;
+
 const INSERT: &str = "INSERT INTO runs (id, automation_id, org_id, owner_id, placement, trigger, \
      scheduled_for, idempotency_key, prompt, model, state, error_code, error_message, deadline_at, \
      traceparent, created_at, updated_at) \
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $16) \
      ON CONFLICT (id) DO NOTHING";
 
-const GET_UNSCOPED: &str = "SELECT id, automation_id, org_id, owner_id, placement, trigger, \
-     scheduled_for, idempotency_key, prompt, model, state, error_code, error_message, deadline_at, \
-     traceparent, created_at, updated_at FROM runs WHERE id = $1";
+const GET_UNSCOPED: &str = concat!("SELECT ", run_columns!(), " FROM runs WHERE id = $1");
 
-const GET: &str = "SELECT id, automation_id, org_id, owner_id, placement, trigger, scheduled_for, \
-     idempotency_key, prompt, model, state, error_code, error_message, deadline_at, traceparent, \
-     created_at, updated_at FROM runs WHERE id = $1 AND org_id = $2 AND owner_id = $3";
+const GET: &str = concat!(
+    "SELECT ",
+    run_columns!(),
+    " FROM runs WHERE id = $1 AND org_id = $2 AND owner_id = $3"
+);
 
-const LIST: &str = "SELECT id, automation_id, org_id, owner_id, placement, trigger, scheduled_for, \
-     idempotency_key, prompt, model, state, error_code, error_message, deadline_at, traceparent, \
-     created_at, updated_at FROM runs \
+const LIST: &str = concat!(
+    "SELECT ",
+    run_columns!(),
+    " FROM runs \
      WHERE org_id = $1 AND owner_id = $2 AND ($3 = '' OR automation_id = $3) \
        AND (created_at < $4 OR (created_at = $4 AND id < $5)) \
-     ORDER BY created_at DESC, id DESC LIMIT $6";
+     ORDER BY created_at DESC, id DESC LIMIT $6"
+);
 
 /// `$5` is a comma-framed list of the states the run may move from, such as
 /// `,pending,waking,`: one static query for every transition on both backends.
 const TRANSITION: &str = "UPDATE runs SET state = $2, error_code = $3, error_message = $4, \
-     updated_at = $6 WHERE id = $1 AND $5 LIKE '%,' || state || ',%'";
+     updated_at = $6, \
+     admitted_at = CASE WHEN $2 = 'admitted' THEN $6 ELSE admitted_at END, \
+     started_at = CASE WHEN $2 = 'running' THEN $6 ELSE started_at END \
+     WHERE id = $1 AND $5 LIKE '%,' || state || ',%'";
 
-fn decode(row: &AnyRow) -> Result<Run> {
+pub(crate) fn decode(row: &AnyRow) -> Result<Run> {
     Ok(Run {
         id: text(row, "id")?,
         automation_id: text(row, "automation_id")?,
@@ -53,6 +68,10 @@ fn decode(row: &AnyRow) -> Result<Run> {
         error_message: opt_text(row, "error_message")?,
         deadline_at: instant(row, "deadline_at")?,
         traceparent: opt_text(row, "traceparent")?,
+        message_id: opt_text(row, "message_id")?,
+        cancel_requested_at: opt_instant(row, "cancel_requested_at")?,
+        admitted_at: opt_instant(row, "admitted_at")?,
+        started_at: opt_instant(row, "started_at")?,
         created_at: instant(row, "created_at")?,
         updated_at: instant(row, "updated_at")?,
     })
@@ -62,29 +81,18 @@ impl Store {
     /// Creates a run unless one with the same id exists, and returns the
     /// stored run with `true` when this call created it.
     pub async fn create_run(&self, new: &NewRun, now: DateTime<Utc>) -> Result<(Run, bool)> {
-        let done = sqlx::query(INSERT)
-            .bind(&new.id)
-            .bind(&new.automation_id)
-            .bind(&new.org_id)
-            .bind(&new.owner_id)
-            .bind(new.placement.as_str())
-            .bind(new.trigger.as_str())
-            .bind(opt_micros(new.scheduled_for))
-            .bind(new.idempotency_key.as_deref())
-            .bind(&new.prompt)
-            .bind(&new.model)
-            .bind(new.state.as_str())
-            .bind(new.error_code.map(|c| c.as_str()))
-            .bind(new.error_message.as_deref())
-            .bind(micros(new.deadline_at))
-            .bind(new.traceparent.as_deref())
-            .bind(micros(now))
-            .execute(self.pool())
-            .await?;
-        Ok((
-            self.get_run_unscoped(&new.id).await?,
-            done.rows_affected() == 1,
-        ))
+        let mut tx = self.begin_write().await?;
+        let created = insert(&mut tx, new, now).await?;
+        if created && !new.state.is_terminal() && self.backend() == crate::Backend::Postgres {
+            sqlx::query("SELECT pg_notify('automesh_runs', '')")
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        if created {
+            crate::signal::runs_created();
+        }
+        Ok((self.get_run_unscoped(&new.id).await?, created))
     }
 
     /// One run of `owner`; another tenant's answers `NotFound`.
@@ -164,4 +172,32 @@ impl Store {
             })
         }
     }
+}
+
+/// Inserts a run unless its id exists; `true` when this call created it.
+pub(crate) async fn insert(
+    tx: &mut sqlx::Transaction<'static, sqlx::Any>,
+    new: &NewRun,
+    now: DateTime<Utc>,
+) -> Result<bool> {
+    let done = sqlx::query(INSERT)
+        .bind(&new.id)
+        .bind(&new.automation_id)
+        .bind(&new.org_id)
+        .bind(&new.owner_id)
+        .bind(new.placement.as_str())
+        .bind(new.trigger.as_str())
+        .bind(opt_micros(new.scheduled_for))
+        .bind(new.idempotency_key.as_deref())
+        .bind(&new.prompt)
+        .bind(&new.model)
+        .bind(new.state.as_str())
+        .bind(new.error_code.map(|c| c.as_str()))
+        .bind(new.error_message.as_deref())
+        .bind(micros(new.deadline_at))
+        .bind(new.traceparent.as_deref())
+        .bind(micros(now))
+        .execute(&mut **tx)
+        .await?;
+    Ok(done.rows_affected() == 1)
 }

@@ -9,8 +9,6 @@ use tonic::Status;
 pub enum Error {
     #[error("invalid request: {0}")]
     Invalid(#[from] Violations),
-    #[error("run {0} is being executed; cancellation must go through its executor")]
-    Executing(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -19,11 +17,6 @@ impl From<Error> for Status {
     fn from(e: Error) -> Status {
         match e {
             Error::Invalid(v) => status::invalid_argument(&v),
-            Error::Executing(id) => status::failed_precondition(
-                "RUN_STATE",
-                &format!("runs/{id}"),
-                "the run has been handed to an executor; cancellation through executors is not available in this build",
-            ),
             Error::Store(StoreError::NotFound) => status::not_found("run"),
             Error::Store(StoreError::InvalidPageToken) => {
                 status::invalid_field("page_token", "not a page token issued by this service")

@@ -2,11 +2,14 @@
 //! transition after creation, the event log, cancellation and receipts — and
 //! serves run history and live event streams.
 
+pub mod driver;
 mod error;
 mod service;
 mod watch;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
 use automesh_proto::coordinator::v1::run_coordinator_service_server::RunCoordinatorServiceServer;
 use automesh_rpc::{GrpcServer, InternalCredential, RequireInternal, ServerSettings};
@@ -30,6 +33,61 @@ pub struct Config {
     /// Database URL: postgres://… or sqlite:….
     #[arg(long, env = "AUTOMESH_DATABASE_URL")]
     pub database_url: String,
+    /// The executor of desktop runs (the desktop-runner-gateway).
+    #[arg(long, env = "AUTOMESH_DESKTOP_EXECUTOR_ADDR")]
+    pub desktop_executor_addr: Option<String>,
+    /// The executor of cloud runs (the cloud-worker-lifecycle service).
+    #[arg(long, env = "AUTOMESH_CLOUD_EXECUTOR_ADDR")]
+    pub cloud_executor_addr: Option<String>,
+    /// How long a run's lease lasts without a heartbeat.
+    #[arg(long, env = "AUTOMESH_RUN_LEASE", default_value = "15s", value_parser = parse_duration)]
+    pub lease: Duration,
+    /// How long to wait for an executor to be idle after a cancellation.
+    #[arg(long, env = "AUTOMESH_CANCEL_BOUND", default_value = "30s", value_parser = parse_duration)]
+    pub cancel_bound: Duration,
+}
+
+/// Parses `500ms`, `90s`, `30m`, `2h` or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((s, "s"), |i| s.split_at(i));
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("expected a duration such as 500ms, 90s, 30m or 2h, got {s:?}"))?;
+    Ok(match unit {
+        "ms" => Duration::from_millis(n),
+        "s" => Duration::from_secs(n),
+        "m" => Duration::from_secs(n * 60),
+        "h" => Duration::from_secs(n * 3600),
+        _ => {
+            return Err(format!(
+                "unknown duration unit {unit:?} in {s:?}; use ms, s, m or h"
+            ));
+        }
+    })
+}
+
+/// Clients of the configured executors, carrying the internal credential.
+pub fn executors(
+    desktop: Option<&str>,
+    cloud: Option<&str>,
+    credential: &InternalCredential,
+) -> anyhow::Result<driver::Executors> {
+    use automesh_proto::executor::v1::executor_service_client::ExecutorServiceClient;
+    let client = |addr: Option<&str>| -> anyhow::Result<_> {
+        Ok(match addr {
+            Some(a) => Some(ExecutorServiceClient::new(automesh_rpc::internal_channel(
+                a, credential,
+            )?)),
+            None => None,
+        })
+    };
+    Ok(driver::Executors {
+        desktop: client(desktop)?,
+        cloud: client(cloud)?,
+    })
 }
 
 /// Serves the coordinator on `listener` until `shutdown` is cancelled.
@@ -40,25 +98,48 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let store = Store::connect_lazy(&config.database_url, StoreOptions::default())?;
-    serve(store, credential, listener, shutdown).await
+    let executors = executors(
+        config.desktop_executor_addr.as_deref(),
+        config.cloud_executor_addr.as_deref(),
+        &credential,
+    )?;
+    let settings = driver::Settings {
+        lease: config.lease,
+        cancel_bound: config.cancel_bound,
+        ..driver::Settings::default()
+    };
+    serve(store, settings, executors, credential, listener, shutdown).await
 }
 
 /// Serves the coordinator over an existing store (used by `dev` mode and tests).
+/// Both run until `shutdown`: the gRPC server and the claim loop with its
+/// drivers. They live inside this future, so aborting it stops everything
+/// at once, as a crash would.
 pub async fn serve(
     store: Store,
+    settings: driver::Settings,
+    executors: driver::Executors,
     credential: InternalCredential,
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    let coordinator = Coordinator::new(store.clone(), shutdown.clone());
+    let context = Arc::new(driver::Context {
+        store: store.clone(),
+        executors,
+        settings,
+        owner: format!("coordinator-{}", uuid::Uuid::new_v4()),
+        cancels: tokio::sync::Notify::new(),
+    });
+    let coordinator = Coordinator::new(context.clone(), shutdown.clone());
     let mut server = GrpcServer::new(ServerSettings::default())?;
     server.add_service(RunCoordinatorServiceServer::with_interceptor(
         coordinator,
         RequireInternal(credential),
     ));
-    server
-        .serve(listener, shutdown, store.readiness_probe())
-        .await?;
+    let claiming = driver::run_loop(context, shutdown.clone());
+    let serving = server.serve(listener, shutdown, store.readiness_probe());
+    let ((), served) = tokio::join!(claiming, serving);
+    served?;
     Ok(())
 }
 

@@ -1,18 +1,22 @@
 //! The coordinator's operations on runs, and the thin gRPC handlers in front
 //! of them.
 
-use automesh_domain::{Principal, Receipt, Run, RunState};
+use std::sync::Arc;
+use std::time::Duration;
+
+use automesh_domain::{Principal, Run};
 use automesh_proto::coordinator::v1 as cpb;
 use automesh_proto::coordinator::v1::run_coordinator_service_server::RunCoordinatorService;
 use automesh_proto::v1 as pb;
 use automesh_rpc::convert;
+use automesh_store::Store;
 use automesh_store::page::Cursor;
-use automesh_store::{Store, StoreError};
 use chrono::{DateTime, Utc};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+use crate::driver::Context;
 use crate::error::Error;
 use crate::watch;
 
@@ -20,12 +24,21 @@ use crate::watch;
 #[derive(Debug, Clone)]
 pub struct Coordinator {
     store: Store,
+    context: Arc<Context>,
     shutdown: CancellationToken,
 }
 
+/// How long `CancelRun` waits for the run to end before answering with the
+/// run as it is (the cancellation goes on; `WatchRun` shows the end).
+const CANCEL_ANSWER_WAIT: Duration = Duration::from_secs(5);
+
 impl Coordinator {
-    pub fn new(store: Store, shutdown: CancellationToken) -> Self {
-        Self { store, shutdown }
+    pub fn new(context: Arc<Context>, shutdown: CancellationToken) -> Self {
+        Self {
+            store: context.store.clone(),
+            context,
+            shutdown,
+        }
     }
 
     /// A run of `owner` in its protobuf form, with its receipt once terminal.
@@ -43,8 +56,10 @@ impl Coordinator {
         Ok(convert::run_to_pb(run, receipt.as_ref()))
     }
 
-    /// Cancels a run. A run no executor holds yet ends `cancelled` at once; a
-    /// terminal run is returned unchanged.
+    /// Asks for a run's cancellation: its driver forwards it to the
+    /// executor and ends the run once the executor is observed idle (or the
+    /// cancellation bound passes). Answers with the run once it ended, or
+    /// as it is after a short wait. A terminal run is returned unchanged.
     pub async fn cancel(
         &self,
         owner: &Principal,
@@ -55,45 +70,17 @@ impl Coordinator {
         if run.state.is_terminal() {
             return Ok(run);
         }
-        if run.state != RunState::Pending {
-            return Err(Error::Executing(run.id));
+        if self.store.request_cancel(&run.id, now).await? {
+            tracing::info!(run_id = %run.id, "cancellation requested");
+            self.context.cancels.notify_waiters();
         }
-        let receipt = Receipt {
-            run_id: run.id.clone(),
-            outcome: RunState::Cancelled,
-            error_code: None,
-            error_message: Some("cancelled before it was dispatched".into()),
-            placement: run.placement,
-            engine: None,
-            queued_micros: (now - run.created_at)
-                .num_microseconds()
-                .unwrap_or(0)
-                .max(0),
-            wake_micros: 0,
-            admission_micros: 0,
-            execution_micros: 0,
-            usage: Default::default(),
-            worker_id: None,
-            workspace_id: None,
-            thread_id: None,
-            message_id: None,
-            created_at: now,
-        };
-        match self.store.finish_run(&receipt, now).await {
-            Ok(run) => {
-                tracing::info!(run_id = %run.id, "run cancelled before dispatch");
-                Ok(run)
+        let give_up = tokio::time::Instant::now() + CANCEL_ANSWER_WAIT;
+        loop {
+            let current = self.store.get_run(owner, id).await?;
+            if current.state.is_terminal() || tokio::time::Instant::now() >= give_up {
+                return Ok(current);
             }
-            // Someone moved it first: report what it is now.
-            Err(StoreError::IllegalTransition { .. }) => {
-                let run = self.store.get_run(owner, id).await?;
-                if run.state.is_terminal() {
-                    Ok(run)
-                } else {
-                    Err(Error::Executing(run.id))
-                }
-            }
-            Err(e) => Err(e.into()),
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 }

@@ -7,15 +7,18 @@
 //! `Status` in one place.
 
 mod error;
+pub mod occurrences;
 mod service;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use automesh_proto::scheduler::v1::scheduler_service_server::SchedulerServiceServer;
 use automesh_rpc::{GrpcServer, InternalCredential, RequireInternal, ServerSettings};
 use automesh_store::{Store, StoreOptions};
 use tokio::net::TcpListener;
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 pub use error::Error;
@@ -38,6 +41,20 @@ pub struct Config {
     /// admission included (for example 30m, 2h).
     #[arg(long, env = "AUTOMESH_RUN_DEADLINE", default_value = "30m", value_parser = parse_duration)]
     pub run_deadline: Duration,
+    /// How late the latest occurrence missed during downtime may be and
+    /// still run once; older ones are recorded missed.
+    #[arg(long, env = "AUTOMESH_CATCH_UP_WINDOW", default_value = "1h", value_parser = parse_duration)]
+    pub catch_up_window: Duration,
+}
+
+impl Config {
+    pub fn settings(&self) -> occurrences::Settings {
+        occurrences::Settings {
+            catch_up_window: self.catch_up_window,
+            run_deadline: self.run_deadline,
+            max_sleep: Duration::from_secs(1),
+        }
+    }
 }
 
 /// Parses `90s`, `30m`, `2h` or a bare number of seconds.
@@ -71,26 +88,30 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let store = Store::connect_lazy(&config.database_url, StoreOptions::default())?;
-    serve(store, config.run_deadline, credential, listener, shutdown).await
+    serve(store, config.settings(), credential, listener, shutdown).await
 }
 
 /// Serves the scheduler over an existing store (used by `dev` mode and tests).
+/// Both run until `shutdown`: the gRPC server and the occurrence loop. The
+/// loop lives inside this future, so aborting it stops everything.
 pub async fn serve(
     store: Store,
-    run_deadline: Duration,
+    settings: occurrences::Settings,
     credential: InternalCredential,
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    let scheduler = Scheduler::new(store.clone(), run_deadline);
+    let wake = Arc::new(Notify::new());
+    let scheduler = Scheduler::new(store.clone(), settings.run_deadline, wake.clone());
     let mut server = GrpcServer::new(ServerSettings::default())?;
     server.add_service(SchedulerServiceServer::with_interceptor(
         scheduler,
         RequireInternal(credential),
     ));
-    server
-        .serve(listener, shutdown, store.readiness_probe())
-        .await?;
+    let looping = occurrences::run_loop(store.clone(), settings, wake, shutdown.clone());
+    let serving = server.serve(listener, shutdown, store.readiness_probe());
+    let ((), served) = tokio::join!(looping, serving);
+    served?;
     Ok(())
 }
 

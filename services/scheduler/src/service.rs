@@ -1,7 +1,10 @@
 //! The scheduler's operations on automations and manual runs, and the thin
 //! gRPC handlers in front of them.
 
+use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::sync::Notify;
 
 use automesh_domain::automation::{Automation, NewAutomation, StateChange};
 use automesh_domain::ids::{manual_run_id, new_automation_id};
@@ -29,13 +32,16 @@ const UPDATE_ATTEMPTS: usize = 5;
 pub struct Scheduler {
     store: Store,
     run_deadline: Duration,
+    /// Wakes the occurrence loop after an edit that may move the next due instant.
+    wake: Arc<Notify>,
 }
 
 impl Scheduler {
-    pub fn new(store: Store, run_deadline: Duration) -> Self {
+    pub fn new(store: Store, run_deadline: Duration, wake: Arc<Notify>) -> Self {
         Self {
             store,
             run_deadline,
+            wake,
         }
     }
 
@@ -57,7 +63,9 @@ impl Scheduler {
             surface: input.surface,
             schedule: input.schedule,
         };
-        Ok(self.store.create_automation(&new, next, now).await?)
+        let created = self.store.create_automation(&new, next, now).await?;
+        self.wake.notify_waiters();
+        Ok(created)
     }
 
     /// Applies an edit. A claimed placement must equal the stored one; a
@@ -161,7 +169,10 @@ impl Scheduler {
                 .update_automation_if_version(&next, current.version, now)
                 .await
             {
-                Ok(stored) => return Ok(stored),
+                Ok(stored) => {
+                    self.wake.notify_waiters();
+                    return Ok(stored);
+                }
                 Err(StoreError::VersionConflict { .. }) if expected_version.is_none() => continue,
                 Err(StoreError::VersionConflict { .. }) => return Err(Error::Stale),
                 Err(e) => return Err(e.into()),

@@ -1,0 +1,173 @@
+//! Queries of the coordinator's claim on runs: leases taken with `FOR UPDATE
+//! SKIP LOCKED` (PostgreSQL) or under the single writer lock (SQLite),
+//! renewed by heartbeats, and free for another coordinator once expired.
+//! Also the bookkeeping a coordinator persists while it drives a run.
+
+use automesh_domain::Run;
+use chrono::{DateTime, Utc};
+
+use crate::rows::micros;
+use crate::runs::run_columns;
+use crate::{Backend, Result, Store, StoreError};
+
+const CLAIM_PG: &str = "UPDATE runs SET lease_owner = $1, lease_expires_at = $2, claims = claims + 1 \
+     WHERE id IN (SELECT id FROM runs \
+        WHERE state IN ('pending', 'waking', 'admitted', 'running') \
+          AND (lease_expires_at IS NULL OR lease_expires_at < $3) \
+        ORDER BY created_at LIMIT $4 FOR UPDATE SKIP LOCKED) \
+     RETURNING id";
+
+const CLAIM_SQLITE: &str = "UPDATE runs SET lease_owner = $1, lease_expires_at = $2, claims = claims + 1 \
+     WHERE id IN (SELECT id FROM runs \
+        WHERE state IN ('pending', 'waking', 'admitted', 'running') \
+          AND (lease_expires_at IS NULL OR lease_expires_at < $3) \
+        ORDER BY created_at LIMIT $4) \
+     RETURNING id";
+
+const CLAIMED: &str = concat!(
+    "SELECT ",
+    run_columns!(),
+    ", executor_seq, claims FROM runs WHERE id = $1 AND lease_owner = $2"
+);
+
+const RENEW: &str = "UPDATE runs SET lease_expires_at = $3 \
+     WHERE id = $1 AND lease_owner = $2 AND state IN ('pending', 'waking', 'admitted', 'running')";
+
+const RELEASE: &str = "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL WHERE id = $1 AND lease_owner = $2";
+
+const ENSURE_MESSAGE_ID: &str =
+    "UPDATE runs SET message_id = COALESCE(message_id, $2) WHERE id = $1 RETURNING message_id";
+
+const SET_EXECUTOR_SEQ: &str =
+    "UPDATE runs SET executor_seq = $2 WHERE id = $1 AND executor_seq < $2";
+
+const REQUEST_CANCEL: &str = "UPDATE runs SET cancel_requested_at = COALESCE(cancel_requested_at, $2) \
+     WHERE id = $1 AND state IN ('pending', 'waking', 'admitted', 'running')";
+
+/// A run this coordinator holds the lease of.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClaimedRun {
+    pub run: Run,
+    /// How far the executor's event stream has been consumed.
+    pub executor_seq: i64,
+    /// How many times the run has been claimed (1 = first claim).
+    pub claims: i64,
+}
+
+impl Store {
+    /// Leases up to `limit` live runs that nobody holds (or whose lease
+    /// expired) to `owner` until `until`.
+    pub async fn claim_runs(
+        &self,
+        owner: &str,
+        until: DateTime<Utc>,
+        now: DateTime<Utc>,
+        limit: u32,
+    ) -> Result<Vec<ClaimedRun>> {
+        let sql = match self.backend() {
+            Backend::Postgres => CLAIM_PG,
+            Backend::Sqlite => CLAIM_SQLITE,
+        };
+        let mut tx = self.begin_write().await?;
+        let ids: Vec<String> = sqlx::query_scalar(sql)
+            .bind(owner)
+            .bind(micros(until))
+            .bind(micros(now))
+            .bind(i64::from(limit))
+            .fetch_all(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        let mut claimed = Vec::with_capacity(ids.len());
+        for id in ids {
+            if let Some(c) = self.claimed_run(&id, owner).await? {
+                claimed.push(c);
+            }
+        }
+        Ok(claimed)
+    }
+
+    /// A run as its lease holder sees it; `None` once the lease is lost.
+    pub async fn claimed_run(&self, id: &str, owner: &str) -> Result<Option<ClaimedRun>> {
+        let row = sqlx::query(CLAIMED)
+            .bind(id)
+            .bind(owner)
+            .fetch_optional(self.pool())
+            .await?;
+        row.map(|row| {
+            Ok(ClaimedRun {
+                run: crate::runs::decode(&row)?,
+                executor_seq: crate::rows::int(&row, "executor_seq")?,
+                claims: crate::rows::int(&row, "claims")?,
+            })
+        })
+        .transpose()
+    }
+
+    /// Extends a lease; `false` when it was lost (or the run ended).
+    pub async fn renew_lease(&self, id: &str, owner: &str, until: DateTime<Utc>) -> Result<bool> {
+        let done = sqlx::query(RENEW)
+            .bind(id)
+            .bind(owner)
+            .bind(micros(until))
+            .execute(self.pool())
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Gives a lease up (graceful shutdown), so another coordinator can take
+    /// the run at once.
+    pub async fn release_lease(&self, id: &str, owner: &str) -> Result<()> {
+        sqlx::query(RELEASE)
+            .bind(id)
+            .bind(owner)
+            .execute(self.pool())
+            .await?;
+        Ok(())
+    }
+
+    /// Persists the run's message identity unless it has one, and returns
+    /// the stored one: a run submits under one message id, forever.
+    pub async fn ensure_message_id(&self, id: &str, candidate: &str) -> Result<String> {
+        let stored: Option<Option<String>> = sqlx::query_scalar(ENSURE_MESSAGE_ID)
+            .bind(id)
+            .bind(candidate)
+            .fetch_optional(self.pool())
+            .await?;
+        stored.flatten().ok_or(StoreError::NotFound)
+    }
+
+    /// Records how far the executor's event stream has been consumed.
+    pub async fn set_executor_seq(&self, id: &str, seq: i64) -> Result<()> {
+        sqlx::query(SET_EXECUTOR_SEQ)
+            .bind(id)
+            .bind(seq)
+            .execute(self.pool())
+            .await?;
+        Ok(())
+    }
+
+    /// Records a cancellation request on a live run; `false` when the run
+    /// is already terminal (or unknown).
+    pub async fn request_cancel(&self, id: &str, now: DateTime<Utc>) -> Result<bool> {
+        let done = sqlx::query(REQUEST_CANCEL)
+            .bind(id)
+            .bind(micros(now))
+            .execute(self.pool())
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+}
+
+const RELEASE_ALL: &str =
+    "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL WHERE lease_owner = $1";
+
+impl Store {
+    /// Gives up every lease `owner` holds (graceful shutdown).
+    pub async fn release_all_leases(&self, owner: &str) -> Result<u64> {
+        Ok(sqlx::query(RELEASE_ALL)
+            .bind(owner)
+            .execute(self.pool())
+            .await?
+            .rows_affected())
+    }
+}

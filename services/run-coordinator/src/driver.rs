@@ -1,0 +1,734 @@
+//! Driving runs: the claim loop and one driver per claimed run.
+//!
+//! A coordinator leases live runs (any replica may hold any run; a lease
+//! that stops being renewed expires and another coordinator takes the run
+//! over). A driver persists the run's message identity before it first
+//! submits, asks the placement's executor to start (or, on takeover, to
+//! observe) that exact message, records the executor's events and status,
+//! and ends the run with one receipt. Every wait is bounded: by the run's
+//! deadline, by the cancellation bound, or by the lease.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use automesh_domain::{
+    AutomationState, ErrorCode, Placement, Receipt, Run, RunEventPayload, RunState, Usage,
+};
+use automesh_proto::executor::v1 as epb;
+use automesh_proto::executor::v1::executor_service_client::ExecutorServiceClient;
+use automesh_rpc::{InternalChannel, convert, propagation};
+use automesh_store::events::NewEvent;
+use automesh_store::leases::ClaimedRun;
+use automesh_store::{Store, StoreError};
+use chrono::{DateTime, Utc};
+use tokio::sync::Notify;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+/// How the claim loop and its drivers behave.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// How long a lease lasts without a heartbeat; renewed every third of it.
+    pub lease: Duration,
+    /// How long to wait for an executor to be observed idle after a
+    /// cancellation before ending the run with `cancel_unobserved`.
+    pub cancel_bound: Duration,
+    /// How often to look for claimable runs when nothing wakes the loop.
+    pub poll: Duration,
+    /// How many runs one coordinator drives at once.
+    pub max_concurrent: usize,
+    /// Bound on one unary executor call.
+    pub call_timeout: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            lease: Duration::from_secs(15),
+            cancel_bound: Duration::from_secs(30),
+            poll: Duration::from_millis(500),
+            max_concurrent: 1024,
+            call_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The executors of each placement.
+#[derive(Debug, Clone, Default)]
+pub struct Executors {
+    pub desktop: Option<ExecutorServiceClient<InternalChannel>>,
+    pub cloud: Option<ExecutorServiceClient<InternalChannel>>,
+}
+
+impl Executors {
+    fn for_placement(&self, p: Placement) -> Option<ExecutorServiceClient<InternalChannel>> {
+        match p {
+            Placement::Desktop => self.desktop.clone(),
+            Placement::Cloud => self.cloud.clone(),
+        }
+    }
+}
+
+/// What the drivers of one coordinator share.
+#[derive(Debug)]
+pub struct Context {
+    pub store: Store,
+    pub executors: Executors,
+    pub settings: Settings,
+    /// This coordinator's lease identity.
+    pub owner: String,
+    /// Wakes drivers when a cancellation was requested through this replica.
+    pub cancels: Notify,
+}
+
+/// Claims and drives runs until `shutdown`; then stops its drivers and gives
+/// their leases up, so another coordinator takes the runs over at once.
+pub async fn run_loop(ctx: Arc<Context>, shutdown: CancellationToken) {
+    let mut drivers = JoinSet::new();
+    let mut watcher = ctx.store.watch_new_runs().await;
+    tracing::info!(owner = %ctx.owner, "coordinator claiming runs");
+    loop {
+        while drivers.try_join_next().is_some() {}
+        let capacity = ctx.settings.max_concurrent.saturating_sub(drivers.len());
+        let mut claimed_any = false;
+        if capacity > 0 {
+            let now = Utc::now();
+            let until = now + chrono::Duration::from_std(ctx.settings.lease).unwrap_or_default();
+            match ctx
+                .store
+                .claim_runs(&ctx.owner, until, now, capacity.min(64) as u32)
+                .await
+            {
+                Ok(claimed) => {
+                    claimed_any = !claimed.is_empty();
+                    for run in claimed {
+                        drivers.spawn(drive(ctx.clone(), run));
+                    }
+                }
+                Err(error) => tracing::warn!(%error, "cannot claim runs"),
+            }
+        }
+        if claimed_any {
+            continue;
+        }
+        tokio::select! {
+            () = watcher.wait(ctx.settings.poll) => {}
+            () = shutdown.cancelled() => break,
+        }
+    }
+    drivers.shutdown().await;
+    match ctx.store.release_all_leases(&ctx.owner).await {
+        Ok(n) => tracing::info!(released = n, "coordinator stopped; leases released"),
+        Err(error) => tracing::warn!(%error, "coordinator stopped; leases will expire"),
+    }
+}
+
+/// Why a driver stopped without ending the run.
+#[derive(Debug)]
+enum Stop {
+    /// Another coordinator holds the run now.
+    LeaseLost,
+    Store(StoreError),
+}
+
+impl From<StoreError> for Stop {
+    fn from(e: StoreError) -> Self {
+        Stop::Store(e)
+    }
+}
+
+/// How a run ends.
+#[derive(Debug, Clone)]
+struct Ending {
+    state: RunState,
+    code: Option<ErrorCode>,
+    message: Option<String>,
+    engine: Option<String>,
+    usage: Usage,
+    wake_micros: i64,
+    admission_micros: i64,
+    thread: Option<automesh_proto::v1::NativeThread>,
+}
+
+impl Ending {
+    fn new(state: RunState, code: Option<ErrorCode>, message: impl Into<String>) -> Self {
+        Ending {
+            state,
+            code,
+            message: Some(message.into()),
+            engine: None,
+            usage: Usage::default(),
+            wake_micros: 0,
+            admission_micros: 0,
+            thread: None,
+        }
+    }
+}
+
+/// Why a cancellation was sent to the executor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CancelCause {
+    User,
+    Deadline,
+}
+
+async fn drive(ctx: Arc<Context>, claimed: ClaimedRun) {
+    let run = claimed.run.clone();
+    let span = tracing::info_span!(
+        parent: None,
+        "automesh.run",
+        run_id = %run.id,
+        automation_id = %run.automation_id,
+        placement = %run.placement,
+        claim = claimed.claims,
+    );
+    propagation::continue_trace(&span, run.traceparent.as_deref());
+    let lost = CancellationToken::new();
+    let heartbeat =
+        tokio::spawn(heartbeat(ctx.clone(), run.id.clone(), lost.clone()).in_current_span());
+    let result = execute(&ctx, &claimed, &lost)
+        .instrument(span.clone())
+        .await;
+    heartbeat.abort();
+    let _enter = span.enter();
+    match result {
+        Ok(ending) => {
+            if let Err(error) = finish(&ctx, &run, ending).await {
+                tracing::warn!(%error, "cannot record the run's end; it will be retried after the lease");
+            }
+        }
+        Err(Stop::LeaseLost) => tracing::warn!("lease lost; another coordinator has the run"),
+        Err(Stop::Store(error)) => {
+            tracing::warn!(%error, "driver stopped on a store error; retried after the lease")
+        }
+    }
+}
+
+/// Renews the lease every third of its length; cancels `lost` when it is
+/// lost or cannot be renewed before it expires.
+async fn heartbeat(ctx: Arc<Context>, run_id: String, lost: CancellationToken) {
+    let every = ctx.settings.lease / 3;
+    let mut last_ok = tokio::time::Instant::now();
+    loop {
+        tokio::time::sleep(every).await;
+        let until = Utc::now() + chrono::Duration::from_std(ctx.settings.lease).unwrap_or_default();
+        match ctx.store.renew_lease(&run_id, &ctx.owner, until).await {
+            Ok(true) => last_ok = tokio::time::Instant::now(),
+            Ok(false) => {
+                lost.cancel();
+                return;
+            }
+            Err(error) => {
+                tracing::warn!(%error, "lease renewal failed");
+                if last_ok.elapsed() >= ctx.settings.lease {
+                    lost.cancel();
+                    return;
+                }
+            }
+        }
+    }
+}
+
+fn sleep_until(t: DateTime<Utc>) -> tokio::time::Sleep {
+    tokio::time::sleep((t - Utc::now()).to_std().unwrap_or(Duration::ZERO))
+}
+
+fn spec(run: &Run, message_id: &str) -> epb::RunSpec {
+    epb::RunSpec {
+        run_id: run.id.clone(),
+        automation_id: run.automation_id.clone(),
+        organization_id: run.org_id.clone(),
+        owner_id: run.owner_id.clone(),
+        prompt: run.prompt.clone(),
+        model: run.model.clone(),
+        deadline_time: Some(convert::timestamp(run.deadline_at)),
+        traceparent: run.traceparent.clone().unwrap_or_default(),
+        message_id: message_id.to_owned(),
+        placement: convert::placement_to_pb(run.placement) as i32,
+    }
+}
+
+/// The message identity a run submits under.
+fn message_id_for(run: &Run) -> String {
+    format!("msg_{}", run.id)
+}
+
+async fn execute(
+    ctx: &Context,
+    claimed: &ClaimedRun,
+    lost: &CancellationToken,
+) -> Result<Ending, Stop> {
+    let run = &claimed.run;
+    let deadline = run.deadline_at;
+    let never_submitted = run.message_id.is_none();
+    if Utc::now() >= deadline && never_submitted {
+        return Ok(Ending::new(
+            RunState::TimedOut,
+            Some(ErrorCode::DeadlineExceeded),
+            "the run reached its deadline before it was dispatched",
+        ));
+    }
+    if run.cancel_requested_at.is_some() && never_submitted {
+        return Ok(Ending::new(
+            RunState::Cancelled,
+            None,
+            "cancelled before it was dispatched",
+        ));
+    }
+    let Some(mut executor) = ctx.executors.for_placement(run.placement) else {
+        return wait_without_executor(ctx, run, lost).await;
+    };
+    // Identity first: a takeover must find it and observe, never resubmit.
+    let message_id = ctx
+        .store
+        .ensure_message_id(&run.id, &message_id_for(run))
+        .await?;
+    let spec = spec(run, &message_id);
+
+    // Start (or observe) the message, retrying until the deadline.
+    let mut backoff = Duration::from_millis(100);
+    let started = loop {
+        let mut request = tonic::Request::new(epb::StartRunRequest {
+            run: Some(spec.clone()),
+        });
+        request.set_timeout(ctx.settings.call_timeout);
+        let attempt = tokio::select! {
+            r = executor.start_run(request) => r,
+            () = sleep_until(deadline) => return deadline_reached(ctx, &mut executor, run, lost).await,
+            () = lost.cancelled() => return Err(Stop::LeaseLost),
+        };
+        match attempt {
+            Ok(resp) => break resp.into_inner(),
+            Err(status) => {
+                tracing::warn!(code = ?status.code(), message = status.message(), "executor did not accept the run; retrying");
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = sleep_until(deadline) => return deadline_reached(ctx, &mut executor, run, lost).await,
+                    () = lost.cancelled() => return Err(Stop::LeaseLost),
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    };
+    tracing::info!(submitted = started.submitted, message_id = %message_id, "run started on its executor");
+    apply_status(ctx, run, started.status.as_ref()).await?;
+    if let Some(ending) = finished(started.status.as_ref(), None) {
+        return Ok(ending);
+    }
+
+    let mut after = claimed.executor_seq;
+    let mut cancel: Option<(CancelCause, tokio::time::Instant)> = None;
+    let mut cancel_check = tokio::time::interval(Duration::from_millis(250));
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let mut stream = match executor
+            .observe_run(epb::ObserveRunRequest {
+                run_id: run.id.clone(),
+                after_sequence: after,
+            })
+            .await
+        {
+            Ok(s) => Some(s.into_inner()),
+            Err(status) => {
+                tracing::warn!(code = ?status.code(), "cannot observe the run; retrying");
+                None
+            }
+        };
+        loop {
+            let cancel_deadline = cancel.map(|(_, at)| at + ctx.settings.cancel_bound);
+            tokio::select! {
+                item = async { match stream.as_mut() { Some(s) => s.message().await, None => Ok(None) } } => {
+                    match item {
+                        Ok(Some(update)) => {
+                            backoff = Duration::from_millis(100);
+                            match update.update {
+                                Some(epb::observe_run_response::Update::Event(e)) => {
+                                    record_event(ctx, run, &e).await?;
+                                    after = after.max(e.sequence);
+                                }
+                                Some(epb::observe_run_response::Update::Status(s)) => {
+                                    apply_status(ctx, run, Some(&s)).await?;
+                                    if let Some(ending) = finished(Some(&s), cancel.map(|c| c.0)) {
+                                        return Ok(ending);
+                                    }
+                                    if s.idle && let Some((cause, _)) = cancel {
+                                        return Ok(cancelled(cause, true));
+                                    }
+                                }
+                                None => {}
+                            }
+                        }
+                        Ok(None) | Err(_) => break,
+                    }
+                }
+                () = sleep_until(deadline), if cancel.is_none() => {
+                    send_cancel(ctx, &mut executor, run, "deadline reached").await;
+                    cancel = Some((CancelCause::Deadline, tokio::time::Instant::now()));
+                }
+                _ = cancel_check.tick(), if cancel.is_none() => {
+                    if cancel_requested(ctx, run).await? {
+                        send_cancel(ctx, &mut executor, run, "cancelled by the user").await;
+                        cancel = Some((CancelCause::User, tokio::time::Instant::now()));
+                    }
+                }
+                () = ctx.cancels.notified(), if cancel.is_none() => {
+                    if cancel_requested(ctx, run).await? {
+                        send_cancel(ctx, &mut executor, run, "cancelled by the user").await;
+                        cancel = Some((CancelCause::User, tokio::time::Instant::now()));
+                    }
+                }
+                () = async { match cancel_deadline { Some(at) => tokio::time::sleep_until(at).await, None => std::future::pending().await } } => {
+                    // Last look before giving up on seeing it idle.
+                    if let Some((cause, _)) = cancel {
+                        let idle = status_of(ctx, &mut executor, run).await.is_some_and(|s| s.idle);
+                        return Ok(cancelled(cause, idle));
+                    }
+                }
+                () = lost.cancelled() => return Err(Stop::LeaseLost),
+            }
+        }
+        ctx.store.set_executor_seq(&run.id, after).await?;
+        // The stream ended or broke: reconnect, bounded by the deadline and the lease.
+        tokio::select! {
+            () = tokio::time::sleep(backoff) => {}
+            () = lost.cancelled() => return Err(Stop::LeaseLost),
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+        if cancel.is_none() && Utc::now() >= deadline {
+            send_cancel(ctx, &mut executor, run, "deadline reached").await;
+            cancel = Some((CancelCause::Deadline, tokio::time::Instant::now()));
+        }
+    }
+}
+
+/// Without an executor for its placement a run can only wait: for a
+/// cancellation, or for its deadline.
+async fn wait_without_executor(
+    ctx: &Context,
+    run: &Run,
+    lost: &CancellationToken,
+) -> Result<Ending, Stop> {
+    // Not a durable failure of the user's setup: the mesh has no executor.
+    let code = match run.placement {
+        Placement::Desktop => ErrorCode::RunnerOffline,
+        Placement::Cloud => ErrorCode::DeadlineExceeded,
+    };
+    let mut check = tokio::time::interval(Duration::from_millis(250));
+    loop {
+        tokio::select! {
+            () = sleep_until(run.deadline_at) => {
+                return Ok(Ending::new(RunState::TimedOut, Some(code), format!("no {} executor took the run before its deadline", run.placement)));
+            }
+            _ = check.tick() => {
+                if cancel_requested(ctx, run).await? {
+                    return Ok(Ending::new(RunState::Cancelled, None, "cancelled before it was dispatched"));
+                }
+            }
+            () = lost.cancelled() => return Err(Stop::LeaseLost),
+        }
+    }
+}
+
+async fn deadline_reached(
+    ctx: &Context,
+    executor: &mut ExecutorServiceClient<InternalChannel>,
+    run: &Run,
+    lost: &CancellationToken,
+) -> Result<Ending, Stop> {
+    if lost.is_cancelled() {
+        return Err(Stop::LeaseLost);
+    }
+    send_cancel(ctx, executor, run, "deadline reached").await;
+    let give_up = tokio::time::Instant::now() + ctx.settings.cancel_bound;
+    while tokio::time::Instant::now() < give_up {
+        if status_of(ctx, executor, run).await.is_some_and(|s| s.idle) {
+            return Ok(cancelled(CancelCause::Deadline, true));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Ok(cancelled(CancelCause::Deadline, false))
+}
+
+fn cancelled(cause: CancelCause, idle_observed: bool) -> Ending {
+    match (cause, idle_observed) {
+        (CancelCause::Deadline, true) => Ending::new(
+            RunState::TimedOut,
+            Some(ErrorCode::DeadlineExceeded),
+            "the run reached its deadline and was cancelled on its executor",
+        ),
+        (CancelCause::Deadline, false) => Ending::new(
+            RunState::TimedOut,
+            Some(ErrorCode::DeadlineExceeded),
+            "the run reached its deadline; its executor was not observed idle after cancellation",
+        ),
+        (CancelCause::User, true) => Ending::new(
+            RunState::Cancelled,
+            None,
+            "cancelled by the user; the executor is idle",
+        ),
+        (CancelCause::User, false) => Ending::new(
+            RunState::Cancelled,
+            Some(ErrorCode::CancelUnobserved),
+            "cancelled by the user; the executor was not observed idle within the cancellation bound",
+        ),
+    }
+}
+
+async fn send_cancel(
+    ctx: &Context,
+    executor: &mut ExecutorServiceClient<InternalChannel>,
+    run: &Run,
+    reason: &str,
+) {
+    let mut request = tonic::Request::new(epb::CancelRunRequest {
+        run_id: run.id.clone(),
+        reason: reason.to_owned(),
+    });
+    request.set_timeout(ctx.settings.call_timeout);
+    if let Err(status) = executor.cancel_run(request).await {
+        tracing::warn!(code = ?status.code(), "executor did not take the cancellation; idleness decides");
+    } else {
+        tracing::info!(reason, "cancellation forwarded to the executor");
+    }
+}
+
+async fn status_of(
+    ctx: &Context,
+    executor: &mut ExecutorServiceClient<InternalChannel>,
+    run: &Run,
+) -> Option<epb::ExecutionStatus> {
+    let mut request = tonic::Request::new(epb::GetRunStatusRequest {
+        run_id: run.id.clone(),
+    });
+    request.set_timeout(ctx.settings.call_timeout);
+    executor
+        .get_run_status(request)
+        .await
+        .ok()?
+        .into_inner()
+        .status
+}
+
+async fn cancel_requested(ctx: &Context, run: &Run) -> Result<bool, Stop> {
+    Ok(ctx
+        .store
+        .get_run_unscoped(&run.id)
+        .await?
+        .cancel_requested_at
+        .is_some())
+}
+
+/// Moves the stored state forward to what the executor reports.
+async fn apply_status(
+    ctx: &Context,
+    run: &Run,
+    status: Option<&epb::ExecutionStatus>,
+) -> Result<(), Stop> {
+    let Some(status) = status else { return Ok(()) };
+    let targets: &[RunState] = match epb::ExecutionPhase::try_from(status.phase) {
+        Ok(epb::ExecutionPhase::Admitted) => &[RunState::Admitted],
+        Ok(epb::ExecutionPhase::Running | epb::ExecutionPhase::Finished) => {
+            &[RunState::Admitted, RunState::Running]
+        }
+        _ => &[],
+    };
+    let now = Utc::now();
+    for target in targets {
+        let current = ctx.store.get_run_unscoped(&run.id).await?;
+        if current.state.can_move_to(*target) {
+            match ctx.store.transition_run(&run.id, *target, None, now).await {
+                Ok(_) => record_status(ctx, run, *target, None, None).await?,
+                Err(StoreError::IllegalTransition { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The ending an executor reported, if it reported one.
+fn finished(status: Option<&epb::ExecutionStatus>, cancel: Option<CancelCause>) -> Option<Ending> {
+    let status = status?;
+    if status.phase != epb::ExecutionPhase::Finished as i32 {
+        return None;
+    }
+    let outcome = status.outcome.clone().unwrap_or_default();
+    let reported = convert::run_state_from_pb(outcome.state).unwrap_or(RunState::Failed);
+    let code = outcome.error_code.parse::<ErrorCode>().ok();
+    let (state, code) = match (reported, cancel) {
+        (RunState::Cancelled, Some(CancelCause::Deadline)) => {
+            (RunState::TimedOut, Some(ErrorCode::DeadlineExceeded))
+        }
+        (RunState::Succeeded, _) => (RunState::Succeeded, None),
+        (RunState::Cancelled, _) => (RunState::Cancelled, None),
+        (_, _) => (RunState::Failed, code.or(Some(ErrorCode::Internal))),
+    };
+    let usage = outcome.usage.unwrap_or_default();
+    Some(Ending {
+        state,
+        code,
+        message: (!outcome.error_message.is_empty()).then(|| outcome.error_message.clone()),
+        engine: (!outcome.engine.is_empty()).then(|| outcome.engine.clone()),
+        usage: Usage {
+            input_tokens: usage.input_tokens,
+            output_tokens: usage.output_tokens,
+            cost_micros: usage.cost_micros,
+        },
+        wake_micros: outcome.wake_micros,
+        admission_micros: outcome.admission_micros,
+        thread: outcome.native_thread,
+    })
+}
+
+async fn record_event(
+    ctx: &Context,
+    run: &Run,
+    e: &automesh_proto::v1::RunEvent,
+) -> Result<(), Stop> {
+    let Some(payload) = convert::event_payload_from_pb(e) else {
+        return Ok(());
+    };
+    if e.event_id.is_empty() {
+        tracing::warn!("executor event without an id dropped");
+        return Ok(());
+    }
+    ctx.store
+        .append_events(
+            &run.id,
+            &[NewEvent {
+                event_id: e.event_id.clone(),
+                payload,
+            }],
+            Utc::now(),
+        )
+        .await?;
+    Ok(())
+}
+
+/// A status event of the coordinator's own, with an id that makes it
+/// appear once however often it is recorded.
+async fn record_status(
+    ctx: &Context,
+    run: &Run,
+    state: RunState,
+    code: Option<ErrorCode>,
+    message: Option<&str>,
+) -> Result<(), StoreError> {
+    let event = NewEvent {
+        event_id: format!("coordinator:status:{state}"),
+        payload: RunEventPayload::StatusChange {
+            state: state.as_str().to_owned(),
+            error_code: code.map(|c| c.as_str().to_owned()),
+            message: message.map(str::to_owned),
+        },
+    };
+    ctx.store
+        .append_events(&run.id, &[event], Utc::now())
+        .await
+        .map(|_| ())
+}
+
+fn micros_between(from: Option<DateTime<Utc>>, to: DateTime<Utc>) -> i64 {
+    from.map_or(0, |f| (to - f).num_microseconds().unwrap_or(0).max(0))
+}
+
+/// Records the end: the terminal state and the receipt in one transaction,
+/// a status event, and what the outcome means for the automation.
+async fn finish(ctx: &Context, run: &Run, ending: Ending) -> Result<(), StoreError> {
+    let now = Utc::now();
+    let current = ctx.store.get_run_unscoped(&run.id).await?;
+    let thread = ending.thread.clone().unwrap_or_default();
+    let some = |s: String| (!s.is_empty()).then_some(s);
+    let receipt = Receipt {
+        run_id: run.id.clone(),
+        outcome: ending.state,
+        error_code: ending.code,
+        error_message: ending.message.clone(),
+        placement: run.placement,
+        engine: ending.engine.clone(),
+        queued_micros: micros_between(Some(run.created_at), current.admitted_at.unwrap_or(now)),
+        wake_micros: ending.wake_micros,
+        admission_micros: ending.admission_micros,
+        execution_micros: micros_between(current.started_at.or(current.admitted_at), now),
+        usage: ending.usage,
+        worker_id: some(thread.worker_id),
+        workspace_id: some(thread.workspace_id),
+        thread_id: some(thread.thread_id),
+        message_id: some(thread.message_id).or(current.message_id.clone()),
+        created_at: now,
+    };
+    match ctx.store.finish_run(&receipt, now).await {
+        Ok(_) => {}
+        // Already terminal (another path ended it): nothing more to do.
+        Err(StoreError::IllegalTransition { .. }) => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    record_status(
+        ctx,
+        run,
+        ending.state,
+        ending.code,
+        ending.message.as_deref(),
+    )
+    .await?;
+    tracing::info!(state = %ending.state, error_code = ?ending.code.map(|c| c.as_str()), "run ended");
+    update_attention(ctx, run, &ending, now).await
+}
+
+/// A durable failure the user must fix pauses the automation
+/// (needs-attention); a successful run clears it.
+async fn update_attention(
+    ctx: &Context,
+    run: &Run,
+    ending: &Ending,
+    now: DateTime<Utc>,
+) -> Result<(), StoreError> {
+    let needs_attention = matches!(
+        ending.code,
+        Some(
+            ErrorCode::RuntimeMissing
+                | ErrorCode::RuntimeFailed
+                | ErrorCode::ReadinessTimeout
+                | ErrorCode::McpConfigMissing
+                | ErrorCode::ModelNotAuthorized
+        )
+    ) && ending.state == RunState::Failed;
+    let succeeded = ending.state == RunState::Succeeded;
+    if !needs_attention && !succeeded {
+        return Ok(());
+    }
+    for _ in 0..5 {
+        let mut a = ctx
+            .store
+            .get_automation_unscoped(&run.automation_id)
+            .await?;
+        let version = a.version;
+        if needs_attention && a.state == AutomationState::Active {
+            a.state = AutomationState::NeedsAttention;
+            a.attention_reason = ending.code;
+            a.attention_message = ending.message.clone();
+            a.next_run_at = None;
+        } else if succeeded && a.state == AutomationState::NeedsAttention {
+            a.state = AutomationState::Active;
+            a.attention_reason = None;
+            a.attention_message = None;
+            a.next_run_at = a.schedule.next_after(now);
+        } else {
+            return Ok(());
+        }
+        match ctx
+            .store
+            .update_automation_if_version(&a, version, now)
+            .await
+        {
+            Ok(_) => {
+                tracing::info!(automation_id = %a.id, state = %a.state, "automation attention updated");
+                return Ok(());
+            }
+            Err(StoreError::VersionConflict { .. }) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,357 @@
+//! Turning due occurrences into runs, exactly once, on any number of
+//! scheduler replicas.
+//!
+//! Each pass claims the active automations whose next occurrence is due
+//! (locked rows other replicas skip), and in one transaction per batch
+//! creates their runs — with ids derived from (automation, instant), so even
+//! a race without locks could not create two — and advances their next
+//! occurrence. Between passes the loop sleeps until the earliest next
+//! occurrence (one index probe), or until an edit wakes it.
+//!
+//! After downtime, only the latest missed occurrence may still run, and only
+//! inside the catch-up window; every other one gets a `missed` receipt.
+//! Never a burst. An occurrence whose previous run is still live is recorded
+//! `skipped`, never queued.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use automesh_domain::ids::scheduled_run_id;
+use automesh_domain::run::NewRun;
+use automesh_domain::{Automation, ErrorCode, Receipt, RunState, RunTrigger, Schedule};
+use automesh_rpc::propagation;
+use automesh_store::scheduling::SchedulingTx;
+use automesh_store::{Store, StoreError};
+use chrono::{DateTime, Utc};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+/// Automations claimed per transaction.
+const BATCH: u32 = 200;
+/// Occurrences considered per automation per pass (a longer backlog is
+/// worked through over several passes, all recorded missed).
+const OCCURRENCE_LIMIT: usize = 1000;
+/// An occurrence this late is still on time, whatever the catch-up window.
+const ON_TIME: Duration = Duration::from_secs(60);
+
+/// How the loop behaves.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// How late the latest missed occurrence may be and still run.
+    pub catch_up_window: Duration,
+    /// Each run's deadline, from its creation.
+    pub run_deadline: Duration,
+    /// The longest sleep between passes (edits made elsewhere are seen
+    /// within it; edits made through this replica wake it at once).
+    pub max_sleep: Duration,
+}
+
+/// What to do with an automation's due occurrences.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// Occurrences recorded `missed`.
+    pub missed: Vec<DateTime<Utc>>,
+    /// The occurrence to run (subject to the overlap check).
+    pub fire: Option<DateTime<Utc>>,
+    /// The next occurrence still to come.
+    pub next: Option<DateTime<Utc>>,
+}
+
+/// Plans the occurrences from `first_due` (the stored next occurrence) up to
+/// `now`.
+pub fn plan(
+    schedule: &Schedule,
+    first_due: DateTime<Utc>,
+    now: DateTime<Utc>,
+    catch_up: Duration,
+) -> Plan {
+    let mut due = Vec::new();
+    let mut t = Some(first_due);
+    while let Some(at) = t {
+        if at > now || due.len() == OCCURRENCE_LIMIT {
+            break;
+        }
+        due.push(at);
+        t = schedule.next_after(at);
+    }
+    let backlog_continues = t.is_some_and(|at| at <= now);
+    let window = chrono::Duration::from_std(catch_up.max(ON_TIME)).unwrap_or_default();
+    let fire = match due.last() {
+        Some(latest) if !backlog_continues && now - *latest <= window => due.pop(),
+        _ => None,
+    };
+    Plan {
+        missed: due,
+        fire,
+        next: t,
+    }
+}
+
+/// Runs passes until `shutdown`.
+pub async fn run_loop(
+    store: Store,
+    settings: Settings,
+    wake: Arc<Notify>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let notified = wake.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if let Err(error) = pass(&store, &settings).await {
+            tracing::warn!(%error, "scheduling pass failed; retrying");
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                () = shutdown.cancelled() => return,
+            }
+        }
+        let sleep = match store.next_due_at().await {
+            Ok(Some(at)) => (at - Utc::now())
+                .to_std()
+                .unwrap_or(Duration::ZERO)
+                .min(settings.max_sleep),
+            Ok(None) => settings.max_sleep,
+            Err(error) => {
+                tracing::warn!(%error, "cannot read the next due instant");
+                settings.max_sleep
+            }
+        };
+        tokio::select! {
+            () = tokio::time::sleep(sleep) => {}
+            () = notified => {}
+            () = shutdown.cancelled() => return,
+        }
+    }
+}
+
+/// One pass over everything due now; returns how many automations fired.
+pub async fn pass(store: &Store, settings: &Settings) -> Result<usize, StoreError> {
+    let mut total = 0;
+    loop {
+        let now = Utc::now();
+        let mut tx = store.begin_scheduling().await?;
+        let due = tx.claim_due(now, BATCH).await?;
+        for automation in &due {
+            materialize(&mut tx, automation, now, settings).await?;
+        }
+        tx.commit().await?;
+        total += due.len();
+        if due.len() < BATCH as usize {
+            return Ok(total);
+        }
+    }
+}
+
+async fn materialize(
+    tx: &mut SchedulingTx,
+    a: &Automation,
+    now: DateTime<Utc>,
+    settings: &Settings,
+) -> Result<(), StoreError> {
+    let Some(first_due) = a.next_run_at else {
+        return Ok(());
+    };
+    let plan = plan(&a.schedule, first_due, now, settings.catch_up_window);
+    for at in &plan.missed {
+        record_terminal(
+            tx,
+            a,
+            *at,
+            now,
+            RunState::Missed,
+            ErrorCode::MissedDuringDowntime,
+            "the occurrence fell due while the scheduler was down, outside the catch-up window",
+        )
+        .await?;
+    }
+    if !plan.missed.is_empty() {
+        tracing::warn!(automation_id = %a.id, missed = plan.missed.len(), "occurrences missed");
+    }
+    if let Some(at) = plan.fire {
+        if tx.has_live_run(&a.id).await? {
+            record_terminal(
+                tx,
+                a,
+                at,
+                now,
+                RunState::Skipped,
+                ErrorCode::PreviousRunLive,
+                "the previous run of this automation was still live at the due instant",
+            )
+            .await?;
+            tracing::info!(automation_id = %a.id, scheduled_for = %at, "occurrence skipped: previous run live");
+        } else {
+            // Each occurrence starts its own trace; the run carries it on.
+            let span = tracing::info_span!(
+                parent: None,
+                "automesh.occurrence",
+                automation_id = %a.id,
+                scheduled_for = %at,
+                placement = %a.placement,
+            );
+            let traceparent = span.in_scope(propagation::current_traceparent);
+            let run = new_run(a, at, now, settings, RunState::Pending, None, traceparent);
+            if tx.create_run(&run, now).await? {
+                span.in_scope(|| tracing::info!(run_id = %run.id, "occurrence due: run created"));
+            }
+        }
+    }
+    tx.advance(&a.id, plan.next, now).await
+}
+
+fn new_run(
+    a: &Automation,
+    at: DateTime<Utc>,
+    now: DateTime<Utc>,
+    settings: &Settings,
+    state: RunState,
+    error: Option<(ErrorCode, &str)>,
+    traceparent: Option<String>,
+) -> NewRun {
+    NewRun {
+        id: scheduled_run_id(&a.id, at),
+        automation_id: a.id.clone(),
+        org_id: a.org_id.clone(),
+        owner_id: a.owner_id.clone(),
+        placement: a.placement,
+        trigger: RunTrigger::Schedule,
+        scheduled_for: Some(at),
+        idempotency_key: None,
+        prompt: a.prompt.clone(),
+        model: a.model.clone(),
+        state,
+        error_code: error.map(|(c, _)| c),
+        error_message: error.map(|(_, m)| m.to_owned()),
+        deadline_at: now + chrono::Duration::from_std(settings.run_deadline).unwrap_or_default(),
+        traceparent,
+    }
+}
+
+async fn record_terminal(
+    tx: &mut SchedulingTx,
+    a: &Automation,
+    at: DateTime<Utc>,
+    now: DateTime<Utc>,
+    state: RunState,
+    code: ErrorCode,
+    message: &str,
+) -> Result<(), StoreError> {
+    let settings = Settings {
+        catch_up_window: Duration::ZERO,
+        run_deadline: Duration::ZERO,
+        max_sleep: Duration::ZERO,
+    };
+    let run = new_run(a, at, now, &settings, state, Some((code, message)), None);
+    if tx.create_run(&run, now).await? {
+        tx.insert_receipt(&Receipt {
+            run_id: run.id.clone(),
+            outcome: state,
+            error_code: Some(code),
+            error_message: Some(message.to_owned()),
+            placement: a.placement,
+            engine: None,
+            queued_micros: 0,
+            wake_micros: 0,
+            admission_micros: 0,
+            execution_micros: 0,
+            usage: Default::default(),
+            worker_id: None,
+            workspace_id: None,
+            thread_id: None,
+            message_id: None,
+            created_at: now,
+        })
+        .await?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use automesh_domain::TimeOfDay;
+
+    fn utc(s: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(s)
+            .expect("instant")
+            .with_timezone(&Utc)
+    }
+
+    fn daily_utc(h: u32) -> Schedule {
+        Schedule::Daily {
+            time: TimeOfDay::new(h, 0).expect("time"),
+            zone: chrono_tz::UTC,
+        }
+    }
+
+    #[test]
+    fn on_time_fires() {
+        let p = plan(
+            &daily_utc(9),
+            utc("2026-12-01T09:00:00Z"),
+            utc("2026-12-01T09:00:00.010Z"),
+            Duration::ZERO,
+        );
+        assert_eq!(p.fire, Some(utc("2026-12-01T09:00:00Z")));
+        assert!(p.missed.is_empty());
+        assert_eq!(p.next, Some(utc("2026-12-02T09:00:00Z")));
+    }
+
+    #[test]
+    fn three_days_down_catches_up_once_inside_the_window() {
+        let now = utc("2026-12-04T09:30:00Z");
+        let p = plan(
+            &daily_utc(9),
+            utc("2026-12-01T09:00:00Z"),
+            now,
+            Duration::from_secs(3600),
+        );
+        assert_eq!(p.fire, Some(utc("2026-12-04T09:00:00Z")));
+        assert_eq!(
+            p.missed,
+            [
+                utc("2026-12-01T09:00:00Z"),
+                utc("2026-12-02T09:00:00Z"),
+                utc("2026-12-03T09:00:00Z")
+            ]
+        );
+        assert_eq!(p.next, Some(utc("2026-12-05T09:00:00Z")));
+    }
+
+    #[test]
+    fn outside_the_window_everything_is_missed() {
+        let now = utc("2026-12-04T12:00:00Z");
+        let p = plan(
+            &daily_utc(9),
+            utc("2026-12-02T09:00:00Z"),
+            now,
+            Duration::from_secs(3600),
+        );
+        assert_eq!(p.fire, None);
+        assert_eq!(p.missed.len(), 3);
+    }
+
+    #[test]
+    fn once_fires_then_has_no_next() {
+        let at = utc("2026-12-01T09:00:00Z");
+        let p = plan(
+            &Schedule::Once { at },
+            at,
+            utc("2026-12-01T09:00:01Z"),
+            Duration::ZERO,
+        );
+        assert_eq!(p.fire, Some(at));
+        assert_eq!(p.next, None);
+    }
+
+    #[test]
+    fn a_huge_backlog_is_worked_through_in_bounded_passes() {
+        let s = daily_utc(0);
+        let first = utc("2020-01-01T00:00:00Z");
+        let now = utc("2026-12-01T00:30:00Z");
+        let p = plan(&s, first, now, Duration::from_secs(3600));
+        assert_eq!(p.missed.len(), OCCURRENCE_LIMIT);
+        assert_eq!(p.fire, None, "nothing fires until the backlog is through");
+        assert!(p.next.is_some_and(|n| n <= now));
+    }
+}

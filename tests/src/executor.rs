@@ -1,0 +1,381 @@
+//! A test executor: the real `automesh.executor.v1.ExecutorService` over
+//! gRPC on loopback, with scripted behaviours, counting every submission so
+//! tests can prove a prompt was submitted exactly once.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use automesh_proto::executor::v1 as epb;
+use automesh_proto::executor::v1::executor_service_server::{
+    ExecutorService, ExecutorServiceServer,
+};
+use automesh_proto::v1 as pb;
+use tokio_stream::Stream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+/// What the executor does with a run.
+#[derive(Debug, Clone)]
+pub enum Behavior {
+    /// Runs for `after`, emitting `events` assistant texts, then succeeds.
+    Complete { after: Duration, events: usize },
+    /// Accepts the run and works on it forever (until cancelled).
+    Forever,
+    /// Like `Forever`, and a cancellation never makes it idle.
+    IgnoreCancel,
+    /// Fails at once with this error code.
+    Fail(&'static str),
+}
+
+#[derive(Debug, Default)]
+struct Execution {
+    spec: epb::RunSpec,
+    events: Vec<pb::RunEvent>,
+    phase: i32,
+    idle: bool,
+    outcome: Option<epb::Outcome>,
+    cancelled: bool,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    runs: HashMap<String, Execution>,
+    /// Submissions per message id (StartRun calls that submitted).
+    submissions: HashMap<String, usize>,
+    /// Every StartRun call per run id, submitted or observed.
+    start_calls: HashMap<String, usize>,
+}
+
+/// The executor's shared state; clone freely.
+#[derive(Debug, Clone)]
+pub struct TestExecutor {
+    state: Arc<Mutex<State>>,
+    behavior: Arc<Mutex<Behavior>>,
+    stop: CancellationToken,
+}
+
+impl TestExecutor {
+    /// Serves on a loopback port; returns the executor and its address.
+    pub async fn start(behavior: Behavior) -> anyhow::Result<(TestExecutor, String)> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = format!("http://{}", listener.local_addr()?);
+        let executor = TestExecutor {
+            state: Arc::default(),
+            behavior: Arc::new(Mutex::new(behavior)),
+            stop: CancellationToken::new(),
+        };
+        let server = ExecutorServiceServer::new(executor.clone());
+        let stop = executor.stop.clone();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(server)
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    stop.cancelled_owned(),
+                ),
+        );
+        Ok((executor, addr))
+    }
+
+    pub fn set_behavior(&self, behavior: Behavior) {
+        *self.behavior.lock().expect("lock") = behavior;
+    }
+
+    /// How many times the message was submitted (not merely observed).
+    pub fn submissions(&self, message_id: &str) -> usize {
+        self.state
+            .lock()
+            .expect("lock")
+            .submissions
+            .get(message_id)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Every message id submitted, with its count.
+    pub fn all_submissions(&self) -> HashMap<String, usize> {
+        self.state.lock().expect("lock").submissions.clone()
+    }
+
+    /// StartRun calls for a run, submitted or observed.
+    pub fn start_calls(&self, run_id: &str) -> usize {
+        self.state
+            .lock()
+            .expect("lock")
+            .start_calls
+            .get(run_id)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Whether the run was asked to cancel.
+    pub fn was_cancelled(&self, run_id: &str) -> bool {
+        self.state
+            .lock()
+            .expect("lock")
+            .runs
+            .get(run_id)
+            .is_some_and(|e| e.cancelled)
+    }
+
+    fn status(e: &Execution) -> epb::ExecutionStatus {
+        epb::ExecutionStatus {
+            phase: e.phase,
+            idle: e.idle,
+            outcome: e.outcome.clone(),
+        }
+    }
+
+    fn event(run_id: &str, seq: i64, text: String) -> pb::RunEvent {
+        pb::RunEvent {
+            run_id: run_id.to_owned(),
+            sequence: seq,
+            event_id: format!("test-executor:{run_id}:{seq}"),
+            create_time: None,
+            payload: Some(pb::run_event::Payload::AssistantText(pb::AssistantText {
+                text,
+            })),
+        }
+    }
+
+    /// The scripted execution of one run.
+    async fn execute(self, run_id: String, behavior: Behavior) {
+        let set = |f: &dyn Fn(&mut Execution)| {
+            if let Some(e) = self.state.lock().expect("lock").runs.get_mut(&run_id) {
+                f(e);
+            }
+        };
+        set(&|e| e.phase = epb::ExecutionPhase::Running as i32);
+        match behavior {
+            Behavior::Complete { after, events } => {
+                for i in 0..events {
+                    tokio::time::sleep(after / (events as u32 + 1)).await;
+                    if self
+                        .state
+                        .lock()
+                        .expect("lock")
+                        .runs
+                        .get(&run_id)
+                        .is_some_and(|e| e.cancelled)
+                    {
+                        break;
+                    }
+                    set(&|e| {
+                        let seq = e.events.len() as i64 + 1;
+                        e.events
+                            .push(Self::event(&run_id, seq, format!("step {i}")));
+                    });
+                }
+                tokio::time::sleep(after / (events as u32 + 1)).await;
+                set(&|e| {
+                    if e.outcome.is_none() {
+                        e.phase = epb::ExecutionPhase::Finished as i32;
+                        e.idle = true;
+                        e.outcome = Some(epb::Outcome {
+                            state: pb::RunState::Succeeded as i32,
+                            engine: "test-executor".into(),
+                            usage: Some(pb::Usage {
+                                input_tokens: 10,
+                                output_tokens: 5,
+                                cost_micros: 42,
+                            }),
+                            ..Default::default()
+                        });
+                    }
+                });
+            }
+            Behavior::Fail(code) => set(&|e| {
+                e.phase = epb::ExecutionPhase::Finished as i32;
+                e.idle = true;
+                e.outcome = Some(epb::Outcome {
+                    state: pb::RunState::Failed as i32,
+                    error_code: code.into(),
+                    error_message: format!("scripted failure {code}"),
+                    engine: "test-executor".into(),
+                    ..Default::default()
+                });
+            }),
+            Behavior::Forever | Behavior::IgnoreCancel => {}
+        }
+    }
+}
+
+type ObserveStream = Pin<Box<dyn Stream<Item = Result<epb::ObserveRunResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl ExecutorService for TestExecutor {
+    async fn start_run(
+        &self,
+        request: Request<epb::StartRunRequest>,
+    ) -> Result<Response<epb::StartRunResponse>, Status> {
+        let spec = request
+            .into_inner()
+            .run
+            .ok_or_else(|| Status::invalid_argument("run"))?;
+        if spec.message_id.is_empty() {
+            return Err(Status::invalid_argument("message_id is required"));
+        }
+        let behavior = self.behavior.lock().expect("lock").clone();
+        let (submitted, status) = {
+            let mut state = self.state.lock().expect("lock");
+            *state.start_calls.entry(spec.run_id.clone()).or_default() += 1;
+            match state.runs.get(&spec.run_id) {
+                Some(existing) => (false, Self::status(existing)),
+                None => {
+                    *state
+                        .submissions
+                        .entry(spec.message_id.clone())
+                        .or_default() += 1;
+                    let e = Execution {
+                        spec: spec.clone(),
+                        phase: epb::ExecutionPhase::Admitted as i32,
+                        ..Default::default()
+                    };
+                    let status = Self::status(&e);
+                    state.runs.insert(spec.run_id.clone(), e);
+                    (true, status)
+                }
+            }
+        };
+        if submitted {
+            tokio::spawn(self.clone().execute(spec.run_id.clone(), behavior));
+        }
+        Ok(Response::new(epb::StartRunResponse {
+            submitted,
+            status: Some(status),
+        }))
+    }
+
+    type ObserveRunStream = ObserveStream;
+
+    async fn observe_run(
+        &self,
+        request: Request<epb::ObserveRunRequest>,
+    ) -> Result<Response<Self::ObserveRunStream>, Status> {
+        let req = request.into_inner();
+        let state = self.state.clone();
+        let stream = async_stream(state, req.run_id, req.after_sequence);
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn cancel_run(
+        &self,
+        request: Request<epb::CancelRunRequest>,
+    ) -> Result<Response<epb::CancelRunResponse>, Status> {
+        let run_id = request.into_inner().run_id;
+        let ignore = matches!(*self.behavior.lock().expect("lock"), Behavior::IgnoreCancel);
+        let mut state = self.state.lock().expect("lock");
+        let e = state
+            .runs
+            .get_mut(&run_id)
+            .ok_or_else(|| Status::not_found("run"))?;
+        e.cancelled = true;
+        if !ignore && e.outcome.is_none() {
+            e.phase = epb::ExecutionPhase::Finished as i32;
+            e.idle = true;
+            e.outcome = Some(epb::Outcome {
+                state: pb::RunState::Cancelled as i32,
+                engine: "test-executor".into(),
+                ..Default::default()
+            });
+        }
+        Ok(Response::new(epb::CancelRunResponse {
+            status: Some(Self::status(e)),
+        }))
+    }
+
+    async fn get_run_status(
+        &self,
+        request: Request<epb::GetRunStatusRequest>,
+    ) -> Result<Response<epb::GetRunStatusResponse>, Status> {
+        let run_id = request.into_inner().run_id;
+        let state = self.state.lock().expect("lock");
+        let status = state
+            .runs
+            .get(&run_id)
+            .map(Self::status)
+            .unwrap_or(epb::ExecutionStatus {
+                phase: epb::ExecutionPhase::Unknown as i32,
+                idle: true,
+                outcome: None,
+            });
+        Ok(Response::new(epb::GetRunStatusResponse {
+            status: Some(status),
+        }))
+    }
+}
+
+/// Polls the execution and yields new events and status changes; ends after
+/// the finished status.
+fn async_stream(
+    state: Arc<Mutex<State>>,
+    run_id: String,
+    mut after: i64,
+) -> impl Stream<Item = Result<epb::ObserveRunResponse, Status>> + Send {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        let mut last_status: Option<epb::ExecutionStatus> = None;
+        loop {
+            let snapshot = {
+                let s = state.lock().expect("lock");
+                s.runs.get(&run_id).map(|e| {
+                    let events: Vec<pb::RunEvent> = e
+                        .events
+                        .iter()
+                        .filter(|ev| ev.sequence > after)
+                        .cloned()
+                        .collect();
+                    (events, TestExecutor::status(e))
+                })
+            };
+            let Some((events, status)) = snapshot else {
+                let _ = tx.send(Err(Status::not_found("run"))).await;
+                return;
+            };
+            for ev in events {
+                after = ev.sequence;
+                let update = epb::observe_run_response::Update::Event(ev);
+                if tx
+                    .send(Ok(epb::ObserveRunResponse {
+                        update: Some(update),
+                    }))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            if last_status.as_ref() != Some(&status) {
+                last_status = Some(status.clone());
+                let finished = status.phase == epb::ExecutionPhase::Finished as i32;
+                let update = epb::observe_run_response::Update::Status(status);
+                if tx
+                    .send(Ok(epb::ObserveRunResponse {
+                        update: Some(update),
+                    }))
+                    .await
+                    .is_err()
+                    || finished
+                {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+impl TestExecutor {
+    /// The spec the run was started with (to check what reached the executor).
+    pub fn spec_of(&self, run_id: &str) -> Option<epb::RunSpec> {
+        self.state
+            .lock()
+            .expect("lock")
+            .runs
+            .get(run_id)
+            .map(|x| x.spec.clone())
+    }
+}
