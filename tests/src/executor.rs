@@ -46,6 +46,8 @@ struct State {
     submissions: HashMap<String, usize>,
     /// Every StartRun call per run id, submitted or observed.
     start_calls: HashMap<String, usize>,
+    /// When each run's first StartRun arrived.
+    first_start: HashMap<String, chrono::DateTime<chrono::Utc>>,
 }
 
 /// The executor's shared state; clone freely.
@@ -108,6 +110,11 @@ impl TestExecutor {
             .get(run_id)
             .copied()
             .unwrap_or(0)
+    }
+
+    /// When each run's first StartRun arrived.
+    pub fn first_starts(&self) -> HashMap<String, chrono::DateTime<chrono::Utc>> {
+        self.state.lock().expect("lock").first_start.clone()
     }
 
     /// Whether the run was asked to cancel.
@@ -221,6 +228,10 @@ impl ExecutorService for TestExecutor {
         let (submitted, status) = {
             let mut state = self.state.lock().expect("lock");
             *state.start_calls.entry(spec.run_id.clone()).or_default() += 1;
+            state
+                .first_start
+                .entry(spec.run_id.clone())
+                .or_insert_with(chrono::Utc::now);
             match state.runs.get(&spec.run_id) {
                 Some(existing) => (false, Self::status(existing)),
                 None => {

@@ -10,19 +10,27 @@ use crate::rows::micros;
 use crate::runs::run_columns;
 use crate::{Backend, Result, Store, StoreError};
 
-const CLAIM_PG: &str = "UPDATE runs SET lease_owner = $1, lease_expires_at = $2, claims = claims + 1 \
+const CLAIM_PG: &str = concat!(
+    "UPDATE runs SET lease_owner = $1, lease_expires_at = $2, claims = claims + 1 \
      WHERE id IN (SELECT id FROM runs \
         WHERE state IN ('pending', 'waking', 'admitted', 'running') \
           AND (lease_expires_at IS NULL OR lease_expires_at < $3) \
         ORDER BY created_at LIMIT $4 FOR UPDATE SKIP LOCKED) \
-     RETURNING id";
+     RETURNING ",
+    run_columns!(),
+    ", executor_seq, claims"
+);
 
-const CLAIM_SQLITE: &str = "UPDATE runs SET lease_owner = $1, lease_expires_at = $2, claims = claims + 1 \
+const CLAIM_SQLITE: &str = concat!(
+    "UPDATE runs SET lease_owner = $1, lease_expires_at = $2, claims = claims + 1 \
      WHERE id IN (SELECT id FROM runs \
         WHERE state IN ('pending', 'waking', 'admitted', 'running') \
           AND (lease_expires_at IS NULL OR lease_expires_at < $3) \
         ORDER BY created_at LIMIT $4) \
-     RETURNING id";
+     RETURNING ",
+    run_columns!(),
+    ", executor_seq, claims"
+);
 
 const CLAIMED: &str = concat!(
     "SELECT ",
@@ -31,7 +39,8 @@ const CLAIMED: &str = concat!(
 );
 
 const RENEW: &str = "UPDATE runs SET lease_expires_at = $3 \
-     WHERE id = $1 AND lease_owner = $2 AND state IN ('pending', 'waking', 'admitted', 'running')";
+     WHERE id = $1 AND lease_owner = $2 AND state IN ('pending', 'waking', 'admitted', 'running') \
+     RETURNING cancel_requested_at";
 
 const RELEASE: &str = "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL WHERE id = $1 AND lease_owner = $2";
 
@@ -44,6 +53,16 @@ const SET_EXECUTOR_SEQ: &str =
 const REQUEST_CANCEL: &str = "UPDATE runs SET cancel_requested_at = COALESCE(cancel_requested_at, $2) \
      WHERE id = $1 AND state IN ('pending', 'waking', 'admitted', 'running')";
 
+/// What renewing a lease found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Renewal {
+    /// Another coordinator holds the run now, or it ended.
+    Lost,
+    Held {
+        cancel_requested: bool,
+    },
+}
+
 /// A run this coordinator holds the lease of.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClaimedRun {
@@ -52,6 +71,14 @@ pub struct ClaimedRun {
     pub executor_seq: i64,
     /// How many times the run has been claimed (1 = first claim).
     pub claims: i64,
+}
+
+fn decode_claimed(row: &sqlx::any::AnyRow) -> Result<ClaimedRun> {
+    Ok(ClaimedRun {
+        run: crate::runs::decode(row)?,
+        executor_seq: crate::rows::int(row, "executor_seq")?,
+        claims: crate::rows::int(row, "claims")?,
+    })
 }
 
 impl Store {
@@ -69,7 +96,7 @@ impl Store {
             Backend::Sqlite => CLAIM_SQLITE,
         };
         let mut tx = self.begin_write().await?;
-        let ids: Vec<String> = sqlx::query_scalar(sql)
+        let rows = sqlx::query(sql)
             .bind(owner)
             .bind(micros(until))
             .bind(micros(now))
@@ -77,13 +104,7 @@ impl Store {
             .fetch_all(&mut *tx)
             .await?;
         tx.commit().await?;
-        let mut claimed = Vec::with_capacity(ids.len());
-        for id in ids {
-            if let Some(c) = self.claimed_run(&id, owner).await? {
-                claimed.push(c);
-            }
-        }
-        Ok(claimed)
+        rows.iter().map(decode_claimed).collect()
     }
 
     /// A run as its lease holder sees it; `None` once the lease is lost.
@@ -93,25 +114,29 @@ impl Store {
             .bind(owner)
             .fetch_optional(self.pool())
             .await?;
-        row.map(|row| {
-            Ok(ClaimedRun {
-                run: crate::runs::decode(&row)?,
-                executor_seq: crate::rows::int(&row, "executor_seq")?,
-                claims: crate::rows::int(&row, "claims")?,
-            })
-        })
-        .transpose()
+        row.as_ref().map(decode_claimed).transpose()
     }
 
-    /// Extends a lease; `false` when it was lost (or the run ended).
-    pub async fn renew_lease(&self, id: &str, owner: &str, until: DateTime<Utc>) -> Result<bool> {
-        let done = sqlx::query(RENEW)
+    /// Extends a lease. The heartbeat also brings news of a cancellation
+    /// request, so drivers need no polling of their own.
+    pub async fn renew_lease(
+        &self,
+        id: &str,
+        owner: &str,
+        until: DateTime<Utc>,
+    ) -> Result<Renewal> {
+        let row: Option<Option<i64>> = sqlx::query_scalar(RENEW)
             .bind(id)
             .bind(owner)
             .bind(micros(until))
-            .execute(self.pool())
+            .fetch_optional(self.pool())
             .await?;
-        Ok(done.rows_affected() == 1)
+        Ok(match row {
+            None => Renewal::Lost,
+            Some(cancel) => Renewal::Held {
+                cancel_requested: cancel.is_some(),
+            },
+        })
     }
 
     /// Gives a lease up (graceful shutdown), so another coordinator can take

@@ -82,7 +82,7 @@ impl TestDatabase {
         admin.close().await?;
         let url = replace_database(&admin_url, &name)?;
         let options = StoreOptions {
-            max_connections: 8,
+            max_connections: 16,
             ..StoreOptions::default()
         };
         let store = Store::connect_and_migrate(&url, options).await?;

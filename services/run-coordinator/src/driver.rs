@@ -8,7 +8,8 @@
 //! and ends the run with one receipt. Every wait is bounded: by the run's
 //! deadline, by the cancellation bound, or by the lease.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use automesh_domain::{
@@ -18,10 +19,9 @@ use automesh_proto::executor::v1 as epb;
 use automesh_proto::executor::v1::executor_service_client::ExecutorServiceClient;
 use automesh_rpc::{InternalChannel, convert, propagation};
 use automesh_store::events::NewEvent;
-use automesh_store::leases::ClaimedRun;
+use automesh_store::leases::{ClaimedRun, Renewal};
 use automesh_store::{Store, StoreError};
 use chrono::{DateTime, Utc};
-use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -78,8 +78,33 @@ pub struct Context {
     pub settings: Settings,
     /// This coordinator's lease identity.
     pub owner: String,
-    /// Wakes drivers when a cancellation was requested through this replica.
-    pub cancels: Notify,
+    /// The cancellation signal of every run this replica drives.
+    pub active: Mutex<HashMap<String, CancellationToken>>,
+}
+
+impl Context {
+    /// Tells this replica's driver of `run_id`, if it has one, that a
+    /// cancellation was requested (other replicas learn it from their next
+    /// heartbeat).
+    pub fn signal_cancel(&self, run_id: &str) {
+        if let Some(token) = self.active.lock().ok().and_then(|m| m.get(run_id).cloned()) {
+            token.cancel();
+        }
+    }
+}
+
+/// Registers a driver's cancellation signal for as long as it lives.
+struct Registration<'a> {
+    ctx: &'a Context,
+    run_id: String,
+}
+
+impl Drop for Registration<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.ctx.active.lock() {
+            m.remove(&self.run_id);
+        }
+    }
 }
 
 /// Claims and drives runs until `shutdown`; then stops its drivers and gives
@@ -185,12 +210,32 @@ async fn drive(ctx: Arc<Context>, claimed: ClaimedRun) {
     );
     propagation::continue_trace(&span, run.traceparent.as_deref());
     let lost = CancellationToken::new();
-    let heartbeat =
-        tokio::spawn(heartbeat(ctx.clone(), run.id.clone(), lost.clone()).in_current_span());
-    let result = execute(&ctx, &claimed, &lost)
+    let cancel_seen = CancellationToken::new();
+    if run.cancel_requested_at.is_some() {
+        cancel_seen.cancel();
+    }
+    if let Ok(mut m) = ctx.active.lock() {
+        m.insert(run.id.clone(), cancel_seen.clone());
+    }
+    let _registration = Registration {
+        ctx: &ctx,
+        run_id: run.id.clone(),
+    };
+    // Dies with the driver, however the driver ends: a heartbeat that
+    // outlived a killed driver would keep the run from being taken over.
+    let heartbeat = AbortOnDrop(tokio::spawn(
+        heartbeat(
+            ctx.clone(),
+            run.id.clone(),
+            lost.clone(),
+            cancel_seen.clone(),
+        )
+        .in_current_span(),
+    ));
+    let result = execute(&ctx, &claimed, &lost, &cancel_seen)
         .instrument(span.clone())
         .await;
-    heartbeat.abort();
+    drop(heartbeat);
     let _enter = span.enter();
     match result {
         Ok(ending) => {
@@ -205,17 +250,36 @@ async fn drive(ctx: Arc<Context>, claimed: ClaimedRun) {
     }
 }
 
+/// Aborts its task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Renews the lease every third of its length; cancels `lost` when it is
 /// lost or cannot be renewed before it expires.
-async fn heartbeat(ctx: Arc<Context>, run_id: String, lost: CancellationToken) {
+async fn heartbeat(
+    ctx: Arc<Context>,
+    run_id: String,
+    lost: CancellationToken,
+    cancel_seen: CancellationToken,
+) {
     let every = ctx.settings.lease / 3;
     let mut last_ok = tokio::time::Instant::now();
     loop {
         tokio::time::sleep(every).await;
         let until = Utc::now() + chrono::Duration::from_std(ctx.settings.lease).unwrap_or_default();
         match ctx.store.renew_lease(&run_id, &ctx.owner, until).await {
-            Ok(true) => last_ok = tokio::time::Instant::now(),
-            Ok(false) => {
+            Ok(Renewal::Held { cancel_requested }) => {
+                last_ok = tokio::time::Instant::now();
+                if cancel_requested {
+                    cancel_seen.cancel();
+                }
+            }
+            Ok(Renewal::Lost) => {
                 lost.cancel();
                 return;
             }
@@ -258,6 +322,7 @@ async fn execute(
     ctx: &Context,
     claimed: &ClaimedRun,
     lost: &CancellationToken,
+    cancel_seen: &CancellationToken,
 ) -> Result<Ending, Stop> {
     let run = &claimed.run;
     let deadline = run.deadline_at;
@@ -277,7 +342,7 @@ async fn execute(
         ));
     }
     let Some(mut executor) = ctx.executors.for_placement(run.placement) else {
-        return wait_without_executor(ctx, run, lost).await;
+        return wait_without_executor(run, lost, cancel_seen).await;
     };
     // Identity first: a takeover must find it and observe, never resubmit.
     let message_id = ctx
@@ -319,7 +384,6 @@ async fn execute(
 
     let mut after = claimed.executor_seq;
     let mut cancel: Option<(CancelCause, tokio::time::Instant)> = None;
-    let mut cancel_check = tokio::time::interval(Duration::from_millis(250));
     let mut backoff = Duration::from_millis(100);
     loop {
         let mut stream = match executor
@@ -366,17 +430,9 @@ async fn execute(
                     send_cancel(ctx, &mut executor, run, "deadline reached").await;
                     cancel = Some((CancelCause::Deadline, tokio::time::Instant::now()));
                 }
-                _ = cancel_check.tick(), if cancel.is_none() => {
-                    if cancel_requested(ctx, run).await? {
-                        send_cancel(ctx, &mut executor, run, "cancelled by the user").await;
-                        cancel = Some((CancelCause::User, tokio::time::Instant::now()));
-                    }
-                }
-                () = ctx.cancels.notified(), if cancel.is_none() => {
-                    if cancel_requested(ctx, run).await? {
-                        send_cancel(ctx, &mut executor, run, "cancelled by the user").await;
-                        cancel = Some((CancelCause::User, tokio::time::Instant::now()));
-                    }
+                () = cancel_seen.cancelled(), if cancel.is_none() => {
+                    send_cancel(ctx, &mut executor, run, "cancelled by the user").await;
+                    cancel = Some((CancelCause::User, tokio::time::Instant::now()));
                 }
                 () = async { match cancel_deadline { Some(at) => tokio::time::sleep_until(at).await, None => std::future::pending().await } } => {
                     // Last look before giving up on seeing it idle.
@@ -405,28 +461,23 @@ async fn execute(
 /// Without an executor for its placement a run can only wait: for a
 /// cancellation, or for its deadline.
 async fn wait_without_executor(
-    ctx: &Context,
     run: &Run,
     lost: &CancellationToken,
+    cancel_seen: &CancellationToken,
 ) -> Result<Ending, Stop> {
     // Not a durable failure of the user's setup: the mesh has no executor.
     let code = match run.placement {
         Placement::Desktop => ErrorCode::RunnerOffline,
         Placement::Cloud => ErrorCode::DeadlineExceeded,
     };
-    let mut check = tokio::time::interval(Duration::from_millis(250));
-    loop {
-        tokio::select! {
-            () = sleep_until(run.deadline_at) => {
-                return Ok(Ending::new(RunState::TimedOut, Some(code), format!("no {} executor took the run before its deadline", run.placement)));
-            }
-            _ = check.tick() => {
-                if cancel_requested(ctx, run).await? {
-                    return Ok(Ending::new(RunState::Cancelled, None, "cancelled before it was dispatched"));
-                }
-            }
-            () = lost.cancelled() => return Err(Stop::LeaseLost),
+    tokio::select! {
+        () = sleep_until(run.deadline_at) => {
+            Ok(Ending::new(RunState::TimedOut, Some(code), format!("no {} executor took the run before its deadline", run.placement)))
         }
+        () = cancel_seen.cancelled() => {
+            Ok(Ending::new(RunState::Cancelled, None, "cancelled before it was dispatched"))
+        }
+        () = lost.cancelled() => Err(Stop::LeaseLost),
     }
 }
 
@@ -508,15 +559,6 @@ async fn status_of(
         .ok()?
         .into_inner()
         .status
-}
-
-async fn cancel_requested(ctx: &Context, run: &Run) -> Result<bool, Stop> {
-    Ok(ctx
-        .store
-        .get_run_unscoped(&run.id)
-        .await?
-        .cancel_requested_at
-        .is_some())
 }
 
 /// Moves the stored state forward to what the executor reports.

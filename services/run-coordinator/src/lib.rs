@@ -128,7 +128,7 @@ pub async fn serve(
         executors,
         settings,
         owner: format!("coordinator-{}", uuid::Uuid::new_v4()),
-        cancels: tokio::sync::Notify::new(),
+        active: Default::default(),
     });
     let coordinator = Coordinator::new(context.clone(), shutdown.clone());
     let mut server = GrpcServer::new(ServerSettings::default())?;

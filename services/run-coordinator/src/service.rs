@@ -72,7 +72,7 @@ impl Coordinator {
         }
         if self.store.request_cancel(&run.id, now).await? {
             tracing::info!(run_id = %run.id, "cancellation requested");
-            self.context.cancels.notify_waiters();
+            self.context.signal_cancel(&run.id);
         }
         let give_up = tokio::time::Instant::now() + CANCEL_ANSWER_WAIT;
         loop {

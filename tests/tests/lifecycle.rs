@@ -1,0 +1,654 @@
+//! Scheduling and the durable run lifecycle, end to end: the scheduler and
+//! the coordinator over real gRPC, a test executor speaking the executor
+//! contract, SQLite and PostgreSQL.
+
+use std::future::Future;
+use std::time::Duration;
+
+use automesh_domain::{AutomationState, ErrorCode, Principal, Run, RunState};
+use automesh_e2e_tests::executor::{Behavior, TestExecutor};
+use automesh_e2e_tests::{Mesh, MeshOptions, on_both_backends};
+use automesh_proto::v1 as pb;
+use automesh_store::page::Cursor;
+use automesh_store::{Backend, Store};
+use chrono::{Timelike, Utc};
+
+/// Polls `check` until it yields a value, or fails after `within`.
+async fn wait_for<T, F, Fut>(within: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let give_up = tokio::time::Instant::now() + within;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "timed out after {within:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn terminal(store: &Store, run_id: &str, within: Duration) -> Run {
+    wait_for(within, "the run to end", || async {
+        store
+            .get_run_unscoped(run_id)
+            .await
+            .ok()
+            .filter(|r| r.state.is_terminal())
+    })
+    .await
+}
+
+async fn all_runs(store: &Store, owner: &Principal) -> Vec<Run> {
+    store
+        .list_runs(owner, None, &Cursor::start(), 1000)
+        .await
+        .expect("list runs")
+        .items
+}
+
+fn daily(hours: i32, minutes: i32) -> pb::Schedule {
+    pb::Schedule {
+        kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
+            time_of_day: Some(pb::TimeOfDay { hours, minutes }),
+            time_zone: "UTC".into(),
+        })),
+    }
+}
+
+fn once_in(d: Duration) -> pb::Schedule {
+    let at = Utc::now() + chrono::Duration::from_std(d).expect("duration");
+    pb::Schedule {
+        kind: Some(pb::schedule::Kind::Once(pb::OnceSchedule {
+            at: Some(automesh_rpc::convert::timestamp(at)),
+        })),
+    }
+}
+
+async fn create(mesh: &Mesh, token: &str, schedule: pb::Schedule) -> pb::Automation {
+    mesh.automations(Some(token))
+        .create_automation(pb::CreateAutomationRequest {
+            automation: Some(pb::Automation {
+                name: "lifecycle".into(),
+                prompt: "do the thing".into(),
+                model: "fake/echo".into(),
+                schedule: Some(schedule),
+                ..Default::default()
+            }),
+            surface: pb::Surface::Desktop as i32,
+        })
+        .await
+        .expect("create")
+        .into_inner()
+        .automation
+        .expect("automation")
+}
+
+async fn run_now(mesh: &Mesh, token: &str, automation_id: &str, key: &str) -> pb::Run {
+    mesh.automations(Some(token))
+        .run_automation_now(pb::RunAutomationNowRequest {
+            id: automation_id.into(),
+            idempotency_key: key.into(),
+        })
+        .await
+        .expect("run now")
+        .into_inner()
+        .run
+        .expect("run")
+}
+
+async fn mesh_with(
+    backend: Backend,
+    behavior: Behavior,
+    options: MeshOptions,
+) -> (Mesh, TestExecutor) {
+    let (executor, addr) = TestExecutor::start(behavior).await.expect("executor");
+    let mesh = Mesh::start_with(
+        backend,
+        MeshOptions {
+            executor: Some(addr),
+            ..options
+        },
+    )
+    .await
+    .expect("mesh");
+    (mesh, executor)
+}
+
+async fn a_due_occurrence_runs_to_a_receipt(backend: Backend) {
+    let (mesh, executor) = mesh_with(
+        backend,
+        Behavior::Complete {
+            after: Duration::from_millis(300),
+            events: 3,
+        },
+        MeshOptions::default(),
+    )
+    .await;
+    let token = mesh.token("acme", "alice");
+    let owner = Principal::new("acme", "alice");
+    let a = create(&mesh, &token, once_in(Duration::from_millis(1500))).await;
+    let run = wait_for(Duration::from_secs(20), "the occurrence's run", || async {
+        all_runs(mesh.store(), &owner).await.into_iter().next()
+    })
+    .await;
+    let run = terminal(mesh.store(), &run.id, Duration::from_secs(20)).await;
+    assert_eq!(run.state, RunState::Succeeded, "{run:?}");
+    assert_eq!(run.automation_id, a.id);
+    assert_eq!(run.trigger, automesh_domain::RunTrigger::Schedule);
+    let scheduled = a
+        .next_run_time
+        .as_ref()
+        .and_then(automesh_rpc::convert::from_timestamp);
+    assert_eq!(run.scheduled_for, scheduled);
+    assert_eq!(
+        run.id,
+        automesh_domain::ids::scheduled_run_id(&a.id, scheduled.expect("instant"))
+    );
+    assert!(run.trace_id().is_some(), "a scheduled run carries a trace");
+    let message_id = run.message_id.clone().expect("message identity persisted");
+    assert_eq!(executor.submissions(&message_id), 1);
+    assert_eq!(
+        executor.spec_of(&run.id).expect("spec").traceparent,
+        run.traceparent.clone().unwrap_or_default()
+    );
+
+    let receipt = mesh
+        .store()
+        .get_receipt(&run.id)
+        .await
+        .expect("get")
+        .expect("receipt");
+    assert_eq!(receipt.outcome, RunState::Succeeded);
+    assert_eq!(receipt.engine.as_deref(), Some("test-executor"));
+    assert_eq!(
+        (
+            receipt.usage.input_tokens,
+            receipt.usage.output_tokens,
+            receipt.usage.cost_micros
+        ),
+        (10, 5, 42)
+    );
+    assert!(receipt.execution_micros > 0);
+    assert_eq!(receipt.message_id.as_deref(), Some(message_id.as_str()));
+
+    let events = mesh
+        .store()
+        .list_events(&run.id, 0, 100)
+        .await
+        .expect("events");
+    let texts = events
+        .iter()
+        .filter(|e| {
+            matches!(
+                e.payload,
+                automesh_domain::RunEventPayload::AssistantText { .. }
+            )
+        })
+        .count();
+    assert_eq!(texts, 3);
+    assert!(
+        events
+            .windows(2)
+            .all(|w| w[0].sequence + 1 == w[1].sequence)
+    );
+    // A once schedule has nothing left to run.
+    let after = mesh
+        .store()
+        .get_automation(&owner, &a.id)
+        .await
+        .expect("automation");
+    assert_eq!(after.next_run_at, None);
+    mesh.stop().await.expect("stop");
+}
+
+async fn a_killed_coordinator_is_taken_over_without_a_second_submission(backend: Backend) {
+    let options = MeshOptions {
+        lease: Duration::from_secs(1),
+        ..MeshOptions::default()
+    };
+    let (mut mesh, executor) = mesh_with(
+        backend,
+        Behavior::Complete {
+            after: Duration::from_secs(4),
+            events: 4,
+        },
+        options,
+    )
+    .await;
+    let token = mesh.token("acme", "alice");
+    let a = create(&mesh, &token, daily(3, 0)).await;
+    let run = run_now(&mesh, &token, &a.id, "takeover").await;
+    wait_for(Duration::from_secs(10), "the run to be running", || async {
+        mesh.store()
+            .get_run_unscoped(&run.id)
+            .await
+            .ok()
+            .filter(|r| r.state == RunState::Running)
+    })
+    .await;
+    // Kill the coordinator without any cleanup: its lease just stops being renewed.
+    mesh.coordinators[0].abort();
+    mesh.add_coordinator().await.expect("second coordinator");
+    let ended = terminal(mesh.store(), &run.id, Duration::from_secs(30)).await;
+    assert_eq!(ended.state, RunState::Succeeded, "{ended:?}");
+    let message_id = ended.message_id.clone().expect("message id");
+    assert_eq!(
+        executor.submissions(&message_id),
+        1,
+        "the prompt was submitted exactly once"
+    );
+    assert!(
+        executor.start_calls(&run.id) >= 2,
+        "the second coordinator reattached through StartRun"
+    );
+    let events = mesh
+        .store()
+        .list_events(&run.id, 0, 100)
+        .await
+        .expect("events");
+    let texts = events
+        .iter()
+        .filter(|e| {
+            matches!(
+                e.payload,
+                automesh_domain::RunEventPayload::AssistantText { .. }
+            )
+        })
+        .count();
+    assert_eq!(texts, 4, "redelivered executor events were deduplicated");
+    mesh.stop().await.expect("stop");
+}
+
+async fn three_days_of_downtime_catch_up_once(backend: Backend) {
+    let (mesh, _executor) = mesh_with(
+        backend,
+        Behavior::Complete {
+            after: Duration::from_millis(100),
+            events: 0,
+        },
+        MeshOptions::default(),
+    )
+    .await;
+    let token = mesh.token("acme", "alice");
+    let owner = Principal::new("acme", "alice");
+    let slot = Utc::now() - chrono::Duration::minutes(30);
+    let a = create(
+        &mesh,
+        &token,
+        daily(slot.hour() as i32, slot.minute() as i32),
+    )
+    .await;
+    // The scheduler was down for three days: the stored next occurrence is
+    // the one three days ago.
+    let today = slot
+        .with_second(0)
+        .and_then(|t| t.with_nanosecond(0))
+        .expect("slot");
+    let three_days_ago = today - chrono::Duration::days(3);
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE automations SET next_run_at = {} WHERE id = '{}'",
+        three_days_ago.timestamp_micros(),
+        a.id
+    )))
+    .execute(mesh.store().pool())
+    .await
+    .expect("simulate downtime");
+    let runs = wait_for(Duration::from_secs(20), "four runs, all ended", || async {
+        let runs = all_runs(mesh.store(), &owner).await;
+        (runs.len() >= 4 && runs.iter().all(|r| r.state.is_terminal())).then_some(runs)
+    })
+    .await;
+    assert_eq!(runs.len(), 4, "{runs:#?}");
+    let missed: Vec<&Run> = runs
+        .iter()
+        .filter(|r| r.state == RunState::Missed)
+        .collect();
+    let ran: Vec<&Run> = runs
+        .iter()
+        .filter(|r| r.state == RunState::Succeeded)
+        .collect();
+    assert_eq!(missed.len(), 3);
+    assert_eq!(ran.len(), 1, "exactly one catch-up run");
+    assert_eq!(
+        ran[0].scheduled_for,
+        Some(today),
+        "the catch-up is the latest missed occurrence"
+    );
+    for m in &missed {
+        assert_eq!(m.error_code, Some(ErrorCode::MissedDuringDowntime));
+        let receipt = mesh
+            .store()
+            .get_receipt(&m.id)
+            .await
+            .expect("get")
+            .expect("a missed occurrence has a receipt");
+        assert_eq!(receipt.outcome, RunState::Missed);
+    }
+    let after = mesh
+        .store()
+        .get_automation(&owner, &a.id)
+        .await
+        .expect("automation");
+    assert_eq!(after.next_run_at, Some(today + chrono::Duration::days(1)));
+    mesh.stop().await.expect("stop");
+}
+
+async fn an_occurrence_while_the_previous_run_is_live_is_skipped(backend: Backend) {
+    let (mesh, _executor) = mesh_with(backend, Behavior::Forever, MeshOptions::default()).await;
+    let token = mesh.token("acme", "alice");
+    let owner = Principal::new("acme", "alice");
+    let a = create(&mesh, &token, daily(4, 0)).await;
+    let live = run_now(&mesh, &token, &a.id, "long").await;
+    wait_for(
+        Duration::from_secs(10),
+        "the manual run to be running",
+        || async {
+            mesh.store()
+                .get_run_unscoped(&live.id)
+                .await
+                .ok()
+                .filter(|r| r.state == RunState::Running)
+        },
+    )
+    .await;
+    let due = Utc::now();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE automations SET next_run_at = {} WHERE id = '{}'",
+        due.timestamp_micros(),
+        a.id
+    )))
+    .execute(mesh.store().pool())
+    .await
+    .expect("make an occurrence due");
+    let skipped = wait_for(
+        Duration::from_secs(20),
+        "the skipped occurrence",
+        || async {
+            all_runs(mesh.store(), &owner)
+                .await
+                .into_iter()
+                .find(|r| r.state == RunState::Skipped)
+        },
+    )
+    .await;
+    assert_eq!(skipped.error_code, Some(ErrorCode::PreviousRunLive));
+    let receipt = mesh
+        .store()
+        .get_receipt(&skipped.id)
+        .await
+        .expect("get")
+        .expect("receipt");
+    assert_eq!(receipt.outcome, RunState::Skipped);
+    assert_eq!(
+        all_runs(mesh.store(), &owner).await.len(),
+        2,
+        "nothing was queued"
+    );
+    let cancelled = mesh
+        .runs(Some(&token))
+        .cancel_run(pb::CancelRunRequest {
+            id: live.id.clone(),
+        })
+        .await
+        .expect("cancel")
+        .into_inner()
+        .run
+        .expect("run");
+    assert_eq!(cancelled.state, pb::RunState::Cancelled as i32);
+    mesh.stop().await.expect("stop");
+}
+
+async fn durable_failures_need_attention_until_a_run_succeeds(backend: Backend) {
+    let (mesh, executor) = mesh_with(
+        backend,
+        Behavior::Fail("runtime_missing"),
+        MeshOptions::default(),
+    )
+    .await;
+    let token = mesh.token("acme", "alice");
+    let owner = Principal::new("acme", "alice");
+    let a = create(&mesh, &token, daily(5, 0)).await;
+    let first = run_now(&mesh, &token, &a.id, "first").await;
+    let failed = terminal(mesh.store(), &first.id, Duration::from_secs(20)).await;
+    assert_eq!(
+        (failed.state, failed.error_code),
+        (RunState::Failed, Some(ErrorCode::RuntimeMissing))
+    );
+    let paused = wait_for(Duration::from_secs(10), "needs attention", || async {
+        mesh.store()
+            .get_automation(&owner, &a.id)
+            .await
+            .ok()
+            .filter(|a| a.state == AutomationState::NeedsAttention)
+    })
+    .await;
+    assert_eq!(paused.attention_reason, Some(ErrorCode::RuntimeMissing));
+    assert_eq!(paused.next_run_at, None, "the schedule is paused");
+    // Run now still works, and success clears the attention.
+    executor.set_behavior(Behavior::Complete {
+        after: Duration::from_millis(100),
+        events: 1,
+    });
+    let second = run_now(&mesh, &token, &a.id, "second").await;
+    assert_eq!(
+        terminal(mesh.store(), &second.id, Duration::from_secs(20))
+            .await
+            .state,
+        RunState::Succeeded
+    );
+    let cleared = wait_for(Duration::from_secs(10), "attention cleared", || async {
+        mesh.store()
+            .get_automation(&owner, &a.id)
+            .await
+            .ok()
+            .filter(|a| a.state == AutomationState::Active)
+    })
+    .await;
+    assert_eq!(cleared.attention_reason, None);
+    assert!(cleared.next_run_at.is_some());
+    mesh.stop().await.expect("stop");
+}
+
+on_both_backends!(
+    a_due_occurrence_runs_to_a_receipt,
+    a_killed_coordinator_is_taken_over_without_a_second_submission,
+    three_days_of_downtime_catch_up_once,
+    an_occurrence_while_the_previous_run_is_live_is_skipped,
+    durable_failures_need_attention_until_a_run_succeeds,
+);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_executor_never_answers_times_out_at_its_deadline() {
+    // Nothing listens on port 9: every StartRun fails to connect.
+    let mesh = Mesh::start_with(
+        Backend::Sqlite,
+        MeshOptions {
+            executor: Some("http://127.0.0.1:9".into()),
+            run_deadline: Duration::from_secs(2),
+            cancel_bound: Duration::from_secs(1),
+            ..MeshOptions::default()
+        },
+    )
+    .await
+    .expect("mesh");
+    let token = mesh.token("acme", "alice");
+    let a = create(&mesh, &token, daily(6, 0)).await;
+    let run = run_now(&mesh, &token, &a.id, "silent").await;
+    let ended = terminal(mesh.store(), &run.id, Duration::from_secs(20)).await;
+    assert_eq!(
+        (ended.state, ended.error_code),
+        (RunState::TimedOut, Some(ErrorCode::DeadlineExceeded))
+    );
+    assert!(
+        ended.updated_at >= ended.deadline_at,
+        "ended at, not before, its deadline"
+    );
+    mesh.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_that_never_finishes_is_cancelled_on_its_executor_at_the_deadline() {
+    let (mesh, executor) = mesh_with(
+        Backend::Sqlite,
+        Behavior::Forever,
+        MeshOptions {
+            run_deadline: Duration::from_secs(2),
+            ..MeshOptions::default()
+        },
+    )
+    .await;
+    let token = mesh.token("acme", "alice");
+    let a = create(&mesh, &token, daily(6, 0)).await;
+    let run = run_now(&mesh, &token, &a.id, "forever").await;
+    let ended = terminal(mesh.store(), &run.id, Duration::from_secs(20)).await;
+    assert_eq!(
+        (ended.state, ended.error_code),
+        (RunState::TimedOut, Some(ErrorCode::DeadlineExceeded))
+    );
+    assert!(
+        executor.was_cancelled(&run.id),
+        "the deadline cancelled the run on its executor"
+    );
+    mesh.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_ends_cancelled_once_the_executor_is_idle() {
+    let (mesh, executor) =
+        mesh_with(Backend::Sqlite, Behavior::Forever, MeshOptions::default()).await;
+    let token = mesh.token("acme", "alice");
+    let a = create(&mesh, &token, daily(7, 0)).await;
+    let run = run_now(&mesh, &token, &a.id, "c").await;
+    wait_for(Duration::from_secs(10), "running", || async {
+        mesh.store()
+            .get_run_unscoped(&run.id)
+            .await
+            .ok()
+            .filter(|r| r.state == RunState::Running)
+    })
+    .await;
+    let answered = mesh
+        .runs(Some(&token))
+        .cancel_run(pb::CancelRunRequest { id: run.id.clone() })
+        .await
+        .expect("cancel")
+        .into_inner()
+        .run
+        .expect("run");
+    assert_eq!(answered.state, pb::RunState::Cancelled as i32);
+    assert!(answered.error_code.is_empty());
+    assert!(executor.was_cancelled(&run.id));
+    mesh.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_on_an_executor_that_never_goes_idle_ends_cancel_unobserved() {
+    let (mesh, _executor) = mesh_with(
+        Backend::Sqlite,
+        Behavior::IgnoreCancel,
+        MeshOptions {
+            cancel_bound: Duration::from_secs(1),
+            ..MeshOptions::default()
+        },
+    )
+    .await;
+    let token = mesh.token("acme", "alice");
+    let a = create(&mesh, &token, daily(8, 0)).await;
+    let run = run_now(&mesh, &token, &a.id, "stuck").await;
+    wait_for(Duration::from_secs(10), "running", || async {
+        mesh.store()
+            .get_run_unscoped(&run.id)
+            .await
+            .ok()
+            .filter(|r| r.state == RunState::Running)
+    })
+    .await;
+    mesh.runs(Some(&token))
+        .cancel_run(pb::CancelRunRequest { id: run.id.clone() })
+        .await
+        .expect("cancel");
+    let ended = terminal(mesh.store(), &run.id, Duration::from_secs(20)).await;
+    assert_eq!(
+        (ended.state, ended.error_code),
+        (RunState::Cancelled, Some(ErrorCode::CancelUnobserved))
+    );
+    mesh.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_hundred_due_at_once_on_two_schedulers_and_two_coordinators() {
+    use automesh_domain::automation::NewAutomation;
+    let (mesh, executor) = mesh_with(
+        Backend::Postgres,
+        Behavior::Complete {
+            after: Duration::from_millis(50),
+            events: 1,
+        },
+        MeshOptions {
+            schedulers: 2,
+            coordinators: 2,
+            ..MeshOptions::default()
+        },
+    )
+    .await;
+    let due = Utc::now() + chrono::Duration::seconds(3);
+    let now = Utc::now();
+    for i in 0..500 {
+        let owner = Principal::new("acme", format!("user-{}", i % 7));
+        let new = NewAutomation {
+            id: format!("bulk-{i:03}"),
+            org_id: owner.org_id.clone(),
+            owner_id: owner.user_id.clone(),
+            name: format!("bulk {i}"),
+            prompt: "p".into(),
+            model: "fake/echo".into(),
+            surface: automesh_domain::Surface::Web,
+            schedule: automesh_domain::Schedule::Once { at: due },
+        };
+        mesh.store()
+            .create_automation(&new, Some(due), now)
+            .await
+            .expect("create");
+    }
+    let store = mesh.store().clone();
+    let count = |sql: &'static str| {
+        let store = store.clone();
+        async move {
+            let n: i64 = sqlx::query_scalar(sql)
+                .fetch_one(store.pool())
+                .await
+                .expect("count");
+            n
+        }
+    };
+    wait_for(Duration::from_secs(120), "500 terminal runs", || async {
+        (count("SELECT COUNT(*) FROM runs WHERE state = 'succeeded'").await == 500).then_some(())
+    })
+    .await;
+    assert_eq!(
+        count("SELECT COUNT(*) FROM runs").await,
+        500,
+        "exactly one run per occurrence"
+    );
+    assert_eq!(
+        count("SELECT COUNT(*) FROM receipts").await,
+        500,
+        "exactly one receipt per run"
+    );
+    assert_eq!(
+        count("SELECT COUNT(DISTINCT automation_id) FROM runs").await,
+        500
+    );
+    let submissions = executor.all_submissions();
+    assert_eq!(submissions.len(), 500);
+    assert!(
+        submissions.values().all(|n| *n == 1),
+        "every prompt submitted exactly once"
+    );
+    mesh.stop().await.expect("stop");
+}
