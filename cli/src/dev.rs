@@ -37,7 +37,7 @@ pub struct DevArgs {
     #[arg(long, default_value = "127.0.0.1:50055")]
     pub lifecycle_listen: SocketAddr,
     /// How long a run may take from creation to its end.
-    #[arg(long, default_value = "30m", value_parser = automesh_scheduler::parse_duration)]
+    #[arg(long, env = "AUTOMESH_DEV_RUN_DEADLINE", default_value = "30m", value_parser = automesh_scheduler::parse_duration)]
     pub run_deadline: Duration,
     /// How late a missed occurrence may be and still run once after downtime.
     #[arg(long, default_value = "1h", value_parser = automesh_scheduler::parse_duration)]
@@ -237,7 +237,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         () = shutdown.cancelled() => None,
         done = tasks.join_next() => done,
     };
-    if let Some(done) = first {
+    if let Some(done) = first.filter(|_| !shutdown.is_cancelled()) {
         shutdown.cancel();
         match done {
             Ok((name, Ok(()))) => {

@@ -321,6 +321,9 @@ async fn traces_are_exported_over_otlp_and_one_trace_crosses_the_services() {
             &[
                 ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
                 ("OTEL_BSP_SCHEDULE_DELAY", "100".to_owned()),
+                // Dev mode has no executors yet: the run waits, bounded by
+                // its deadline, and the coordinator's span of it then ends.
+                ("AUTOMESH_DEV_RUN_DEADLINE", "2s".to_owned()),
             ],
         )
     })
@@ -387,10 +390,12 @@ async fn traces_are_exported_over_otlp_and_one_trace_crosses_the_services() {
         .expect("run");
     assert_eq!(run.trace_id, trace_id);
 
-    // Both hops of the call arrive at the collector, in the caller's trace.
+    // Both hops of the call, and the coordinator's span of the run, arrive
+    // at the collector in the caller's trace.
     let wanted = [
         "/automesh.v1.Automations/RunAutomationNow",
         "/automesh.scheduler.v1.SchedulerService/RunAutomationNow",
+        "automesh.run",
     ];
     let give_up = std::time::Instant::now() + Duration::from_secs(30);
     loop {

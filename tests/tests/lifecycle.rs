@@ -547,6 +547,35 @@ async fn cancel_ends_cancelled_once_the_executor_is_idle() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancellation_recorded_by_another_replica_reaches_the_driver() {
+    let (mesh, executor) =
+        mesh_with(Backend::Postgres, Behavior::Forever, MeshOptions::default()).await;
+    let token = mesh.token("acme", "alice");
+    let a = create(&mesh, &token, daily(7, 30)).await;
+    let run = run_now(&mesh, &token, &a.id, "remote").await;
+    wait_for(Duration::from_secs(10), "running", || async {
+        mesh.store()
+            .get_run_unscoped(&run.id)
+            .await
+            .ok()
+            .filter(|r| r.state == RunState::Running)
+    })
+    .await;
+    // What another replica's CancelRun does: record the request, with no
+    // in-process signal to this driver. The heartbeat must bring it.
+    assert!(
+        mesh.store()
+            .request_cancel(&run.id, Utc::now())
+            .await
+            .expect("request")
+    );
+    let ended = terminal(mesh.store(), &run.id, Duration::from_secs(20)).await;
+    assert_eq!((ended.state, ended.error_code), (RunState::Cancelled, None));
+    assert!(executor.was_cancelled(&run.id));
+    mesh.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_on_an_executor_that_never_goes_idle_ends_cancel_unobserved() {
     let (mesh, _executor) = mesh_with(
         Backend::Sqlite,

@@ -206,6 +206,49 @@ async fn main() -> anyhow::Result<()> {
         rate / tps1,
         rate / tps8
     );
+
+    // Scheduler cost per wake-up with nothing due, before and after adding
+    // `--idle` inactive and far-future automations: an index probe, not a scan.
+    let idle = arg("--idle", 100_000);
+    let settings = automesh_scheduler::occurrences::Settings {
+        catch_up_window: Duration::from_secs(3600),
+        run_deadline: Duration::from_secs(60),
+        max_sleep: Duration::from_secs(1),
+    };
+    let wake_cost = |store: Store| {
+        let settings = settings.clone();
+        async move {
+            let mut samples = vec![];
+            for _ in 0..200 {
+                let t = Instant::now();
+                store.next_due_at().await?;
+                automesh_scheduler::occurrences::pass(&store, &settings).await?;
+                samples.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            anyhow::Ok(median(samples))
+        }
+    };
+    let before = wake_cost(store.clone()).await?;
+    let far_future = (Utc::now() + chrono::Duration::days(3650)).timestamp_micros();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO automations (id, org_id, owner_id, name, prompt, model, placement, surface, \
+           schedule, state, version, next_run_at, created_at, updated_at) \
+         SELECT 'idle-' || g, 'bench', 'idle', 'idle', 'p', 'fake/echo', 'cloud', 'web', \
+           '{{\"kind\":\"once\",\"at_micros\":{far_future}}}', \
+           CASE WHEN g % 2 = 0 THEN 'inactive' ELSE 'active' END, 1, \
+           CASE WHEN g % 2 = 0 THEN NULL ELSE {far_future} END, 0, 0 \
+         FROM generate_series(1, {idle}) g"
+    )))
+    .execute(store.pool())
+    .await?;
+    sqlx::query("ANALYZE automations")
+        .execute(store.pool())
+        .await?;
+    let after = wake_cost(store.clone()).await?;
+    println!(
+        "scheduler one wake-up with nothing due          {before:>7.0} µs   with {idle} inactive/far-future: {after:>7.0} µs   ({:.2} ×)",
+        after / before
+    );
     mesh.stop().await?;
     Ok(())
 }
