@@ -3,7 +3,7 @@
 //! renewed by heartbeats, and free for another coordinator once expired.
 //! Also the bookkeeping a coordinator persists while it drives a run.
 
-use automesh_domain::Run;
+use automesh_domain::{Placement, Run};
 use chrono::{DateTime, Utc};
 
 use crate::rows::micros;
@@ -15,6 +15,9 @@ const CLAIM_PG: &str = concat!(
      WHERE id IN (SELECT id FROM runs \
         WHERE state IN ('pending', 'waking', 'admitted', 'running') \
           AND (lease_expires_at IS NULL OR lease_expires_at < $3) \
+          AND ($5 LIKE '%,' || placement || ',%' \
+               OR (message_id IS NULL AND (deadline_at < $3 OR cancel_requested_at IS NOT NULL)) \
+               OR deadline_at < $6) \
         ORDER BY created_at LIMIT $4 FOR UPDATE SKIP LOCKED) \
      RETURNING ",
     run_columns!(),
@@ -26,6 +29,9 @@ const CLAIM_SQLITE: &str = concat!(
      WHERE id IN (SELECT id FROM runs \
         WHERE state IN ('pending', 'waking', 'admitted', 'running') \
           AND (lease_expires_at IS NULL OR lease_expires_at < $3) \
+          AND ($5 LIKE '%,' || placement || ',%' \
+               OR (message_id IS NULL AND (deadline_at < $3 OR cancel_requested_at IS NOT NULL)) \
+               OR deadline_at < $6) \
         ORDER BY created_at LIMIT $4) \
      RETURNING ",
     run_columns!(),
@@ -83,14 +89,23 @@ fn decode_claimed(row: &sqlx::any::AnyRow) -> Result<ClaimedRun> {
 
 impl Store {
     /// Leases up to `limit` live runs that nobody holds (or whose lease
-    /// expired) to `owner` until `until`.
+    /// expired) to `owner` until `until`: runs of the `placements` this
+    /// coordinator can execute; never-submitted runs that are cancelled or
+    /// past their deadline (anyone can end those); and any run whose
+    /// deadline was before `orphaned_before` (so a run no coordinator can
+    /// execute any more still ends, a grace period after its deadline).
     pub async fn claim_runs(
         &self,
         owner: &str,
+        placements: &[Placement],
         until: DateTime<Utc>,
         now: DateTime<Utc>,
+        orphaned_before: DateTime<Utc>,
         limit: u32,
     ) -> Result<Vec<ClaimedRun>> {
+        let placements = placements
+            .iter()
+            .fold(String::from(","), |acc, p| format!("{acc}{p},"));
         let sql = match self.backend() {
             Backend::Postgres => CLAIM_PG,
             Backend::Sqlite => CLAIM_SQLITE,
@@ -101,10 +116,23 @@ impl Store {
             .bind(micros(until))
             .bind(micros(now))
             .bind(i64::from(limit))
+            .bind(placements)
+            .bind(micros(orphaned_before))
             .fetch_all(&mut *tx)
             .await?;
         tx.commit().await?;
-        rows.iter().map(decode_claimed).collect()
+        // A row that does not decode is logged and left to its lease expiry,
+        // rather than stopping every other claim.
+        Ok(rows
+            .iter()
+            .filter_map(|row| match decode_claimed(row) {
+                Ok(c) => Some(c),
+                Err(error) => {
+                    tracing::error!(%error, "claimed run does not decode; skipped");
+                    None
+                }
+            })
+            .collect())
     }
 
     /// A run as its lease holder sees it; `None` once the lease is lost.

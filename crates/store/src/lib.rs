@@ -99,6 +99,16 @@ impl Store {
                 Backend::Sqlite => options.max_connections.min(8),
             })
             .acquire_timeout(options.acquire_timeout);
+        if backend == Backend::Postgres {
+            // No statement or lock wait may hang a service: both are bounded.
+            pool = pool.after_connect(|conn, _meta| {
+                Box::pin(async move {
+                    conn.execute("SET statement_timeout = '30s'; SET lock_timeout = '10s';")
+                        .await?;
+                    Ok(())
+                })
+            });
+        }
         if backend == Backend::Sqlite {
             pool = pool.after_connect(|conn, _meta| {
                 Box::pin(async move {

@@ -21,6 +21,11 @@ const GET: &str = "SELECT run_id, outcome, error_code, error_message, placement,
 const FINISH: &str = "UPDATE runs SET state = $2, error_code = $3, error_message = $4, \
      updated_at = $5 WHERE id = $1 AND state IN ('pending', 'waking', 'admitted', 'running')";
 
+/// The same, only while `$6` holds the run's lease (a fenced finish).
+const FINISH_AS: &str = "UPDATE runs SET state = $2, error_code = $3, error_message = $4, \
+     updated_at = $5 WHERE id = $1 AND state IN ('pending', 'waking', 'admitted', 'running') \
+     AND lease_owner = $6";
+
 const CURRENT_STATE: &str = "SELECT state FROM runs WHERE id = $1";
 
 fn decode(row: &AnyRow) -> Result<Receipt> {
@@ -53,6 +58,26 @@ impl Store {
     /// receipt, atomically. A run already terminal is left as it is
     /// (`IllegalTransition`), so a run has exactly one receipt.
     pub async fn finish_run(&self, receipt: &Receipt, now: DateTime<Utc>) -> Result<Run> {
+        self.finish(receipt, None, now).await
+    }
+
+    /// `finish_run`, only while `lease_owner` holds the run's lease: a
+    /// coordinator that lost its lease cannot end a run another one drives.
+    pub async fn finish_run_as(
+        &self,
+        receipt: &Receipt,
+        lease_owner: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Run> {
+        self.finish(receipt, Some(lease_owner), now).await
+    }
+
+    async fn finish(
+        &self,
+        receipt: &Receipt,
+        lease_owner: Option<&str>,
+        now: DateTime<Utc>,
+    ) -> Result<Run> {
         if !receipt.outcome.is_terminal() {
             return Err(StoreError::IllegalTransition {
                 from: "live".into(),
@@ -60,14 +85,20 @@ impl Store {
             });
         }
         let mut tx = self.begin_write().await?;
-        let done = sqlx::query(FINISH)
+        let query = match lease_owner {
+            None => sqlx::query(FINISH),
+            Some(_) => sqlx::query(FINISH_AS),
+        };
+        let mut query = query
             .bind(&receipt.run_id)
             .bind(receipt.outcome.as_str())
             .bind(receipt.error_code.map(|c| c.as_str()))
             .bind(receipt.error_message.as_deref())
-            .bind(micros(now))
-            .execute(&mut *tx)
-            .await?;
+            .bind(micros(now));
+        if let Some(owner) = lease_owner {
+            query = query.bind(owner);
+        }
+        let done = query.execute(&mut *tx).await?;
         if done.rows_affected() != 1 {
             let state: Option<String> = sqlx::query_scalar(CURRENT_STATE)
                 .bind(&receipt.run_id)

@@ -72,7 +72,18 @@ impl SchedulingTx {
             .bind(i64::from(limit))
             .fetch_all(&mut *self.tx)
             .await?;
-        rows.iter().map(crate::automations::decode).collect()
+        // A row that does not decode is logged and skipped, not allowed to
+        // stop every other automation from firing.
+        Ok(rows
+            .iter()
+            .filter_map(|row| match crate::automations::decode(row) {
+                Ok(a) => Some(a),
+                Err(error) => {
+                    tracing::error!(%error, "due automation does not decode; skipped");
+                    None
+                }
+            })
+            .collect())
     }
 
     /// Whether a run of the automation is still live.

@@ -40,6 +40,9 @@ pub struct Settings {
     pub max_concurrent: usize,
     /// Bound on one unary executor call.
     pub call_timeout: Duration,
+    /// How long past its deadline a submitted run waits for a coordinator
+    /// with its executor before any coordinator ends it.
+    pub orphan_grace: Duration,
 }
 
 impl Default for Settings {
@@ -50,6 +53,7 @@ impl Default for Settings {
             poll: Duration::from_millis(500),
             max_concurrent: 1024,
             call_timeout: Duration::from_secs(10),
+            orphan_grace: Duration::from_secs(300),
         }
     }
 }
@@ -62,6 +66,18 @@ pub struct Executors {
 }
 
 impl Executors {
+    /// The placements this coordinator can execute.
+    pub fn placements(&self) -> Vec<Placement> {
+        let mut out = vec![];
+        if self.desktop.is_some() {
+            out.push(Placement::Desktop);
+        }
+        if self.cloud.is_some() {
+            out.push(Placement::Cloud);
+        }
+        out
+    }
+
     fn for_placement(&self, p: Placement) -> Option<ExecutorServiceClient<InternalChannel>> {
         match p {
             Placement::Desktop => self.desktop.clone(),
@@ -120,9 +136,17 @@ pub async fn run_loop(ctx: Arc<Context>, shutdown: CancellationToken) {
         if capacity > 0 {
             let now = Utc::now();
             let until = now + chrono::Duration::from_std(ctx.settings.lease).unwrap_or_default();
+            let placements = ctx.executors.placements();
             match ctx
                 .store
-                .claim_runs(&ctx.owner, until, now, capacity.min(64) as u32)
+                .claim_runs(
+                    &ctx.owner,
+                    &placements,
+                    until,
+                    now,
+                    now - chrono::Duration::from_std(ctx.settings.orphan_grace).unwrap_or_default(),
+                    capacity.min(64) as u32,
+                )
                 .await
             {
                 Ok(claimed) => {
@@ -224,13 +248,7 @@ async fn drive(ctx: Arc<Context>, claimed: ClaimedRun) {
     // Dies with the driver, however the driver ends: a heartbeat that
     // outlived a killed driver would keep the run from being taken over.
     let heartbeat = AbortOnDrop(tokio::spawn(
-        heartbeat(
-            ctx.clone(),
-            run.id.clone(),
-            lost.clone(),
-            cancel_seen.clone(),
-        )
-        .in_current_span(),
+        heartbeat(ctx.clone(), run.clone(), lost.clone(), cancel_seen.clone()).in_current_span(),
     ));
     let result = execute(&ctx, &claimed, &lost, &cancel_seen)
         .instrument(span.clone())
@@ -263,33 +281,48 @@ impl Drop for AbortOnDrop {
 /// lost or cannot be renewed before it expires.
 async fn heartbeat(
     ctx: Arc<Context>,
-    run_id: String,
+    run: Run,
     lost: CancellationToken,
     cancel_seen: CancellationToken,
 ) {
-    let every = ctx.settings.lease / 3;
-    let mut last_ok = tokio::time::Instant::now();
+    let lease = ctx.settings.lease;
+    let every = lease / 3;
+    // The lease is ours until `valid_until`, counted from when the last
+    // successful renewal was sent: a driver never outlives its lease.
+    let mut valid_until = tokio::time::Instant::now() + lease;
+    // A driver that is stuck somewhere gets no renewals past this point,
+    // so another coordinator can take the run and end it.
+    let stop_renewing = run.deadline_at
+        + chrono::Duration::from_std(ctx.settings.cancel_bound * 2 + lease).unwrap_or_default();
     loop {
-        tokio::time::sleep(every).await;
-        let until = Utc::now() + chrono::Duration::from_std(ctx.settings.lease).unwrap_or_default();
-        match ctx.store.renew_lease(&run_id, &ctx.owner, until).await {
-            Ok(Renewal::Held { cancel_requested }) => {
-                last_ok = tokio::time::Instant::now();
+        let wake = (tokio::time::Instant::now() + every).min(valid_until - every / 2);
+        tokio::time::sleep_until(wake).await;
+        if Utc::now() > stop_renewing {
+            tracing::warn!("driver still busy well past the run's deadline; letting the lease go");
+            lost.cancel();
+            return;
+        }
+        let sent = tokio::time::Instant::now();
+        let until = Utc::now() + chrono::Duration::from_std(lease).unwrap_or_default();
+        let renewal =
+            tokio::time::timeout(every, ctx.store.renew_lease(&run.id, &ctx.owner, until)).await;
+        match renewal {
+            Ok(Ok(Renewal::Held { cancel_requested })) => {
+                valid_until = sent + lease;
                 if cancel_requested {
                     cancel_seen.cancel();
                 }
             }
-            Ok(Renewal::Lost) => {
+            Ok(Ok(Renewal::Lost)) => {
                 lost.cancel();
                 return;
             }
-            Err(error) => {
-                tracing::warn!(%error, "lease renewal failed");
-                if last_ok.elapsed() >= ctx.settings.lease {
-                    lost.cancel();
-                    return;
-                }
-            }
+            Ok(Err(error)) => tracing::warn!(%error, "lease renewal failed"),
+            Err(_) => tracing::warn!("lease renewal timed out"),
+        }
+        if tokio::time::Instant::now() + every / 2 >= valid_until {
+            lost.cancel();
+            return;
         }
     }
 }
@@ -344,6 +377,15 @@ async fn execute(
     let Some(mut executor) = ctx.executors.for_placement(run.placement) else {
         return wait_without_executor(run, lost, cancel_seen).await;
     };
+    // Taken over after a cancellation or past the deadline: the message may
+    // or may not have reached the executor. Never submit it now; cancel
+    // whatever is there and wait (bounded) for idle.
+    if Utc::now() >= deadline {
+        return cancel_and_wait(ctx, &mut executor, run, lost, CancelCause::Deadline).await;
+    }
+    if cancel_seen.is_cancelled() {
+        return cancel_and_wait(ctx, &mut executor, run, lost, CancelCause::User).await;
+    }
     // Identity first: a takeover must find it and observe, never resubmit.
     let message_id = ctx
         .store
@@ -359,9 +401,11 @@ async fn execute(
         });
         request.set_timeout(ctx.settings.call_timeout);
         let attempt = tokio::select! {
-            r = executor.start_run(request) => r,
-            () = sleep_until(deadline) => return deadline_reached(ctx, &mut executor, run, lost).await,
+            biased;
             () = lost.cancelled() => return Err(Stop::LeaseLost),
+            () = sleep_until(deadline) => return cancel_and_wait(ctx, &mut executor, run, lost, CancelCause::Deadline).await,
+            () = cancel_seen.cancelled() => return cancel_and_wait(ctx, &mut executor, run, lost, CancelCause::User).await,
+            r = executor.start_run(request) => r,
         };
         match attempt {
             Ok(resp) => break resp.into_inner(),
@@ -369,7 +413,8 @@ async fn execute(
                 tracing::warn!(code = ?status.code(), message = status.message(), "executor did not accept the run; retrying");
                 tokio::select! {
                     () = tokio::time::sleep(backoff) => {}
-                    () = sleep_until(deadline) => return deadline_reached(ctx, &mut executor, run, lost).await,
+                    () = sleep_until(deadline) => return cancel_and_wait(ctx, &mut executor, run, lost, CancelCause::Deadline).await,
+                    () = cancel_seen.cancelled() => return cancel_and_wait(ctx, &mut executor, run, lost, CancelCause::User).await,
                     () = lost.cancelled() => return Err(Stop::LeaseLost),
                 }
                 backoff = (backoff * 2).min(Duration::from_secs(5));
@@ -378,7 +423,9 @@ async fn execute(
     };
     tracing::info!(submitted = started.submitted, message_id = %message_id, "run started on its executor");
     apply_status(ctx, run, started.status.as_ref()).await?;
-    if let Some(ending) = finished(started.status.as_ref(), None) {
+    // A previous driver may have cancelled it for its deadline, then died.
+    let inferred = (Utc::now() >= deadline).then_some(CancelCause::Deadline);
+    if let Some(ending) = finished(started.status.as_ref(), inferred) {
         return Ok(ending);
     }
 
@@ -386,16 +433,24 @@ async fn execute(
     let mut cancel: Option<(CancelCause, tokio::time::Instant)> = None;
     let mut backoff = Duration::from_millis(100);
     loop {
-        let mut stream = match executor
-            .observe_run(epb::ObserveRunRequest {
+        // Opening the stream is bounded; the stream itself is read inside
+        // the select below, beside the deadline, cancellation and lease.
+        let opened = tokio::time::timeout(
+            ctx.settings.call_timeout,
+            executor.observe_run(epb::ObserveRunRequest {
                 run_id: run.id.clone(),
                 after_sequence: after,
-            })
-            .await
-        {
-            Ok(s) => Some(s.into_inner()),
-            Err(status) => {
+            }),
+        )
+        .await;
+        let mut stream = match opened {
+            Ok(Ok(s)) => Some(s.into_inner()),
+            Ok(Err(status)) => {
                 tracing::warn!(code = ?status.code(), "cannot observe the run; retrying");
+                None
+            }
+            Err(_) => {
+                tracing::warn!("observing the run timed out; retrying");
                 None
             }
         };
@@ -465,6 +520,8 @@ async fn wait_without_executor(
     lost: &CancellationToken,
     cancel_seen: &CancellationToken,
 ) -> Result<Ending, Stop> {
+    // A submitted run is only claimed here once orphaned past its deadline:
+    // it can be ended, but no executor of this replica can cancel it.
     // Not a durable failure of the user's setup: the mesh has no executor.
     let code = match run.placement {
         Placement::Desktop => ErrorCode::RunnerOffline,
@@ -481,24 +538,33 @@ async fn wait_without_executor(
     }
 }
 
-async fn deadline_reached(
+/// Cancels the run on its executor and waits, bounded, for it to be idle.
+async fn cancel_and_wait(
     ctx: &Context,
     executor: &mut ExecutorServiceClient<InternalChannel>,
     run: &Run,
     lost: &CancellationToken,
+    cause: CancelCause,
 ) -> Result<Ending, Stop> {
     if lost.is_cancelled() {
         return Err(Stop::LeaseLost);
     }
-    send_cancel(ctx, executor, run, "deadline reached").await;
+    let reason = match cause {
+        CancelCause::Deadline => "deadline reached",
+        CancelCause::User => "cancelled by the user",
+    };
+    send_cancel(ctx, executor, run, reason).await;
     let give_up = tokio::time::Instant::now() + ctx.settings.cancel_bound;
     while tokio::time::Instant::now() < give_up {
+        if lost.is_cancelled() {
+            return Err(Stop::LeaseLost);
+        }
         if status_of(ctx, executor, run).await.is_some_and(|s| s.idle) {
-            return Ok(cancelled(CancelCause::Deadline, true));
+            return Ok(cancelled(cause, true));
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    Ok(cancelled(CancelCause::Deadline, false))
+    Ok(cancelled(cause, false))
 }
 
 fn cancelled(cause: CancelCause, idle_observed: bool) -> Ending {
@@ -599,9 +665,8 @@ fn finished(status: Option<&epb::ExecutionStatus>, cancel: Option<CancelCause>) 
     let reported = convert::run_state_from_pb(outcome.state).unwrap_or(RunState::Failed);
     let code = outcome.error_code.parse::<ErrorCode>().ok();
     let (state, code) = match (reported, cancel) {
-        (RunState::Cancelled, Some(CancelCause::Deadline)) => {
-            (RunState::TimedOut, Some(ErrorCode::DeadlineExceeded))
-        }
+        (RunState::Cancelled | RunState::TimedOut, Some(CancelCause::Deadline))
+        | (RunState::TimedOut, _) => (RunState::TimedOut, Some(ErrorCode::DeadlineExceeded)),
         (RunState::Succeeded, _) => (RunState::Succeeded, None),
         (RunState::Cancelled, _) => (RunState::Cancelled, None),
         (_, _) => (RunState::Failed, code.or(Some(ErrorCode::Internal))),
@@ -700,7 +765,7 @@ async fn finish(ctx: &Context, run: &Run, ending: Ending) -> Result<(), StoreErr
         message_id: some(thread.message_id).or(current.message_id.clone()),
         created_at: now,
     };
-    match ctx.store.finish_run(&receipt, now).await {
+    match ctx.store.finish_run_as(&receipt, &ctx.owner, now).await {
         Ok(_) => {}
         // Already terminal (another path ended it): nothing more to do.
         Err(StoreError::IllegalTransition { .. }) => return Ok(()),

@@ -67,11 +67,18 @@ fn event_update(event: pb::RunEvent) -> cpb::WatchRunResponse {
     }
 }
 
-/// Sends, or reports that the reader went away.
+/// How long a reader may leave the buffer full before the watch ends.
+const SLOW_READER: Duration = Duration::from_secs(60);
+
+/// Sends, or reports that the reader went away or stopped reading.
 async fn send(tx: &Tx, msg: cpb::WatchRunResponse) -> Result<(), Status> {
-    tx.send(Ok(msg))
-        .await
-        .map_err(|_| Status::cancelled("watcher went away"))
+    match tokio::time::timeout(SLOW_READER, tx.send(Ok(msg))).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(_)) => Err(Status::cancelled("watcher went away")),
+        Err(_) => Err(Status::resource_exhausted(
+            "the watcher stopped reading; resume from the last sequence",
+        )),
+    }
 }
 
 async fn follow(

@@ -31,6 +31,8 @@ const BATCH: u32 = 200;
 /// Occurrences considered per automation per pass (a longer backlog is
 /// worked through over several passes, all recorded missed).
 const OCCURRENCE_LIMIT: usize = 1000;
+/// The shortest sleep when something due is held by another replica.
+const MIN_SLEEP: Duration = Duration::from_millis(20);
 /// An occurrence this late is still on time, whatever the catch-up window.
 const ON_TIME: Duration = Duration::from_secs(60);
 
@@ -98,7 +100,8 @@ pub async fn run_loop(
         let notified = wake.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        if let Err(error) = pass(&store, &settings).await {
+        let claimed = pass(&store, &settings).await;
+        if let Err(error) = claimed {
             tracing::warn!(%error, "scheduling pass failed; retrying");
             tokio::select! {
                 () = tokio::time::sleep(Duration::from_secs(1)) => continue,
@@ -106,6 +109,8 @@ pub async fn run_loop(
             }
         }
         let sleep = match store.next_due_at().await {
+            // Due now but not claimed: another replica holds it. Do not spin.
+            Ok(Some(at)) if at <= Utc::now() && matches!(claimed, Ok(0)) => MIN_SLEEP,
             Ok(Some(at)) => (at - Utc::now())
                 .to_std()
                 .unwrap_or(Duration::ZERO)
