@@ -171,22 +171,4 @@ pub async fn run(
     serve(gateway, listener, shutdown).await
 }
 
-impl automesh_rpc::runtime::ServiceMain for Config {
-    const NAME: &'static str = "automesh-gateway";
-
-    fn listen(&self) -> SocketAddr {
-        self.listen
-    }
-
-    async fn run(
-        self,
-        credential: InternalCredential,
-        listener: TcpListener,
-        shutdown: CancellationToken,
-    ) -> anyhow::Result<()> {
-        run(self, credential, listener, shutdown).await
-    }
-}
-
-/// The gateway as a command: its settings plus the internal credential.
-pub type Command = automesh_rpc::runtime::ServiceCommand<Config>;
+automesh_rpc::service_main!(Config, "automesh-gateway", run);

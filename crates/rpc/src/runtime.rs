@@ -116,3 +116,56 @@ impl<C: ServiceMain> ServiceCommand<C> {
             .await
     }
 }
+
+/// Parses `500ms`, `90s`, `30m`, `2h` or a bare number of seconds (for
+/// duration flags).
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    use std::time::Duration;
+    let s = s.trim();
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((s, "s"), |i| s.split_at(i));
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("expected a duration such as 500ms, 90s, 30m or 2h, got {s:?}"))?;
+    Ok(match unit {
+        "ms" => Duration::from_millis(n),
+        "s" => Duration::from_secs(n),
+        "m" => Duration::from_secs(n * 60),
+        "h" => Duration::from_secs(n * 3600),
+        _ => {
+            return Err(format!(
+                "unknown duration unit {unit:?} in {s:?}; use ms, s, m or h"
+            ));
+        }
+    })
+}
+
+/// Makes a service's `Config` (with a `listen` field) runnable as its own
+/// process: `service_main!(Config, "automesh-x", run)` implements
+/// [`ServiceMain`] with the crate's `run(config, credential, listener,
+/// shutdown)` and defines `Command`.
+#[macro_export]
+macro_rules! service_main {
+    ($config:ty, $name:literal, $run:path) => {
+        impl $crate::runtime::ServiceMain for $config {
+            const NAME: &'static str = $name;
+
+            fn listen(&self) -> ::std::net::SocketAddr {
+                self.listen
+            }
+
+            async fn run(
+                self,
+                credential: $crate::InternalCredential,
+                listener: ::tokio::net::TcpListener,
+                shutdown: ::tokio_util::sync::CancellationToken,
+            ) -> ::anyhow::Result<()> {
+                $run(self, credential, listener, shutdown).await
+            }
+        }
+
+        /// The service as a command: its settings plus the internal credential.
+        pub type Command = $crate::runtime::ServiceCommand<$config>;
+    };
+}

@@ -143,22 +143,4 @@ pub async fn serve(
     Ok(())
 }
 
-impl automesh_rpc::runtime::ServiceMain for Config {
-    const NAME: &'static str = "automesh-cloud-worker-lifecycle";
-
-    fn listen(&self) -> SocketAddr {
-        self.listen
-    }
-
-    async fn run(
-        self,
-        credential: InternalCredential,
-        listener: TcpListener,
-        shutdown: CancellationToken,
-    ) -> anyhow::Result<()> {
-        run(self, credential, listener, shutdown).await
-    }
-}
-
-/// The service as a command: its settings plus the internal credential.
-pub type Command = automesh_rpc::runtime::ServiceCommand<Config>;
+automesh_rpc::service_main!(Config, "automesh-cloud-worker-lifecycle", run);

@@ -142,25 +142,7 @@ pub async fn serve(
     Ok(())
 }
 
-impl automesh_rpc::runtime::ServiceMain for Config {
-    const NAME: &'static str = "automesh-desktop-runner-gateway";
-
-    fn listen(&self) -> SocketAddr {
-        self.listen
-    }
-
-    async fn run(
-        self,
-        credential: InternalCredential,
-        listener: TcpListener,
-        shutdown: CancellationToken,
-    ) -> anyhow::Result<()> {
-        run(self, credential, listener, shutdown).await
-    }
-}
-
-/// The service as a command: its settings plus the internal credential.
-pub type Command = automesh_rpc::runtime::ServiceCommand<Config>;
+automesh_rpc::service_main!(Config, "automesh-desktop-runner-gateway", run);
 
 #[cfg(test)]
 mod tests {

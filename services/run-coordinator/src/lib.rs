@@ -47,27 +47,7 @@ pub struct Config {
     pub cancel_bound: Duration,
 }
 
-/// Parses `500ms`, `90s`, `30m`, `2h` or a bare number of seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, unit) = s
-        .find(|c: char| !c.is_ascii_digit())
-        .map_or((s, "s"), |i| s.split_at(i));
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("expected a duration such as 500ms, 90s, 30m or 2h, got {s:?}"))?;
-    Ok(match unit {
-        "ms" => Duration::from_millis(n),
-        "s" => Duration::from_secs(n),
-        "m" => Duration::from_secs(n * 60),
-        "h" => Duration::from_secs(n * 3600),
-        _ => {
-            return Err(format!(
-                "unknown duration unit {unit:?} in {s:?}; use ms, s, m or h"
-            ));
-        }
-    })
-}
+pub use automesh_rpc::runtime::parse_duration;
 
 /// Clients of the configured executors, carrying the internal credential.
 pub fn executors(
@@ -143,22 +123,4 @@ pub async fn serve(
     Ok(())
 }
 
-impl automesh_rpc::runtime::ServiceMain for Config {
-    const NAME: &'static str = "automesh-run-coordinator";
-
-    fn listen(&self) -> SocketAddr {
-        self.listen
-    }
-
-    async fn run(
-        self,
-        credential: InternalCredential,
-        listener: TcpListener,
-        shutdown: CancellationToken,
-    ) -> anyhow::Result<()> {
-        run(self, credential, listener, shutdown).await
-    }
-}
-
-/// The service as a command: its settings plus the internal credential.
-pub type Command = automesh_rpc::runtime::ServiceCommand<Config>;
+automesh_rpc::service_main!(Config, "automesh-run-coordinator", run);

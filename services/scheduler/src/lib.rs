@@ -57,28 +57,7 @@ impl Config {
     }
 }
 
-/// Parses `90s`, `30m`, `2h` or a bare number of seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, unit) = s
-        .find(|c: char| !c.is_ascii_digit())
-        .map_or((s, "s"), |i| s.split_at(i));
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("expected a duration such as 90s, 30m or 2h, got {s:?}"))?;
-    let secs = match unit {
-        "ms" => return Ok(Duration::from_millis(n)),
-        "s" => n,
-        "m" => n * 60,
-        "h" => n * 3600,
-        _ => {
-            return Err(format!(
-                "unknown duration unit {unit:?} in {s:?}; use ms, s, m or h"
-            ));
-        }
-    };
-    Ok(Duration::from_secs(secs))
-}
+pub use automesh_rpc::runtime::parse_duration;
 
 /// Serves the scheduler on `listener` until `shutdown` is cancelled.
 pub async fn run(
@@ -115,22 +94,4 @@ pub async fn serve(
     Ok(())
 }
 
-impl automesh_rpc::runtime::ServiceMain for Config {
-    const NAME: &'static str = "automesh-scheduler";
-
-    fn listen(&self) -> SocketAddr {
-        self.listen
-    }
-
-    async fn run(
-        self,
-        credential: InternalCredential,
-        listener: TcpListener,
-        shutdown: CancellationToken,
-    ) -> anyhow::Result<()> {
-        run(self, credential, listener, shutdown).await
-    }
-}
-
-/// The service as a command: its settings plus the internal credential.
-pub type Command = automesh_rpc::runtime::ServiceCommand<Config>;
+automesh_rpc::service_main!(Config, "automesh-scheduler", run);
