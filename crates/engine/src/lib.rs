@@ -1,0 +1,10 @@
+//! The native engine: a chat-completions tool loop against an
+//! OpenAI-compatible provider, with exactly two MCP tools
+//! (`search_capabilities`, `execute_capability`) served by the run's Connect
+//! endpoint. Fail closed on both edges; every wait bounded; credentials
+//! travel only as `Authorization` headers.
+
+pub mod error;
+pub mod provider;
+
+pub use error::EngineError;

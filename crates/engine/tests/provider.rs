@@ -1,0 +1,276 @@
+//! The provider client against a fake OpenAI-compatible server speaking real
+//! HTTP (and SSE) on loopback.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use automesh_domain::ErrorCode;
+use automesh_engine::provider::{ChatRequest, Message, Provider, ProviderConfig};
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, Response, StatusCode};
+use axum::routing::post;
+use tokio::time::Instant;
+
+/// How the fake answers the n-th request (0-based).
+type Script = Arc<dyn Fn(usize, &serde_json::Value) -> Reply + Send + Sync>;
+
+enum Reply {
+    Json(serde_json::Value),
+    Status(u16, Option<&'static str>),
+    Sse(String),
+    Raw(&'static str),
+    Slow(Duration),
+}
+
+#[derive(Clone)]
+struct Fake {
+    script: Script,
+    calls: Arc<AtomicUsize>,
+    auth: Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+async fn handle(State(fake): State<Fake>, headers: HeaderMap, body: String) -> Response<Body> {
+    let n = fake.calls.fetch_add(1, Ordering::SeqCst);
+    if let Some(a) = headers.get("authorization").and_then(|v| v.to_str().ok()) {
+        fake.auth.lock().expect("lock").push(a.to_owned());
+    }
+    let request: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+    match (fake.script)(n, &request) {
+        Reply::Json(v) => Response::builder()
+            .header("content-type", "application/json")
+            .body(Body::from(v.to_string()))
+            .expect("response"),
+        Reply::Status(code, retry_after) => {
+            let mut r = Response::builder().status(StatusCode::from_u16(code).expect("status"));
+            if let Some(ra) = retry_after {
+                r = r.header("retry-after", ra);
+            }
+            r.body(Body::from("{\"error\":{\"message\":\"scripted\"}}"))
+                .expect("response")
+        }
+        Reply::Sse(text) => Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(Body::from(text))
+            .expect("response"),
+        Reply::Raw(text) => Response::builder()
+            .header("content-type", "application/json")
+            .body(Body::from(text))
+            .expect("response"),
+        Reply::Slow(d) => {
+            tokio::time::sleep(d).await;
+            Response::builder()
+                .body(Body::from("{}"))
+                .expect("response")
+        }
+    }
+}
+
+async fn fake(
+    script: impl Fn(usize, &serde_json::Value) -> Reply + Send + Sync + 'static,
+) -> (String, Fake) {
+    let fake = Fake {
+        script: Arc::new(script),
+        calls: Arc::default(),
+        auth: Arc::default(),
+    };
+    let app = Router::new()
+        .route("/v1/chat/completions", post(handle))
+        .with_state(fake.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}/v1", listener.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, fake)
+}
+
+fn config(url: &str, stream: bool) -> ProviderConfig {
+    ProviderConfig {
+        kind: "openai-compatible".into(),
+        base_url: url.into(),
+        api_key: "sk-test-key-0123".into(),
+        request_timeout: Duration::from_secs(5),
+        stream,
+    }
+}
+
+fn request() -> ChatRequest {
+    ChatRequest {
+        model: "fake-model".into(),
+        messages: vec![Message::user("hello")],
+        tools: vec![],
+    }
+}
+
+fn text_completion(text: &str) -> serde_json::Value {
+    serde_json::json!({
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    })
+}
+
+fn deadline(secs: u64) -> Instant {
+    Instant::now() + Duration::from_secs(secs)
+}
+
+#[tokio::test]
+async fn non_streaming_answer_with_usage_and_bearer_key() {
+    let (url, fake) = fake(|_, _| Reply::Json(text_completion("hi there"))).await;
+    let provider = Provider::new(config(&url, false)).expect("provider");
+    let r = provider
+        .complete(&request(), deadline(10))
+        .await
+        .expect("answer");
+    assert_eq!(r.content.as_deref(), Some("hi there"));
+    assert_eq!((r.usage.prompt_tokens, r.usage.completion_tokens), (7, 3));
+    assert_eq!(
+        fake.auth.lock().expect("lock").as_slice(),
+        ["Bearer sk-test-key-0123"]
+    );
+}
+
+#[tokio::test]
+async fn streaming_assembles_text_and_tool_call_deltas() {
+    let sse = [
+        r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":"Let me "}}]}"#,
+        r#"{"choices":[{"index":0,"delta":{"content":"search."}}]}"#,
+        r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"search_capabilities","arguments":"{\"qu"}}]}}]}"#,
+        r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"ery\":\"mail\"}"}}]}}]}"#,
+        r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+        r#"{"choices":[],"usage":{"prompt_tokens":11,"completion_tokens":5}}"#,
+    ]
+    .iter()
+    .map(|d| format!("data: {d}\n\n"))
+    .collect::<String>()
+        + "data: [DONE]\n\n";
+    let (url, fake) = fake(move |_, body| {
+        assert_eq!(body["stream"], true);
+        assert_eq!(body["stream_options"]["include_usage"], true);
+        Reply::Sse(sse.clone())
+    })
+    .await;
+    let provider = Provider::new(config(&url, true)).expect("provider");
+    let r = provider
+        .complete(&request(), deadline(10))
+        .await
+        .expect("answer");
+    assert_eq!(r.content.as_deref(), Some("Let me search."));
+    assert_eq!(r.tool_calls.len(), 1);
+    assert_eq!(r.tool_calls[0].id, "call_1");
+    assert_eq!(r.tool_calls[0].function.name, "search_capabilities");
+    assert_eq!(r.tool_calls[0].function.arguments, r#"{"query":"mail"}"#);
+    assert_eq!(r.finish_reason.as_deref(), Some("tool_calls"));
+    assert_eq!((r.usage.prompt_tokens, r.usage.completion_tokens), (11, 5));
+    assert_eq!(fake.calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_kind_outside_the_allowlist_is_refused_before_any_request() {
+    let (url, fake) = fake(|_, _| Reply::Json(text_completion("never"))).await;
+    let err = Provider::new(ProviderConfig {
+        kind: "anthropic".into(),
+        ..config(&url, false)
+    })
+    .expect_err("refused");
+    assert_eq!(err.code, ErrorCode::ProviderUnavailable);
+    assert_eq!(fake.calls.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn unauthorized_ends_at_once() {
+    let (url, fake) = fake(|_, _| Reply::Status(401, None)).await;
+    let provider = Provider::new(config(&url, false)).expect("provider");
+    let err = provider
+        .complete(&request(), deadline(30))
+        .await
+        .expect_err("401");
+    assert_eq!(err.code, ErrorCode::ProviderUnavailable);
+    assert_eq!(fake.calls.load(Ordering::SeqCst), 1, "no retry after 401");
+    assert!(!err.message.contains("sk-test"), "{}", err.message);
+}
+
+#[tokio::test]
+async fn rate_limited_then_success_honours_retry_after() {
+    let (url, fake) = fake(|n, _| {
+        if n == 0 {
+            Reply::Status(429, Some("1"))
+        } else {
+            Reply::Json(text_completion("ok"))
+        }
+    })
+    .await;
+    let provider = Provider::new(config(&url, false)).expect("provider");
+    let started = std::time::Instant::now();
+    let r = provider
+        .complete(&request(), deadline(30))
+        .await
+        .expect("answer after retry");
+    assert_eq!(r.content.as_deref(), Some("ok"));
+    assert_eq!(fake.calls.load(Ordering::SeqCst), 2);
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "Retry-After was honoured"
+    );
+}
+
+#[tokio::test]
+async fn server_errors_until_the_deadline_end_with_a_named_error() {
+    let (url, fake) = fake(|_, _| Reply::Status(500, None)).await;
+    let provider = Provider::new(config(&url, false)).expect("provider");
+    let err = provider
+        .complete(&request(), deadline(2))
+        .await
+        .expect_err("500 forever");
+    assert_eq!(err.code, ErrorCode::ProviderUnavailable);
+    assert!(fake.calls.load(Ordering::SeqCst) >= 2, "5xx is retried");
+}
+
+#[tokio::test]
+async fn a_response_slower_than_the_request_timeout_is_abandoned() {
+    let (url, fake) = fake(|_, _| Reply::Slow(Duration::from_secs(30))).await;
+    let provider = Provider::new(ProviderConfig {
+        request_timeout: Duration::from_millis(300),
+        ..config(&url, false)
+    })
+    .expect("provider");
+    let err = provider
+        .complete(&request(), deadline(2))
+        .await
+        .expect_err("too slow");
+    assert_eq!(err.code, ErrorCode::ProviderUnavailable);
+    assert!(
+        fake.calls.load(Ordering::SeqCst) >= 2,
+        "timed-out requests are retried within the deadline"
+    );
+}
+
+#[tokio::test]
+async fn a_stream_without_done_is_an_error_not_a_short_answer() {
+    let (url, _fake) = fake(|_, _| {
+        Reply::Sse(
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"half an ans\"}}]}\n\n"
+                .into(),
+        )
+    })
+    .await;
+    let provider = Provider::new(config(&url, true)).expect("provider");
+    let err = provider
+        .complete(&request(), deadline(10))
+        .await
+        .expect_err("truncated");
+    assert_eq!(err.code, ErrorCode::ProviderError);
+}
+
+#[tokio::test]
+async fn malformed_json_is_a_provider_error() {
+    let (url, _fake) = fake(|_, _| Reply::Raw("{\"choices\": [ this is not json")).await;
+    let provider = Provider::new(config(&url, false)).expect("provider");
+    let err = provider
+        .complete(&request(), deadline(10))
+        .await
+        .expect_err("malformed");
+    assert_eq!(err.code, ErrorCode::ProviderError);
+}
