@@ -50,6 +50,7 @@ error_codes! {
     McpConfigMissing => "mcp_config_missing": "The Connect (MCP) configuration for the model is missing.",
     ToolInventoryMismatch => "tool_inventory_mismatch": "The Connect endpoint did not list exactly the reviewed tools.",
     ConnectTokenExpired => "connect_token_expired": "The run's Connect token expired.",
+    ConnectUnauthorized => "connect_unauthorized": "The Connect endpoint refused the run's token.",
     RunnerOffline => "runner_offline": "No desktop runner of the owner was connected before the deadline.",
     PermissionDenied => "permission_denied": "The agent asked for a permission the headless policy does not allow.",
     PermissionPending => "permission_pending": "A permission prompt was still unanswered when a bound was hit.",

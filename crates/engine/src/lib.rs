@@ -4,7 +4,9 @@
 //! endpoint. Fail closed on both edges; every wait bounded; credentials
 //! travel only as `Authorization` headers.
 
+pub mod connect;
 pub mod error;
+pub mod native;
 pub mod provider;
 
 pub use error::EngineError;

@@ -1,91 +1,14 @@
 //! The provider client against a fake OpenAI-compatible server speaking real
 //! HTTP (and SSE) on loopback.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+mod common;
+
 use std::time::Duration;
 
 use automesh_domain::ErrorCode;
 use automesh_engine::provider::{ChatRequest, Message, Provider, ProviderConfig};
-use axum::Router;
-use axum::body::Body;
-use axum::extract::State;
-use axum::http::{HeaderMap, Response, StatusCode};
-use axum::routing::post;
+use common::{Reply, provider as fake, text_completion};
 use tokio::time::Instant;
-
-/// How the fake answers the n-th request (0-based).
-type Script = Arc<dyn Fn(usize, &serde_json::Value) -> Reply + Send + Sync>;
-
-enum Reply {
-    Json(serde_json::Value),
-    Status(u16, Option<&'static str>),
-    Sse(String),
-    Raw(&'static str),
-    Slow(Duration),
-}
-
-#[derive(Clone)]
-struct Fake {
-    script: Script,
-    calls: Arc<AtomicUsize>,
-    auth: Arc<std::sync::Mutex<Vec<String>>>,
-}
-
-async fn handle(State(fake): State<Fake>, headers: HeaderMap, body: String) -> Response<Body> {
-    let n = fake.calls.fetch_add(1, Ordering::SeqCst);
-    if let Some(a) = headers.get("authorization").and_then(|v| v.to_str().ok()) {
-        fake.auth.lock().expect("lock").push(a.to_owned());
-    }
-    let request: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-    match (fake.script)(n, &request) {
-        Reply::Json(v) => Response::builder()
-            .header("content-type", "application/json")
-            .body(Body::from(v.to_string()))
-            .expect("response"),
-        Reply::Status(code, retry_after) => {
-            let mut r = Response::builder().status(StatusCode::from_u16(code).expect("status"));
-            if let Some(ra) = retry_after {
-                r = r.header("retry-after", ra);
-            }
-            r.body(Body::from("{\"error\":{\"message\":\"scripted\"}}"))
-                .expect("response")
-        }
-        Reply::Sse(text) => Response::builder()
-            .header("content-type", "text/event-stream")
-            .body(Body::from(text))
-            .expect("response"),
-        Reply::Raw(text) => Response::builder()
-            .header("content-type", "application/json")
-            .body(Body::from(text))
-            .expect("response"),
-        Reply::Slow(d) => {
-            tokio::time::sleep(d).await;
-            Response::builder()
-                .body(Body::from("{}"))
-                .expect("response")
-        }
-    }
-}
-
-async fn fake(
-    script: impl Fn(usize, &serde_json::Value) -> Reply + Send + Sync + 'static,
-) -> (String, Fake) {
-    let fake = Fake {
-        script: Arc::new(script),
-        calls: Arc::default(),
-        auth: Arc::default(),
-    };
-    let app = Router::new()
-        .route("/v1/chat/completions", post(handle))
-        .with_state(fake.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let url = format!("http://{}/v1", listener.local_addr().expect("addr"));
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    (url, fake)
-}
 
 fn config(url: &str, stream: bool) -> ProviderConfig {
     ProviderConfig {
@@ -103,13 +26,6 @@ fn request() -> ChatRequest {
         messages: vec![Message::user("hello")],
         tools: vec![],
     }
-}
-
-fn text_completion(text: &str) -> serde_json::Value {
-    serde_json::json!({
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
-    })
 }
 
 fn deadline(secs: u64) -> Instant {
@@ -164,7 +80,7 @@ async fn streaming_assembles_text_and_tool_call_deltas() {
     assert_eq!(r.tool_calls[0].function.arguments, r#"{"query":"mail"}"#);
     assert_eq!(r.finish_reason.as_deref(), Some("tool_calls"));
     assert_eq!((r.usage.prompt_tokens, r.usage.completion_tokens), (11, 5));
-    assert_eq!(fake.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(fake.calls(), 1);
 }
 
 #[tokio::test]
@@ -176,7 +92,7 @@ async fn a_kind_outside_the_allowlist_is_refused_before_any_request() {
     })
     .expect_err("refused");
     assert_eq!(err.code, ErrorCode::ProviderUnavailable);
-    assert_eq!(fake.calls.load(Ordering::SeqCst), 0);
+    assert_eq!(fake.calls(), 0);
 }
 
 #[tokio::test]
@@ -188,7 +104,7 @@ async fn unauthorized_ends_at_once() {
         .await
         .expect_err("401");
     assert_eq!(err.code, ErrorCode::ProviderUnavailable);
-    assert_eq!(fake.calls.load(Ordering::SeqCst), 1, "no retry after 401");
+    assert_eq!(fake.calls(), 1, "no retry after 401");
     assert!(!err.message.contains("sk-test"), "{}", err.message);
 }
 
@@ -209,7 +125,7 @@ async fn rate_limited_then_success_honours_retry_after() {
         .await
         .expect("answer after retry");
     assert_eq!(r.content.as_deref(), Some("ok"));
-    assert_eq!(fake.calls.load(Ordering::SeqCst), 2);
+    assert_eq!(fake.calls(), 2);
     assert!(
         started.elapsed() >= Duration::from_millis(900),
         "Retry-After was honoured"
@@ -225,7 +141,7 @@ async fn server_errors_until_the_deadline_end_with_a_named_error() {
         .await
         .expect_err("500 forever");
     assert_eq!(err.code, ErrorCode::ProviderUnavailable);
-    assert!(fake.calls.load(Ordering::SeqCst) >= 2, "5xx is retried");
+    assert!(fake.calls() >= 2, "5xx is retried");
 }
 
 #[tokio::test]
@@ -242,7 +158,7 @@ async fn a_response_slower_than_the_request_timeout_is_abandoned() {
         .expect_err("too slow");
     assert_eq!(err.code, ErrorCode::ProviderUnavailable);
     assert!(
-        fake.calls.load(Ordering::SeqCst) >= 2,
+        fake.calls() >= 2,
         "timed-out requests are retried within the deadline"
     );
 }

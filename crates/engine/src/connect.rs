@@ -1,0 +1,193 @@
+//! The run-scoped Connect endpoint: an MCP server over Streamable HTTP,
+//! reached with the run's bearer token. Before the first provider call its
+//! `tools/list` must be exactly the reviewed pair, or admission fails with
+//! `tool_inventory_mismatch`; a call to any other tool is refused.
+
+use std::time::Duration;
+
+use automesh_domain::ErrorCode;
+use rmcp::model::{CallToolRequestParams, ClientCapabilities, ClientConfig, Implementation};
+use rmcp::service::{ClientInitializeError, RoleClient, RunningService};
+use rmcp::transport::StreamableHttpClientTransport;
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::{ServiceError, ServiceExt};
+
+use crate::error::EngineError;
+use crate::provider::ToolSpec;
+
+/// The only tools a native run may see and call.
+pub const REVIEWED_TOOLS: [&str; 2] = ["search_capabilities", "execute_capability"];
+
+/// Where the run's Connect endpoint is, and its credential.
+#[derive(Clone)]
+pub struct ConnectConfig {
+    pub url: String,
+    /// The run's bearer token; sent only as `Authorization: Bearer`.
+    pub token: String,
+    /// Bound on connecting, listing, and each tool call.
+    pub call_timeout: Duration,
+}
+
+impl std::fmt::Debug for ConnectConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnectConfig")
+            .field("url", &self.url)
+            .field("token", &"<redacted>")
+            .field("call_timeout", &self.call_timeout)
+            .finish()
+    }
+}
+
+/// An open, admitted Connect session.
+pub struct Connect {
+    client: RunningService<RoleClient, ClientConfig>,
+    tools: Vec<ToolSpec>,
+    call_timeout: Duration,
+}
+
+impl std::fmt::Debug for Connect {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connect")
+            .field("tools", &self.tools)
+            .finish()
+    }
+}
+
+fn init_error(e: ClientInitializeError) -> EngineError {
+    if e.is_authorization_required() || e.to_string().contains("401") {
+        EngineError::new(
+            ErrorCode::ConnectUnauthorized,
+            "the Connect endpoint refused the run's token",
+        )
+    } else {
+        EngineError::new(
+            ErrorCode::ToolError,
+            format!("cannot open the Connect endpoint: {e}"),
+        )
+    }
+}
+
+fn call_error(e: ServiceError) -> EngineError {
+    if e.is_authorization_required() || e.to_string().contains("401") {
+        EngineError::new(
+            ErrorCode::ConnectTokenExpired,
+            "the Connect endpoint stopped accepting the run's token",
+        )
+    } else {
+        EngineError::new(ErrorCode::ToolError, format!("Connect call failed: {e}"))
+    }
+}
+
+impl Connect {
+    /// Connects, lists the tools, and admits the session only if the list is
+    /// exactly [`REVIEWED_TOOLS`].
+    pub async fn open(config: &ConnectConfig) -> Result<Connect, EngineError> {
+        let transport = StreamableHttpClientTransport::from_config(
+            StreamableHttpClientTransportConfig::with_uri(config.url.clone())
+                .auth_header(config.token.clone()),
+        );
+        let hello = ClientConfig::new(
+            ClientCapabilities::default(),
+            Implementation::new("automesh-native", env!("CARGO_PKG_VERSION")),
+        );
+        let client = tokio::time::timeout(config.call_timeout, hello.serve(transport))
+            .await
+            .map_err(|_| {
+                EngineError::new(
+                    ErrorCode::ToolError,
+                    "the Connect endpoint did not answer the handshake in time",
+                )
+            })?
+            .map_err(init_error)?;
+        let listed = tokio::time::timeout(config.call_timeout, client.list_all_tools())
+            .await
+            .map_err(|_| {
+                EngineError::new(
+                    ErrorCode::ToolError,
+                    "the Connect endpoint did not list its tools in time",
+                )
+            })?
+            .map_err(call_error)?;
+        let mut names: Vec<String> = listed.iter().map(|t| t.name.to_string()).collect();
+        names.sort();
+        let mut reviewed: Vec<String> = REVIEWED_TOOLS.iter().map(|s| (*s).to_owned()).collect();
+        reviewed.sort();
+        if names != reviewed {
+            let _ = client.cancel().await;
+            return Err(EngineError::new(
+                ErrorCode::ToolInventoryMismatch,
+                format!("the Connect endpoint lists {names:?}; exactly {reviewed:?} is required"),
+            ));
+        }
+        let tools = listed
+            .into_iter()
+            .map(|t| ToolSpec {
+                name: t.name.to_string(),
+                description: t.description.map(|d| d.to_string()).unwrap_or_default(),
+                parameters: serde_json::Value::Object((*t.input_schema).clone()),
+            })
+            .collect();
+        Ok(Connect {
+            client,
+            tools,
+            call_timeout: config.call_timeout,
+        })
+    }
+
+    /// The admitted tools, as the provider is offered them.
+    pub fn tools(&self) -> &[ToolSpec] {
+        &self.tools
+    }
+
+    /// Calls a reviewed tool with JSON arguments; returns its text and
+    /// whether the tool reported an error.
+    pub async fn call(
+        &self,
+        name: &str,
+        arguments_json: &str,
+    ) -> Result<(String, bool), EngineError> {
+        if !REVIEWED_TOOLS.contains(&name) {
+            return Err(EngineError::new(
+                ErrorCode::ToolError,
+                format!("tool {name:?} is not a reviewed Connect tool"),
+            ));
+        }
+        let arguments =
+            match serde_json::from_str::<serde_json::Value>(if arguments_json.trim().is_empty() {
+                "{}"
+            } else {
+                arguments_json
+            }) {
+                Ok(serde_json::Value::Object(map)) => map,
+                _ => {
+                    return Ok((
+                        format!("the arguments of {name} must be a JSON object"),
+                        true,
+                    ));
+                }
+            };
+        let params = CallToolRequestParams::new(name.to_owned()).with_arguments(arguments);
+        let result = tokio::time::timeout(self.call_timeout, self.client.call_tool(params))
+            .await
+            .map_err(|_| {
+                EngineError::new(
+                    ErrorCode::ToolError,
+                    format!("{name} did not answer in time"),
+                )
+            })?
+            .map_err(call_error)?;
+        let text = result
+            .content
+            .iter()
+            .filter_map(|b| b.as_text())
+            .map(|t| t.text.as_str())
+            .collect::<Vec<_>>()
+            .join("\n");
+        Ok((text, result.is_error.unwrap_or(false)))
+    }
+
+    /// Ends the session.
+    pub async fn close(self) {
+        let _ = self.client.cancel().await;
+    }
+}

@@ -1,0 +1,426 @@
+//! The native loop end to end against a fake OpenAI-compatible provider and
+//! a fake Connect MCP server, both speaking their real protocols on loopback.
+
+mod common;
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use automesh_domain::ErrorCode;
+use automesh_engine::connect::ConnectConfig;
+use automesh_engine::native::{self, Checkpoint, Ending, EngineEvent, NativeRun, Outcome, Price};
+use automesh_engine::provider::ProviderConfig;
+use common::{FakeMcp, Reply, as_sse, mcp, provider, text_completion, tool_call_completion};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+const KEY: &str = "sk-live-RECOGNISABLE-provider-key-4242";
+const TOKEN: &str = "ctk-RECOGNISABLE-connect-token-9999";
+const PAIR: [&str; 2] = ["search_capabilities", "execute_capability"];
+
+/// The model's side of a happy run: search, then execute, then answer.
+fn happy(stream: bool) -> impl Fn(usize, &serde_json::Value) -> Reply + Send + Sync {
+    move |_, body| {
+        let tool_results = body["messages"]
+            .as_array()
+            .map_or(0, |m| m.iter().filter(|m| m["role"] == "tool").count());
+        let answer = match tool_results {
+            0 => tool_call_completion("call_1", "search_capabilities", r#"{"query":"send mail"}"#),
+            1 => tool_call_completion(
+                "call_2",
+                "execute_capability",
+                r#"{"capability":"mail.send"}"#,
+            ),
+            _ => text_completion("Mail sent."),
+        };
+        if stream {
+            Reply::Sse(as_sse(&answer))
+        } else {
+            Reply::Json(answer)
+        }
+    }
+}
+
+fn run_config(provider_url: &str, mcp_url: &str, stream: bool) -> NativeRun {
+    NativeRun {
+        model: "fake-model".into(),
+        prompt: "Send the weekly report by mail.".into(),
+        guidance: Some(
+            "You run headlessly in the user's cloud worker with their Connect tools.".into(),
+        ),
+        provider: ProviderConfig {
+            kind: "openai-compatible".into(),
+            base_url: provider_url.into(),
+            api_key: KEY.into(),
+            request_timeout: Duration::from_secs(10),
+            stream,
+        },
+        connect: ConnectConfig {
+            url: mcp_url.into(),
+            token: TOKEN.into(),
+            call_timeout: Duration::from_secs(10),
+        },
+        connect_token_expires_at: None,
+        model_authorized: true,
+        max_steps: native::DEFAULT_MAX_STEPS,
+        price: Price {
+            input_micros_per_million: 2_000_000,
+            output_micros_per_million: 8_000_000,
+        },
+        deadline: Instant::now() + Duration::from_secs(30),
+        resume_from: None,
+    }
+}
+
+async fn go(run: NativeRun) -> (Outcome, Vec<EngineEvent>) {
+    go_with(run, CancellationToken::new()).await
+}
+
+async fn go_with(run: NativeRun, cancel: CancellationToken) -> (Outcome, Vec<EngineEvent>) {
+    let (tx, mut rx) = mpsc::channel(256);
+    let collector = tokio::spawn(async move {
+        let mut all = vec![];
+        while let Some(e) = rx.recv().await {
+            all.push(e);
+        }
+        all
+    });
+    let outcome = tokio::time::timeout(Duration::from_secs(60), native::run(run, tx, cancel))
+        .await
+        .expect("the engine always ends, bounded");
+    (outcome, collector.await.expect("events"))
+}
+
+fn failed(o: &Outcome) -> ErrorCode {
+    match &o.ending {
+        Ending::Failed(e) => e.code,
+        other => panic!("expected a failure, got {other:?}"),
+    }
+}
+
+async fn happy_path(stream: bool) {
+    let (purl, p) = provider(happy(stream)).await;
+    let fake = FakeMcp::with_tools(&PAIR);
+    let (murl, _stop) = mcp(fake.clone(), TOKEN).await;
+    let (outcome, events) = go(run_config(&purl, &murl, stream)).await;
+    assert_eq!(
+        outcome.ending,
+        Ending::Succeeded {
+            answer: "Mail sent.".into()
+        }
+    );
+    assert_eq!(outcome.steps, 3);
+    assert_eq!(p.calls(), 3);
+    // Usage: 2 tool-call steps (100 in / 20 out) and the answer (7 / 3).
+    assert_eq!(
+        (outcome.usage.input_tokens, outcome.usage.output_tokens),
+        (207, 43)
+    );
+    // Cost rounds each step up to the micro-unit: 2 × (200 + 160) + (14 + 24).
+    assert_eq!(outcome.usage.cost_micros, 2 * 360 + 38);
+    let calls: Vec<String> = fake
+        .calls
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|(n, _)| n.clone())
+        .collect();
+    assert_eq!(calls, PAIR);
+    let kinds: Vec<&str> = events
+        .iter()
+        .map(|e| match e {
+            EngineEvent::AssistantText { .. } => "text",
+            EngineEvent::ToolCall { .. } => "call",
+            EngineEvent::ToolResult { .. } => "result",
+            EngineEvent::Usage { .. } => "usage",
+            EngineEvent::Checkpoint(_) => "checkpoint",
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "usage",
+            "call",
+            "result",
+            "checkpoint",
+            "usage",
+            "call",
+            "result",
+            "checkpoint",
+            "usage",
+            "text"
+        ]
+    );
+    // The provider saw the two reviewed tools, and the guidance.
+    let first = &p.bodies.lock().expect("lock")[0];
+    let offered: Vec<&str> = first["tools"]
+        .as_array()
+        .expect("tools")
+        .iter()
+        .filter_map(|t| t["function"]["name"].as_str())
+        .collect();
+    assert_eq!(offered.len(), 2);
+    assert!(offered.contains(&"search_capabilities") && offered.contains(&"execute_capability"));
+    assert_eq!(first["messages"][0]["role"], "system");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn happy_path_without_streaming() {
+    happy_path(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn happy_path_with_streaming() {
+    happy_path(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_third_mcp_tool_fails_admission_and_the_provider_is_never_called() {
+    let (purl, p) = provider(happy(false)).await;
+    let (murl, _stop) = mcp(
+        FakeMcp::with_tools(&["search_capabilities", "execute_capability", "run_shell"]),
+        TOKEN,
+    )
+    .await;
+    let (outcome, events) = go(run_config(&purl, &murl, false)).await;
+    assert_eq!(failed(&outcome), ErrorCode::ToolInventoryMismatch);
+    assert_eq!(p.calls(), 0);
+    assert!(events.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_mcp_tool_fails_admission() {
+    let (purl, p) = provider(happy(false)).await;
+    let (murl, _stop) = mcp(FakeMcp::with_tools(&["search_capabilities"]), TOKEN).await;
+    let (outcome, _) = go(run_config(&purl, &murl, false)).await;
+    assert_eq!(failed(&outcome), ErrorCode::ToolInventoryMismatch);
+    assert_eq!(p.calls(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_mcp_401_fails_before_the_provider() {
+    let (purl, p) = provider(happy(false)).await;
+    let (murl, _stop) = mcp(FakeMcp::with_tools(&PAIR), "a-different-token").await;
+    let (outcome, _) = go(run_config(&purl, &murl, false)).await;
+    assert_eq!(failed(&outcome), ErrorCode::ConnectUnauthorized);
+    assert_eq!(p.calls(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_expiring_mid_run_ends_the_run() {
+    let (purl, _p) = provider(|_, _| {
+        Reply::Delayed(
+            Duration::from_millis(300),
+            tool_call_completion("c", "search_capabilities", "{}"),
+        )
+    })
+    .await;
+    let (murl, _stop) = mcp(FakeMcp::with_tools(&PAIR), TOKEN).await;
+    let mut run = run_config(&purl, &murl, false);
+    run.connect_token_expires_at = Some(chrono::Utc::now() + chrono::Duration::milliseconds(800));
+    let (outcome, _) = go(run).await;
+    assert_eq!(failed(&outcome), ErrorCode::ConnectTokenExpired);
+    assert!(outcome.steps >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_token_or_an_unauthorised_model_never_starts() {
+    let (purl, p) = provider(happy(false)).await;
+    let (murl, _stop) = mcp(FakeMcp::with_tools(&PAIR), TOKEN).await;
+    let mut run = run_config(&purl, &murl, false);
+    run.connect_token_expires_at = Some(chrono::Utc::now() - chrono::Duration::seconds(1));
+    assert_eq!(failed(&go(run).await.0), ErrorCode::ConnectTokenExpired);
+    let mut run = run_config(&purl, &murl, false);
+    run.model_authorized = false;
+    assert_eq!(failed(&go(run).await.0), ErrorCode::ModelNotAuthorized);
+    assert_eq!(p.calls(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_step_limit_ends_the_loop() {
+    let (purl, p) = provider(|n, _| {
+        Reply::Json(tool_call_completion(
+            &format!("c{n}"),
+            "search_capabilities",
+            "{}",
+        ))
+    })
+    .await;
+    let (murl, _stop) = mcp(FakeMcp::with_tools(&PAIR), TOKEN).await;
+    let mut run = run_config(&purl, &murl, false);
+    run.max_steps = 3;
+    let (outcome, _) = go(run).await;
+    assert_eq!(failed(&outcome), ErrorCode::StepLimitExceeded);
+    assert_eq!(p.calls(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_to_an_unreviewed_tool_is_refused_and_reported() {
+    let (purl, _p) = provider(|_, body| {
+        let refused = body["messages"]
+            .as_array()
+            .is_some_and(|m| m.iter().any(|m| m["role"] == "tool"));
+        Reply::Json(if refused {
+            text_completion("ok")
+        } else {
+            tool_call_completion("c1", "run_shell", "{}")
+        })
+    })
+    .await;
+    let fake = FakeMcp::with_tools(&PAIR);
+    let (murl, _stop) = mcp(fake.clone(), TOKEN).await;
+    let (outcome, events) = go(run_config(&purl, &murl, false)).await;
+    assert_eq!(
+        outcome.ending,
+        Ending::Succeeded {
+            answer: "ok".into()
+        }
+    );
+    assert!(
+        fake.calls.lock().expect("lock").is_empty(),
+        "nothing reached the MCP server"
+    );
+    assert!(events.iter().any(
+        |e| matches!(e, EngineEvent::ToolResult { tool, is_error: true, .. } if tool == "run_shell")
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_during_a_provider_call() {
+    let (purl, _p) = provider(|_, _| Reply::Slow(Duration::from_secs(30))).await;
+    let (murl, _stop) = mcp(FakeMcp::with_tools(&PAIR), TOKEN).await;
+    let cancel = CancellationToken::new();
+    let c = cancel.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        c.cancel();
+    });
+    let started = std::time::Instant::now();
+    let (outcome, _) = go_with(run_config(&purl, &murl, false), cancel).await;
+    assert_eq!(outcome.ending, Ending::Cancelled);
+    assert!(started.elapsed() < Duration::from_secs(20));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_during_a_tool_call() {
+    let (purl, _p) = provider(|_, _| {
+        Reply::Json(tool_call_completion(
+            "c1",
+            "execute_capability",
+            r#"{"slow":true}"#,
+        ))
+    })
+    .await;
+    let fake = FakeMcp::with_tools(&PAIR);
+    let (murl, _stop) = mcp(fake.clone(), TOKEN).await;
+    let cancel = CancellationToken::new();
+    let c = cancel.clone();
+    let watcher = fake.clone();
+    tokio::spawn(async move {
+        // Cancel once the slow tool call is in flight.
+        while watcher.calls.lock().expect("lock").is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        c.cancel();
+    });
+    let (outcome, _) = go_with(run_config(&purl, &murl, false), cancel).await;
+    assert_eq!(outcome.ending, Ending::Cancelled);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_resumes_from_its_checkpoint() {
+    let (purl, p) = provider(happy(false)).await;
+    let (murl, _stop) = mcp(FakeMcp::with_tools(&PAIR), TOKEN).await;
+    let (first, events) = go(run_config(&purl, &murl, false)).await;
+    assert!(matches!(first.ending, Ending::Succeeded { .. }));
+    let checkpoint: Checkpoint = events
+        .iter()
+        .find_map(|e| match e {
+            EngineEvent::Checkpoint(c) if c.step == 1 => Some(c.clone()),
+            _ => None,
+        })
+        .expect("a checkpoint after step 1");
+    let before = p.calls();
+    let mut run = run_config(&purl, &murl, false);
+    run.resume_from = Some(checkpoint.clone());
+    let (resumed, _) = go(run).await;
+    assert_eq!(
+        resumed.ending,
+        Ending::Succeeded {
+            answer: "Mail sent.".into()
+        }
+    );
+    assert_eq!(
+        p.calls() - before,
+        2,
+        "resumed at step 2, not from the prompt"
+    );
+    assert_eq!(resumed.steps, 3);
+    assert!(resumed.usage.input_tokens > checkpoint.usage.input_tokens);
+}
+
+/// A log writer that keeps everything written, for the secret scan.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("lock").extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_credential_reaches_events_checkpoints_errors_logs_or_spans() {
+    use tracing_subscriber::fmt::format::FmtSpan;
+    let logs = Captured::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter("trace")
+        .with_span_events(FmtSpan::CLOSE)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let (purl, p) = provider(happy(true)).await;
+    let (murl, _stop) = mcp(FakeMcp::with_tools(&PAIR), TOKEN).await;
+    let (outcome, events) = go(run_config(&purl, &murl, true)).await;
+    assert!(matches!(outcome.ending, Ending::Succeeded { .. }));
+    // And a failing run, whose error message must be clean too.
+    let (unauth_url, _p2) = provider(|_, _| Reply::Status(401, None)).await;
+    let (failed_run, _) = go(run_config(&unauth_url, &murl, false)).await;
+    assert_eq!(failed(&failed_run), ErrorCode::ProviderUnavailable);
+
+    let mut haystack = format!("{outcome:?}\n{failed_run:?}\n{events:?}\n");
+    for e in &events {
+        if let EngineEvent::Checkpoint(c) = e {
+            haystack.push_str(&serde_json::to_string(c).expect("checkpoint json"));
+        }
+    }
+    haystack.push_str(&String::from_utf8_lossy(&logs.0.lock().expect("lock")));
+    assert!(
+        haystack.contains("gen_ai.chat"),
+        "spans were captured for the scan"
+    );
+    for secret in [KEY, TOKEN] {
+        assert!(!haystack.contains(secret), "{secret} leaked");
+    }
+    // The key did travel, as an Authorization header only.
+    assert!(
+        p.auth
+            .lock()
+            .expect("lock")
+            .iter()
+            .all(|a| a == &format!("Bearer {KEY}"))
+    );
+    let bodies = serde_json::to_string(&*p.bodies.lock().expect("lock")).expect("json");
+    assert!(
+        !bodies.contains(KEY) && !bodies.contains(TOKEN),
+        "no credential in a prompt"
+    );
+}
