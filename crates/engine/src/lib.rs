@@ -4,9 +4,11 @@
 //! endpoint. Fail closed on both edges; every wait bounded; credentials
 //! travel only as `Authorization` headers.
 
+pub mod adapter;
 pub mod connect;
 pub mod error;
 pub mod native;
 pub mod provider;
 
+pub use adapter::{EngineAdapter, EngineRequest, NativeEngine};
 pub use error::EngineError;

@@ -424,3 +424,36 @@ async fn no_credential_reaches_events_checkpoints_errors_logs_or_spans() {
         "no credential in a prompt"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_native_engine_runs_behind_the_adapter_contract() {
+    use automesh_engine::{EngineAdapter, EngineRequest, NativeEngine};
+    let (purl, _p) = provider(happy(false)).await;
+    let (murl, _stop) = mcp(FakeMcp::with_tools(&PAIR), TOKEN).await;
+    let engine: Box<dyn EngineAdapter> = Box::new(NativeEngine {
+        template: run_config(&purl, &murl, false),
+    });
+    assert_eq!(engine.engine_id(), "native-v1");
+    let (tx, mut rx) = mpsc::channel(64);
+    let drain = tokio::spawn(async move { while rx.recv().await.is_some() {} });
+    let outcome = engine
+        .run(
+            EngineRequest {
+                prompt: "Send it.".into(),
+                model: "fake-model".into(),
+                guidance: None,
+                deadline: Instant::now() + Duration::from_secs(30),
+                resume_from: None,
+            },
+            tx,
+            CancellationToken::new(),
+        )
+        .await;
+    drain.await.expect("drain");
+    assert_eq!(
+        outcome.ending,
+        Ending::Succeeded {
+            answer: "Mail sent.".into()
+        }
+    );
+}

@@ -1,0 +1,69 @@
+//! The one contract every engine implements (the native engine here, the
+//! OpenCode adapter later), so that the desktop runner and the worker agent
+//! run a run without knowing which engine does it.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::native::{self, Checkpoint, EngineEvent, NativeRun, Outcome};
+
+/// What every engine needs to run one run.
+#[derive(Debug, Clone)]
+pub struct EngineRequest {
+    pub prompt: String,
+    pub model: String,
+    /// Runtime guidance (where the agent runs, with which tools).
+    pub guidance: Option<String>,
+    pub deadline: Instant,
+    /// Resume from a checkpoint instead of starting from the prompt.
+    pub resume_from: Option<Checkpoint>,
+}
+
+/// An engine: runs a request to its end, reporting events as it goes.
+/// Cancelling `cancel` stops it; it always ends, by the request's deadline.
+pub trait EngineAdapter: Send + Sync {
+    /// The engine id recorded on receipts, such as `native-v1`.
+    fn engine_id(&self) -> &'static str;
+
+    fn run<'a>(
+        &'a self,
+        request: EngineRequest,
+        events: mpsc::Sender<EngineEvent>,
+        cancel: CancellationToken,
+    ) -> Pin<Box<dyn Future<Output = Outcome> + Send + 'a>>;
+}
+
+/// The native engine, configured for one run (its provider and its
+/// run-scoped Connect endpoint).
+#[derive(Debug, Clone)]
+pub struct NativeEngine {
+    /// Everything but the per-request fields, which `run` fills in.
+    pub template: NativeRun,
+}
+
+impl EngineAdapter for NativeEngine {
+    fn engine_id(&self) -> &'static str {
+        "native-v1"
+    }
+
+    fn run<'a>(
+        &'a self,
+        request: EngineRequest,
+        events: mpsc::Sender<EngineEvent>,
+        cancel: CancellationToken,
+    ) -> Pin<Box<dyn Future<Output = Outcome> + Send + 'a>> {
+        let run = NativeRun {
+            prompt: request.prompt,
+            model: request.model,
+            guidance: request.guidance,
+            deadline: request.deadline,
+            resume_from: request.resume_from,
+            ..self.template.clone()
+        };
+        Box::pin(native::run(run, events, cancel))
+    }
+}
