@@ -377,14 +377,22 @@ impl Write for Captured {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_credential_reaches_events_checkpoints_errors_logs_or_spans() {
-    use tracing_subscriber::fmt::format::FmtSpan;
+    use opentelemetry::trace::TracerProvider as _;
+    use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
+    use tracing_subscriber::layer::SubscriberExt;
+
+    // Logs through a writer we keep; spans through a real OpenTelemetry
+    // pipeline into an in-memory exporter.
     let logs = Captured::default();
     let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_env_filter("trace")
-        .with_span_events(FmtSpan::CLOSE)
-        .with_writer(move || writer.clone())
-        .finish();
+    let exporter = InMemorySpanExporter::default();
+    let tracer_provider = SdkTracerProvider::builder()
+        .with_simple_exporter(exporter.clone())
+        .build();
+    let subscriber = tracing_subscriber::registry()
+        .with(tracing_opentelemetry::layer().with_tracer(tracer_provider.tracer("engine-test")))
+        .with(tracing_subscriber::fmt::layer().with_writer(move || writer.clone()))
+        .with(tracing_subscriber::EnvFilter::new("trace"));
     let _guard = tracing::subscriber::set_default(subscriber);
 
     let (purl, p) = provider(happy(true)).await;
