@@ -12,26 +12,41 @@ use crate::rows::{
 };
 use crate::{Result, Store, StoreError};
 
+/// The columns every automation query reads, in `decode`'s terms.
+macro_rules! automation_columns {
+    () => {
+        "id, org_id, owner_id, name, prompt, model, placement, surface, schedule, state, \
+         attention_reason, attention_message, version, next_run_at, created_at, updated_at"
+    };
+}
+pub(crate) use automation_columns;
+
 const INSERT: &str = "INSERT INTO automations (id, org_id, owner_id, name, prompt, model, placement, \
      surface, schedule, state, attention_reason, attention_message, version, next_run_at, \
      created_at, updated_at) \
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'active', NULL, NULL, 1, $10, $11, $11)";
 
-const GET: &str = "SELECT id, org_id, owner_id, name, prompt, model, placement, surface, schedule, \
-     state, attention_reason, attention_message, version, next_run_at, created_at, updated_at \
-     FROM automations WHERE id = $1 AND org_id = $2 AND owner_id = $3";
+const GET: &str = concat!(
+    "SELECT ",
+    automation_columns!(),
+    " FROM automations WHERE id = $1 AND org_id = $2 AND owner_id = $3"
+);
 
-const GET_UNSCOPED: &str = "SELECT id, org_id, owner_id, name, prompt, model, placement, surface, \
-     schedule, state, attention_reason, attention_message, version, next_run_at, created_at, \
-     updated_at FROM automations WHERE id = $1";
+const GET_UNSCOPED: &str = concat!(
+    "SELECT ",
+    automation_columns!(),
+    " FROM automations WHERE id = $1"
+);
 
-const LIST: &str = "SELECT id, org_id, owner_id, name, prompt, model, placement, surface, schedule, \
-     state, attention_reason, attention_message, version, next_run_at, created_at, updated_at \
-     FROM automations \
+const LIST: &str = concat!(
+    "SELECT ",
+    automation_columns!(),
+    " FROM automations \
      WHERE org_id = $1 AND owner_id = $2 \
        AND (created_at < $3 OR (created_at = $3 AND id < $4)) \
        AND ($5 = 1 OR state <> 'archived') \
-     ORDER BY created_at DESC, id DESC LIMIT $6";
+     ORDER BY created_at DESC, id DESC LIMIT $6"
+);
 
 /// Placement, surface, owner and creation time are absent: they never change.
 const UPDATE_IF_VERSION: &str = "UPDATE automations SET name = $4, prompt = $5, model = $6, \

@@ -8,18 +8,23 @@ use automesh_domain::{Automation, Receipt};
 use chrono::{DateTime, Utc};
 use sqlx::{Any, Transaction};
 
+use crate::automations::automation_columns;
 use crate::rows::{micros, opt_micros};
 use crate::{Backend, Result, Store};
 
-const DUE_PG: &str = "SELECT id, org_id, owner_id, name, prompt, model, placement, surface, schedule, \
-     state, attention_reason, attention_message, version, next_run_at, created_at, updated_at \
-     FROM automations WHERE state = 'active' AND next_run_at IS NOT NULL AND next_run_at <= $1 \
-     ORDER BY next_run_at LIMIT $2 FOR UPDATE SKIP LOCKED";
+const DUE_PG: &str = concat!(
+    "SELECT ",
+    automation_columns!(),
+    " FROM automations WHERE state = 'active' AND next_run_at IS NOT NULL AND next_run_at <= $1 \
+     ORDER BY next_run_at LIMIT $2 FOR UPDATE SKIP LOCKED"
+);
 
-const DUE_SQLITE: &str = "SELECT id, org_id, owner_id, name, prompt, model, placement, surface, \
-     schedule, state, attention_reason, attention_message, version, next_run_at, created_at, \
-     updated_at FROM automations WHERE state = 'active' AND next_run_at IS NOT NULL \
-     AND next_run_at <= $1 ORDER BY next_run_at LIMIT $2";
+const DUE_SQLITE: &str = concat!(
+    "SELECT ",
+    automation_columns!(),
+    " FROM automations WHERE state = 'active' AND next_run_at IS NOT NULL AND next_run_at <= $1 \
+     ORDER BY next_run_at LIMIT $2"
+);
 
 const NEXT_DUE: &str =
     "SELECT MIN(next_run_at) FROM automations WHERE state = 'active' AND next_run_at IS NOT NULL";
