@@ -37,6 +37,8 @@ pub struct MeshOptions {
     /// Replicas of the scheduler and of the coordinator.
     pub schedulers: usize,
     pub coordinators: usize,
+    /// Bounds of the desktop runners' streams.
+    pub runner_streams: automesh_desktop_runner_gateway::stream::StreamSettings,
 }
 
 impl Default for MeshOptions {
@@ -49,6 +51,7 @@ impl Default for MeshOptions {
             catch_up_window: Duration::from_secs(3600),
             schedulers: 1,
             coordinators: 1,
+            runner_streams: Default::default(),
         }
     }
 }
@@ -149,8 +152,9 @@ impl Mesh {
             ll,
             shutdown.clone(),
         ));
-        tasks.spawn(automesh_desktop_runner_gateway::serve(
+        tasks.spawn(automesh_desktop_runner_gateway::serve_with(
             store.clone(),
+            options.runner_streams.clone(),
             credential.clone(),
             rl,
             shutdown.clone(),

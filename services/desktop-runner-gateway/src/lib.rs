@@ -6,7 +6,10 @@
 //! 256 bits of OS randomness, so a fast hash is enough to make the stored
 //! value useless to a reader of the database.
 
+pub mod stream;
+
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use automesh_domain::ids::new_runner_id;
 use automesh_proto::runner::v1 as rpb;
@@ -36,6 +39,12 @@ pub struct Config {
     /// Database URL: postgres://… or sqlite:….
     #[arg(long, env = "AUTOMESH_DATABASE_URL")]
     pub database_url: String,
+    /// How often runners must send a heartbeat.
+    #[arg(long, env = "AUTOMESH_RUNNER_HEARTBEAT", default_value = "3s", value_parser = automesh_rpc::runtime::parse_duration)]
+    pub heartbeat_interval: Duration,
+    /// Silence after which a runner's stream is declared dead.
+    #[arg(long, env = "AUTOMESH_RUNNER_DEAD_AFTER", default_value = "10s", value_parser = automesh_rpc::runtime::parse_duration)]
+    pub dead_after: Duration,
 }
 
 /// Prefix of every runner token, so a leaked one is recognisable.
@@ -119,17 +128,47 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let store = Store::connect_lazy(&config.database_url, StoreOptions::default())?;
-    serve(store, credential, listener, shutdown).await
+    let settings = stream::StreamSettings {
+        heartbeat_interval: config.heartbeat_interval,
+        dead_after: config.dead_after,
+        ..Default::default()
+    };
+    serve_with(store, settings, credential, listener, shutdown).await
 }
 
-/// Serves over an existing store (used by `dev` mode and tests).
+/// Serves over an existing store with default stream bounds (used by `dev`
+/// mode and tests).
 pub async fn serve(
     store: Store,
     credential: InternalCredential,
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    serve_with(
+        store,
+        stream::StreamSettings::default(),
+        credential,
+        listener,
+        shutdown,
+    )
+    .await
+}
+
+/// Serves the runner streams (runner-token authenticated) and the token
+/// service (internal credential) on one listener.
+pub async fn serve_with(
+    store: Store,
+    settings: stream::StreamSettings,
+    credential: InternalCredential,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     let mut server = GrpcServer::new(ServerSettings::default())?;
+    server.add_service(
+        automesh_proto::runner::v1::desktop_runner_service_server::DesktopRunnerServiceServer::new(
+            stream::RunnerStreams::new(store.clone(), settings, shutdown.clone()),
+        ),
+    );
     server.add_service(RunnerTokenServiceServer::with_interceptor(
         RunnerTokens {
             store: store.clone(),

@@ -1,0 +1,211 @@
+//! The desktop runners' `Connect` stream: token authentication, Hello and
+//! Welcome, heartbeats, and a stalled stream declared dead within its bound
+//! even though its connection stays open.
+
+use std::time::Duration;
+
+use automesh_desktop_runner_gateway::stream::StreamSettings;
+use automesh_e2e_tests::{Mesh, MeshOptions};
+use automesh_proto::runner::v1 as rpb;
+use automesh_proto::runner::v1::desktop_runner_service_client::DesktopRunnerServiceClient;
+use automesh_proto::v1 as pb;
+use automesh_store::Backend;
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Code;
+
+fn hello() -> rpb::ConnectRequest {
+    rpb::ConnectRequest {
+        message: Some(rpb::connect_request::Message::Hello(rpb::Hello {
+            runner_version: "test".into(),
+            held_runs: vec![],
+        })),
+    }
+}
+
+fn heartbeat() -> rpb::ConnectRequest {
+    rpb::ConnectRequest {
+        message: Some(rpb::connect_request::Message::Heartbeat(rpb::Heartbeat {
+            send_time: None,
+        })),
+    }
+}
+
+async fn mesh() -> Mesh {
+    Mesh::start_with(
+        Backend::Sqlite,
+        MeshOptions {
+            runner_streams: StreamSettings {
+                heartbeat_interval: Duration::from_millis(200),
+                dead_after: Duration::from_secs(1),
+                hello_timeout: Duration::from_secs(1),
+            },
+            ..MeshOptions::default()
+        },
+    )
+    .await
+    .expect("mesh")
+}
+
+async fn mint(mesh: &Mesh) -> pb::CreateRunnerTokenResponse {
+    let token = mesh.token("acme", "alice");
+    mesh.automations(Some(&token))
+        .create_runner_token(pb::CreateRunnerTokenRequest {
+            runner_name: "laptop".into(),
+        })
+        .await
+        .expect("mint")
+        .into_inner()
+}
+
+/// Opens a stream with `token`; returns the sender of runner messages and
+/// the gateway's answer.
+async fn open(
+    mesh: &Mesh,
+    token: &str,
+) -> (
+    mpsc::Sender<rpb::ConnectRequest>,
+    Result<tonic::Streaming<rpb::ConnectResponse>, tonic::Status>,
+) {
+    let mut client = DesktopRunnerServiceClient::new(
+        automesh_rpc::client::channel(&mesh.runner_gateway).expect("channel"),
+    );
+    let (tx, rx) = mpsc::channel(16);
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {token}").parse().expect("ascii"),
+    );
+    // The gateway answers once it has the Hello; send it before waiting.
+    let sender = tx.clone();
+    tokio::spawn(async move {
+        let _ = sender.send(hello()).await;
+    });
+    let answer = tokio::time::timeout(Duration::from_secs(10), client.connect(request))
+        .await
+        .expect("bounded")
+        .map(|r| r.into_inner());
+    (tx, answer)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_with_its_token_is_welcomed_and_kept_alive_by_heartbeats() {
+    let mesh = mesh().await;
+    let minted = mint(&mesh).await;
+    let (tx, answer) = open(&mesh, &minted.token).await;
+    let mut stream = answer.expect("connected");
+    let first = stream.message().await.expect("ok").expect("welcome");
+    let Some(rpb::connect_response::Message::Welcome(welcome)) = first.message else {
+        panic!("expected Welcome, got {first:?}");
+    };
+    assert_eq!(welcome.runner_id, minted.runner_id);
+    assert!(welcome.heartbeat_interval.is_some());
+    // Three dead periods' worth of heartbeats: the stream stays alive.
+    for _ in 0..15 {
+        tx.send(heartbeat()).await.expect("send");
+        let ack = tokio::time::timeout(Duration::from_secs(5), stream.message())
+            .await
+            .expect("ack in time")
+            .expect("ok")
+            .expect("ack");
+        assert!(matches!(
+            ack.message,
+            Some(rpb::connect_response::Message::HeartbeatAck(_))
+        ));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    drop(tx);
+    mesh.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_stream_is_declared_dead_although_its_connection_is_open() {
+    let mesh = mesh().await;
+    let minted = mint(&mesh).await;
+    let (tx, answer) = open(&mesh, &minted.token).await;
+    let mut stream = answer.expect("connected");
+    stream.message().await.expect("ok").expect("welcome");
+    // Keep the sender (and so the HTTP/2 stream) open, but send nothing.
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match stream.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => return None,
+                Err(status) => return Some(status),
+            }
+        }
+    })
+    .await
+    .expect("the gateway ends a silent stream within its bound");
+    let status = ended.expect("ended with a status");
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    assert!(status.message().contains("declared dead"));
+    drop(tx);
+    mesh.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_and_revoked_tokens_are_refused() {
+    let mesh = mesh().await;
+    let (_tx, answer) = open(&mesh, "amr_not-a-real-token").await;
+    assert_eq!(answer.expect_err("refused").code(), Code::Unauthenticated);
+
+    let minted = mint(&mesh).await;
+    mesh.store()
+        .revoke_runner(
+            &automesh_domain::Principal::new("acme", "alice"),
+            &minted.runner_id,
+            chrono::Utc::now(),
+        )
+        .await
+        .expect("revoke");
+    let (_tx, answer) = open(&mesh, &minted.token).await;
+    assert_eq!(answer.expect_err("revoked").code(), Code::Unauthenticated);
+    mesh.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_message_must_be_hello() {
+    let mesh = mesh().await;
+    let minted = mint(&mesh).await;
+    let mut client = DesktopRunnerServiceClient::new(
+        automesh_rpc::client::channel(&mesh.runner_gateway).expect("channel"),
+    );
+    let (tx, rx) = mpsc::channel(4);
+    tx.send(heartbeat()).await.expect("send");
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {}", minted.token).parse().expect("ascii"),
+    );
+    let status = tokio::time::timeout(Duration::from_secs(10), client.connect(request))
+        .await
+        .expect("bounded")
+        .expect_err("refused");
+    assert_eq!(status.code(), Code::FailedPrecondition);
+    drop(tx);
+    mesh.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_token_service_beside_the_stream_requires_the_internal_credential() {
+    let mesh = mesh().await;
+    // The runner-facing service needs no internal credential; the token
+    // service beside it does.
+    use automesh_proto::runner::v1::runner_token_service_client::RunnerTokenServiceClient;
+    let mut tokens = RunnerTokenServiceClient::new(
+        automesh_rpc::client::channel(&mesh.runner_gateway).expect("channel"),
+    );
+    let refused = tokens
+        .create_runner_token(rpb::CreateRunnerTokenRequest {
+            caller: Some(automesh_rpc::convert::caller(
+                &automesh_domain::Principal::new("acme", "alice"),
+            )),
+            runner_name: "x".into(),
+        })
+        .await
+        .expect_err("internal only");
+    assert_eq!(refused.code(), Code::Unauthenticated);
+    mesh.stop().await.expect("stop");
+}
