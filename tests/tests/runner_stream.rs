@@ -11,7 +11,6 @@ use automesh_proto::runner::v1::desktop_runner_service_client::DesktopRunnerServ
 use automesh_proto::v1 as pb;
 use automesh_store::Backend;
 use tokio::sync::mpsc;
-use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Code;
 
