@@ -351,6 +351,9 @@ fn parse_completion(v: &Value) -> Result<ChatResponse, EngineError> {
     })
 }
 
+/// The longest SSE line accepted (a bound on what one event may buffer).
+const MAX_LINE_BYTES: usize = 4 * 1024 * 1024;
+
 /// A tool call assembled from stream deltas.
 #[derive(Default)]
 struct PartialCall {
@@ -361,7 +364,9 @@ struct PartialCall {
 
 async fn read_stream(response: reqwest::Response) -> Result<ChatResponse, EngineError> {
     let mut bytes = response.bytes_stream();
-    let mut buffer = String::new();
+    // Bytes, not text: a multi-byte character may be split across chunks;
+    // only whole lines are decoded.
+    let mut buffer: Vec<u8> = Vec::new();
     let mut content: Option<String> = None;
     let mut calls: Vec<PartialCall> = vec![];
     let mut finish_reason = None;
@@ -369,9 +374,14 @@ async fn read_stream(response: reqwest::Response) -> Result<ChatResponse, Engine
     let mut done = false;
     while let Some(chunk) = bytes.next().await {
         let chunk = chunk.map_err(|e| malformed(format!("the stream broke: {e}")))?;
-        buffer.push_str(&String::from_utf8_lossy(&chunk));
-        while let Some(end) = buffer.find('\n') {
-            let line: String = buffer.drain(..=end).collect();
+        buffer.extend_from_slice(&chunk);
+        if buffer.len() > MAX_LINE_BYTES {
+            return Err(malformed("a stream line exceeds the size bound"));
+        }
+        while let Some(end) = buffer.iter().position(|b| *b == b'\n') {
+            let raw: Vec<u8> = buffer.drain(..=end).collect();
+            let line =
+                String::from_utf8(raw).map_err(|_| malformed("a stream line is not UTF-8"))?;
             let line = line.trim();
             let Some(data) = line.strip_prefix("data:") else {
                 continue;

@@ -190,3 +190,19 @@ async fn malformed_json_is_a_provider_error() {
         .expect_err("malformed");
     assert_eq!(err.code, ErrorCode::ProviderError);
 }
+
+#[tokio::test]
+async fn multi_byte_text_split_across_chunks_survives() {
+    // "é" is two bytes; the fake sends the stream in 1-byte chunks.
+    let sse = format!(
+        "data: {}\n\ndata: [DONE]\n\n",
+        serde_json::json!({"choices": [{"index": 0, "delta": {"content": "café ☕"}}]})
+    );
+    let (url, _fake) = fake(move |_, _| Reply::SseBytewise(sse.clone())).await;
+    let provider = Provider::new(config(&url, true)).expect("provider");
+    let r = provider
+        .complete(&request(), deadline(10))
+        .await
+        .expect("answer");
+    assert_eq!(r.content.as_deref(), Some("café ☕"));
+}

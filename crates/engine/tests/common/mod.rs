@@ -25,6 +25,8 @@ pub enum Reply {
     Json(serde_json::Value),
     Status(u16, Option<&'static str>),
     Sse(String),
+    /// The same, sent one byte per chunk.
+    SseBytewise(String),
     Raw(&'static str),
     Slow(Duration),
     /// The JSON answer, after a pause.
@@ -73,6 +75,14 @@ async fn handle(
             .header("content-type", "text/event-stream")
             .body(Body::from(text))
             .expect("response"),
+        Reply::SseBytewise(text) => {
+            let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
+                text.into_bytes().into_iter().map(|b| Ok(vec![b])).collect();
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(Body::from_stream(futures_util::stream::iter(chunks)))
+                .expect("response")
+        }
         Reply::Raw(text) => Response::builder()
             .header("content-type", "application/json")
             .body(Body::from(text))
