@@ -39,6 +39,9 @@ pub struct MeshOptions {
     pub coordinators: usize,
     /// Bounds of the desktop runners' streams.
     pub runner_streams: automesh_desktop_runner_gateway::stream::StreamSettings,
+    /// Desktop runs go to the desktop-runner-gateway (the real desktop
+    /// executor) instead of `executor`.
+    pub desktop_via_runner_gateway: bool,
 }
 
 impl Default for MeshOptions {
@@ -52,6 +55,7 @@ impl Default for MeshOptions {
             schedulers: 1,
             coordinators: 1,
             runner_streams: Default::default(),
+            desktop_via_runner_gateway: false,
         }
     }
 }
@@ -143,6 +147,7 @@ impl Mesh {
                 &credential,
                 l,
                 &shutdown,
+                &runner_gateway,
             )?);
         }
         tasks.spawn(automesh_cloud_worker_lifecycle::serve(
@@ -202,6 +207,7 @@ impl Mesh {
             &self.credential,
             l,
             &self.shutdown,
+            &self.runner_gateway,
         )?;
         self.coordinators.push(handle);
         Ok(())
@@ -264,12 +270,15 @@ fn spawn_coordinator(
     credential: &InternalCredential,
     listener: TcpListener,
     shutdown: &CancellationToken,
+    runner_gateway: &str,
 ) -> anyhow::Result<tokio::task::JoinHandle<anyhow::Result<()>>> {
-    let executors = automesh_run_coordinator::executors(
-        options.executor.as_deref(),
-        options.executor.as_deref(),
-        credential,
-    )?;
+    let desktop = if options.desktop_via_runner_gateway {
+        Some(runner_gateway)
+    } else {
+        options.executor.as_deref()
+    };
+    let executors =
+        automesh_run_coordinator::executors(desktop, options.executor.as_deref(), credential)?;
     let settings = automesh_run_coordinator::driver::Settings {
         lease: options.lease,
         cancel_bound: options.cancel_bound,

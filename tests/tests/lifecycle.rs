@@ -482,7 +482,8 @@ async fn a_run_whose_executor_never_answers_times_out_at_its_deadline() {
     let ended = terminal(mesh.store(), &run.id, Duration::from_secs(20)).await;
     assert_eq!(
         (ended.state, ended.error_code),
-        (RunState::TimedOut, Some(ErrorCode::DeadlineExceeded))
+        // A desktop run that no executor ever took: no runner took it (SPEC §6).
+        (RunState::TimedOut, Some(ErrorCode::RunnerOffline))
     );
     assert!(
         ended.updated_at >= ended.deadline_at,

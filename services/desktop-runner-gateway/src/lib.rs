@@ -6,6 +6,7 @@
 //! 256 bits of OS randomness, so a fast hash is enough to make the stored
 //! value useless to a reader of the database.
 
+pub mod executor;
 pub mod stream;
 
 use std::net::SocketAddr;
@@ -164,9 +165,18 @@ pub async fn serve_with(
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let mut server = GrpcServer::new(ServerSettings::default())?;
+    let streams = stream::RunnerStreams::new(store.clone(), settings, shutdown.clone());
+    let desktop =
+        executor::DesktopExecutor::new(streams.sessions.clone(), streams.dispatch.clone());
     server.add_service(
         automesh_proto::runner::v1::desktop_runner_service_server::DesktopRunnerServiceServer::new(
-            stream::RunnerStreams::new(store.clone(), settings, shutdown.clone()),
+            streams,
+        ),
+    );
+    server.add_service(
+        automesh_proto::executor::v1::executor_service_server::ExecutorServiceServer::with_interceptor(
+            desktop,
+            RequireInternal(credential.clone()),
         ),
     );
     server.add_service(RunnerTokenServiceServer::with_interceptor(

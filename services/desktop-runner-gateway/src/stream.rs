@@ -20,6 +20,7 @@ use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::executor::Dispatch;
 use crate::hash_token;
 
 /// Messages queued towards one runner before the sender waits.
@@ -46,6 +47,9 @@ impl Default for StreamSettings {
     }
 }
 
+/// Messages towards one runner.
+pub type ToRunner = mpsc::Sender<Result<rpb::ConnectResponse, Status>>;
+
 /// One connected runner.
 #[derive(Debug, Clone)]
 pub struct Session {
@@ -53,6 +57,7 @@ pub struct Session {
     pub owner_id: String,
     /// Ends the stream (a newer stream of the same runner replaces it).
     pub closed: CancellationToken,
+    pub tx: ToRunner,
 }
 
 /// The runners connected to this replica.
@@ -73,6 +78,19 @@ impl Sessions {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// A connected runner of the owner, with its stream.
+    pub fn of_owner(&self, org_id: &str, owner_id: &str) -> Option<(String, ToRunner)> {
+        let m = self.0.lock().ok()?;
+        m.iter()
+            .find(|(_, s)| s.org_id == org_id && s.owner_id == owner_id)
+            .map(|(id, s)| (id.clone(), s.tx.clone()))
+    }
+
+    /// The stream of a connected runner.
+    pub fn sender(&self, runner_id: &str) -> Option<ToRunner> {
+        self.0.lock().ok()?.get(runner_id).map(|s| s.tx.clone())
+    }
 }
 
 /// The `DesktopRunnerService` implementation.
@@ -81,6 +99,7 @@ pub struct RunnerStreams {
     store: Store,
     settings: StreamSettings,
     pub sessions: Arc<Sessions>,
+    pub dispatch: Arc<Dispatch>,
     shutdown: CancellationToken,
 }
 
@@ -90,6 +109,7 @@ impl RunnerStreams {
             store,
             settings,
             sessions: Arc::default(),
+            dispatch: Arc::default(),
             shutdown,
         }
     }
@@ -153,6 +173,7 @@ impl DesktopRunnerService for RunnerStreams {
             org_id: runner.org_id.clone(),
             owner_id: runner.owner_id.clone(),
             closed: closed.clone(),
+            tx: tx.clone(),
         };
         if let Ok(mut m) = self.sessions.0.lock()
             && let Some(previous) = m.insert(runner.id.clone(), session)
@@ -172,13 +193,43 @@ impl DesktopRunnerService for RunnerStreams {
         tx.send(Ok(welcome))
             .await
             .map_err(|_| Status::cancelled("the runner went away"))?;
+        // Reconcile what the runner holds with what this replica assigned:
+        // runs it still should run are offered again (it deduplicates by
+        // run id); runs it holds that are unknown here are cancelled.
+        let held: Vec<String> = hello.held_runs.iter().map(|h| h.run_id.clone()).collect();
+        for spec in self.dispatch.unfinished_of(&runner.id) {
+            if !held.contains(&spec.run_id) {
+                let _ = tx.send(Ok(crate::executor::assignment(&spec))).await;
+            }
+        }
+        for run_id in held.iter().filter(|id| !self.dispatch.knows(id)) {
+            let cancel = rpb::ConnectResponse {
+                message: Some(rpb::connect_response::Message::CancelAssignment(
+                    rpb::CancelAssignment {
+                        run_id: run_id.clone(),
+                        reason: "the gateway does not know this run".into(),
+                    },
+                )),
+            };
+            let _ = tx.send(Ok(cancel)).await;
+        }
 
         let sessions = self.sessions.clone();
+        let dispatch = self.dispatch.clone();
         let settings = self.settings.clone();
         let shutdown = self.shutdown.clone();
         let runner_id = runner.id.clone();
         tokio::spawn(async move {
-            let ended = follow(&mut inbound, &tx, &settings, &closed, &shutdown).await;
+            let ended = follow(
+                &mut inbound,
+                &tx,
+                &settings,
+                &closed,
+                &shutdown,
+                &dispatch,
+                &runner_id,
+            )
+            .await;
             if let Err(status) = ended {
                 tracing::warn!(runner_id = %runner_id, code = ?status.code(), reason = status.message(), "runner stream ended");
                 let _ = tokio::time::timeout(Duration::from_secs(1), tx.send(Err(status))).await;
@@ -204,6 +255,8 @@ async fn follow(
     settings: &StreamSettings,
     closed: &CancellationToken,
     shutdown: &CancellationToken,
+    dispatch: &Dispatch,
+    runner_id: &str,
 ) -> Result<(), Status> {
     use rpb::connect_request::Message;
     loop {
@@ -249,9 +302,8 @@ async fn follow(
                     "Hello may be sent only once per stream",
                 ));
             }
-            // Assignments, events, results and idle reports arrive with the
-            // desktop executor; until then they are acknowledged by silence.
-            Some(_) | None => {}
+            Some(other) => dispatch.on_runner_message(runner_id, &other),
+            None => {}
         }
     }
 }

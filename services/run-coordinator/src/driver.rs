@@ -403,7 +403,7 @@ async fn execute(
         let attempt = tokio::select! {
             biased;
             () = lost.cancelled() => return Err(Stop::LeaseLost),
-            () = sleep_until(deadline) => return cancel_and_wait(ctx, &mut executor, run, lost, CancelCause::Deadline).await,
+            () = sleep_until(deadline) => return never_started(ctx, &mut executor, run, lost).await,
             () = cancel_seen.cancelled() => return cancel_and_wait(ctx, &mut executor, run, lost, CancelCause::User).await,
             r = executor.start_run(request) => r,
         };
@@ -413,7 +413,7 @@ async fn execute(
                 tracing::warn!(code = ?status.code(), message = status.message(), "executor did not accept the run; retrying");
                 tokio::select! {
                     () = tokio::time::sleep(backoff) => {}
-                    () = sleep_until(deadline) => return cancel_and_wait(ctx, &mut executor, run, lost, CancelCause::Deadline).await,
+                    () = sleep_until(deadline) => return never_started(ctx, &mut executor, run, lost).await,
                     () = cancel_seen.cancelled() => return cancel_and_wait(ctx, &mut executor, run, lost, CancelCause::User).await,
                     () = lost.cancelled() => return Err(Stop::LeaseLost),
                 }
@@ -536,6 +536,26 @@ async fn wait_without_executor(
         }
         () = lost.cancelled() => Err(Stop::LeaseLost),
     }
+}
+
+/// The deadline came before the executor ever accepted the run: make sure
+/// nothing runs, then end it. A desktop run that no runner took is
+/// `runner_offline` (SPEC §6).
+async fn never_started(
+    ctx: &Context,
+    executor: &mut ExecutorServiceClient<InternalChannel>,
+    run: &Run,
+    lost: &CancellationToken,
+) -> Result<Ending, Stop> {
+    let ending = cancel_and_wait(ctx, executor, run, lost, CancelCause::Deadline).await?;
+    Ok(match run.placement {
+        Placement::Desktop => Ending::new(
+            RunState::TimedOut,
+            Some(ErrorCode::RunnerOffline),
+            "no runner of the owner took the run before its deadline",
+        ),
+        Placement::Cloud => ending,
+    })
 }
 
 /// Cancels the run on its executor and waits, bounded, for it to be idle.

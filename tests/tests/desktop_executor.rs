@@ -1,0 +1,301 @@
+//! Desktop runs through the desktop-runner-gateway: the coordinator drives
+//! them over the executor contract, the gateway hands them to a runner of
+//! the owner over its `Connect` stream. The runner here is a test client
+//! speaking the real protocol.
+
+use std::time::Duration;
+
+use automesh_domain::{ErrorCode, RunState};
+use automesh_e2e_tests::{Mesh, MeshOptions};
+use automesh_proto::runner::v1 as rpb;
+use automesh_proto::runner::v1::desktop_runner_service_client::DesktopRunnerServiceClient;
+use automesh_proto::v1 as pb;
+use automesh_store::Backend;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+/// What the test runner does with an assignment.
+#[derive(Debug, Clone, Copy)]
+enum Script {
+    /// Accept, report two events, succeed.
+    Complete,
+    /// Accept and work until cancelled; then report idle and the end.
+    UntilCancelled,
+}
+
+fn msg(m: rpb::connect_request::Message) -> rpb::ConnectRequest {
+    rpb::ConnectRequest { message: Some(m) }
+}
+
+/// Connects a runner with `token` and plays `script` for every assignment.
+/// Returns the ids of the runs it was assigned.
+async fn runner(mesh: &Mesh, token: &str, script: Script) -> mpsc::UnboundedReceiver<String> {
+    use rpb::connect_request::Message as Up;
+    use rpb::connect_response::Message as Down;
+    let mut client = DesktopRunnerServiceClient::new(
+        automesh_rpc::client::channel(&mesh.runner_gateway).expect("channel"),
+    );
+    let (tx, rx) = mpsc::channel(64);
+    tx.send(msg(Up::Hello(rpb::Hello {
+        runner_version: "test-runner".into(),
+        held_runs: vec![],
+    })))
+    .await
+    .expect("hello");
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {token}").parse().expect("ascii"),
+    );
+    let mut down = client
+        .connect(request)
+        .await
+        .expect("connected")
+        .into_inner();
+    let (assigned_tx, assigned_rx) = mpsc::unbounded_channel();
+    let beat = tx.clone();
+    tokio::spawn(async move {
+        while beat
+            .send(msg(Up::Heartbeat(rpb::Heartbeat { send_time: None })))
+            .await
+            .is_ok()
+        {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    });
+    tokio::spawn(async move {
+        while let Ok(Some(m)) = down.message().await {
+            match m.message {
+                Some(Down::Assignment(a)) => {
+                    let _ = assigned_tx.send(a.run_id.clone());
+                    let _ = tx
+                        .send(msg(Up::AssignmentAccepted(rpb::AssignmentAccepted {
+                            run_id: a.run_id.clone(),
+                        })))
+                        .await;
+                    if let Script::Complete = script {
+                        let events = (1..=2)
+                            .map(|i| pb::RunEvent {
+                                event_id: format!("runner:{}:{i}", a.run_id),
+                                payload: Some(pb::run_event::Payload::AssistantText(
+                                    pb::AssistantText {
+                                        text: format!("part {i}"),
+                                    },
+                                )),
+                                ..Default::default()
+                            })
+                            .collect();
+                        // Sent twice: redelivery must add nothing.
+                        for _ in 0..2 {
+                            let _ = tx
+                                .send(msg(Up::RunEvents(rpb::RunEvents {
+                                    run_id: a.run_id.clone(),
+                                    events: Vec::clone(&events),
+                                })))
+                                .await;
+                        }
+                        let _ = tx
+                            .send(msg(Up::RunFinished(rpb::RunFinished {
+                                run_id: a.run_id.clone(),
+                                outcome: pb::RunState::Succeeded as i32,
+                                engine: "test-runner".into(),
+                                usage: Some(pb::Usage {
+                                    input_tokens: 3,
+                                    output_tokens: 4,
+                                    cost_micros: 5,
+                                }),
+                                ..Default::default()
+                            })))
+                            .await;
+                    }
+                }
+                Some(Down::CancelAssignment(c)) => {
+                    let _ = tx
+                        .send(msg(Up::IdleObserved(rpb::IdleObserved {
+                            run_id: c.run_id.clone(),
+                        })))
+                        .await;
+                    let _ = tx
+                        .send(msg(Up::RunFinished(rpb::RunFinished {
+                            run_id: c.run_id.clone(),
+                            outcome: pb::RunState::Cancelled as i32,
+                            engine: "test-runner".into(),
+                            ..Default::default()
+                        })))
+                        .await;
+                }
+                _ => {}
+            }
+        }
+    });
+    assigned_rx
+}
+
+async fn mesh(run_deadline: Duration) -> Mesh {
+    Mesh::start_with(
+        Backend::Sqlite,
+        MeshOptions {
+            desktop_via_runner_gateway: true,
+            run_deadline,
+            ..MeshOptions::default()
+        },
+    )
+    .await
+    .expect("mesh")
+}
+
+async fn runner_token(mesh: &Mesh, org: &str, user: &str) -> String {
+    mesh.automations(Some(&mesh.token(org, user)))
+        .create_runner_token(pb::CreateRunnerTokenRequest {
+            runner_name: "laptop".into(),
+        })
+        .await
+        .expect("mint")
+        .into_inner()
+        .token
+}
+
+async fn desktop_run(mesh: &Mesh, org: &str, user: &str) -> pb::Run {
+    let token = mesh.token(org, user);
+    let mut api = mesh.automations(Some(&token));
+    let a = api
+        .create_automation(pb::CreateAutomationRequest {
+            automation: Some(pb::Automation {
+                name: "desk".into(),
+                prompt: "tidy my downloads".into(),
+                model: "fake/echo".into(),
+                schedule: Some(pb::Schedule {
+                    kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
+                        time_of_day: Some(pb::TimeOfDay {
+                            hours: 9,
+                            minutes: 0,
+                        }),
+                        time_zone: "UTC".into(),
+                    })),
+                }),
+                ..Default::default()
+            }),
+            surface: pb::Surface::Desktop as i32,
+        })
+        .await
+        .expect("create")
+        .into_inner()
+        .automation
+        .expect("automation");
+    api.run_automation_now(pb::RunAutomationNowRequest {
+        id: a.id,
+        idempotency_key: "k".into(),
+    })
+    .await
+    .expect("run now")
+    .into_inner()
+    .run
+    .expect("run")
+}
+
+async fn terminal(mesh: &Mesh, run_id: &str) -> automesh_domain::Run {
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let run = mesh.store().get_run_unscoped(run_id).await.expect("run");
+        if run.state.is_terminal() {
+            return run;
+        }
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "run did not end: {run:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_desktop_run_reaches_the_owners_runner_and_completes() {
+    let mesh = mesh(Duration::from_secs(60)).await;
+    let token = runner_token(&mesh, "acme", "alice").await;
+    let mut assigned = runner(&mesh, &token, Script::Complete).await;
+    let run = desktop_run(&mesh, "acme", "alice").await;
+    let ended = terminal(&mesh, &run.id).await;
+    assert_eq!(ended.state, RunState::Succeeded, "{ended:?}");
+    assert_eq!(assigned.recv().await.as_deref(), Some(run.id.as_str()));
+    let receipt = mesh
+        .store()
+        .get_receipt(&run.id)
+        .await
+        .expect("get")
+        .expect("receipt");
+    assert_eq!(receipt.engine.as_deref(), Some("test-runner"));
+    assert_eq!(
+        (
+            receipt.usage.input_tokens,
+            receipt.usage.output_tokens,
+            receipt.usage.cost_micros
+        ),
+        (3, 4, 5)
+    );
+    let events = mesh
+        .store()
+        .list_events(&run.id, 0, 100)
+        .await
+        .expect("events");
+    let texts = events
+        .iter()
+        .filter(|e| {
+            matches!(
+                e.payload,
+                automesh_domain::RunEventPayload::AssistantText { .. }
+            )
+        })
+        .count();
+    assert_eq!(texts, 2, "redelivered runner events added nothing");
+    mesh.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_owners_runner_gets_the_run_and_without_it_the_run_ends_runner_offline() {
+    let mesh = mesh(Duration::from_secs(2)).await;
+    // Bob's runner is connected; Alice's is not.
+    let bob = runner_token(&mesh, "acme", "bob").await;
+    let mut bobs = runner(&mesh, &bob, Script::Complete).await;
+    let run = desktop_run(&mesh, "acme", "alice").await;
+    let ended = terminal(&mesh, &run.id).await;
+    assert_eq!(
+        (ended.state, ended.error_code),
+        (RunState::TimedOut, Some(ErrorCode::RunnerOffline))
+    );
+    assert!(
+        bobs.try_recv().is_err(),
+        "another user's runner never sees the run"
+    );
+    mesh.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_reaches_the_runner_and_ends_once_it_is_idle() {
+    let mesh = mesh(Duration::from_secs(60)).await;
+    let token = runner_token(&mesh, "acme", "alice").await;
+    let mut assigned = runner(&mesh, &token, Script::UntilCancelled).await;
+    let run = desktop_run(&mesh, "acme", "alice").await;
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(10), assigned.recv())
+            .await
+            .expect("assigned in time")
+            .as_deref(),
+        Some(run.id.as_str())
+    );
+    let api_token = mesh.token("acme", "alice");
+    let answered = mesh
+        .runs(Some(&api_token))
+        .cancel_run(pb::CancelRunRequest { id: run.id.clone() })
+        .await
+        .expect("cancel")
+        .into_inner()
+        .run
+        .expect("run");
+    assert_eq!(
+        answered.state,
+        pb::RunState::Cancelled as i32,
+        "{answered:?}"
+    );
+    assert!(answered.error_code.is_empty());
+    mesh.stop().await.expect("stop");
+}
