@@ -142,17 +142,25 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     }
     {
         let (s, c, sd) = (store.clone(), credential.clone(), shutdown.clone());
+        let desktop_executor = upstreams.runner_gateway_addr.clone();
         tasks.spawn(async move {
             (
                 "run-coordinator",
-                automesh_run_coordinator::serve(
-                    s,
-                    automesh_run_coordinator::driver::Settings::default(),
-                    automesh_run_coordinator::driver::Executors::default(),
-                    c,
-                    coordinator_l,
-                    sd,
-                )
+                async {
+                    // Desktop runs go to the runner gateway (the desktop
+                    // executor); the cloud executor arrives with the cloud path.
+                    let executors =
+                        automesh_run_coordinator::executors(Some(&desktop_executor), None, &c)?;
+                    automesh_run_coordinator::serve(
+                        s,
+                        automesh_run_coordinator::driver::Settings::default(),
+                        executors,
+                        c,
+                        coordinator_l,
+                        sd,
+                    )
+                    .await
+                }
                 .await,
             )
         });
