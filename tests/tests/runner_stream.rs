@@ -208,3 +208,56 @@ async fn the_token_service_beside_the_stream_requires_the_internal_credential() 
     assert_eq!(refused.code(), Code::Unauthenticated);
     mesh.stop().await.expect("stop");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnecting_runner_holding_unknown_runs_is_told_to_cancel_them_all() {
+    let mesh = mesh().await;
+    let minted = mint(&mesh).await;
+    let mut client = DesktopRunnerServiceClient::new(
+        automesh_rpc::client::channel(&mesh.runner_gateway).expect("channel"),
+    );
+    let (tx, rx) = mpsc::channel(16);
+    // More held runs than the gateway buffers per stream.
+    let held: Vec<rpb::HeldRun> = (0..50)
+        .map(|i| rpb::HeldRun {
+            run_id: format!("run-{i}"),
+            finished: false,
+        })
+        .collect();
+    tx.send(rpb::ConnectRequest {
+        message: Some(rpb::connect_request::Message::Hello(rpb::Hello {
+            runner_version: "test".into(),
+            held_runs: held,
+        })),
+    })
+    .await
+    .expect("hello");
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {}", minted.token).parse().expect("ascii"),
+    );
+    let mut stream = tokio::time::timeout(Duration::from_secs(10), client.connect(request))
+        .await
+        .expect("answered in time")
+        .expect("connected")
+        .into_inner();
+    let mut cancels = 0;
+    let mut welcomed = false;
+    while cancels < 50 {
+        tx.send(heartbeat()).await.expect("heartbeat");
+        let m = tokio::time::timeout(Duration::from_secs(10), stream.message())
+            .await
+            .expect("bounded")
+            .expect("ok")
+            .expect("message");
+        match m.message {
+            Some(rpb::connect_response::Message::Welcome(_)) => welcomed = true,
+            Some(rpb::connect_response::Message::CancelAssignment(_)) => cancels += 1,
+            _ => {}
+        }
+    }
+    assert!(welcomed);
+    drop(tx);
+    mesh.stop().await.expect("stop");
+}

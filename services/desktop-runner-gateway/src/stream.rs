@@ -193,33 +193,16 @@ impl DesktopRunnerService for RunnerStreams {
         tx.send(Ok(welcome))
             .await
             .map_err(|_| Status::cancelled("the runner went away"))?;
-        // Reconcile what the runner holds with what this replica assigned:
-        // runs it still should run are offered again (it deduplicates by
-        // run id); runs it holds that are unknown here are cancelled.
-        let held: Vec<String> = hello.held_runs.iter().map(|h| h.run_id.clone()).collect();
-        for spec in self.dispatch.unfinished_of(&runner.id) {
-            if !held.contains(&spec.run_id) {
-                let _ = tx.send(Ok(crate::executor::assignment(&spec))).await;
-            }
-        }
-        for run_id in held.iter().filter(|id| !self.dispatch.knows(id)) {
-            let cancel = rpb::ConnectResponse {
-                message: Some(rpb::connect_response::Message::CancelAssignment(
-                    rpb::CancelAssignment {
-                        run_id: run_id.clone(),
-                        reason: "the gateway does not know this run".into(),
-                    },
-                )),
-            };
-            let _ = tx.send(Ok(cancel)).await;
-        }
-
         let sessions = self.sessions.clone();
         let dispatch = self.dispatch.clone();
         let settings = self.settings.clone();
         let shutdown = self.shutdown.clone();
         let runner_id = runner.id.clone();
+        let held: Vec<String> = hello.held_runs.iter().map(|h| h.run_id.clone()).collect();
         tokio::spawn(async move {
+            // After the response is returned, so the runner is reading: the
+            // outbound channel is bounded and must never fill unread.
+            reconcile(&dispatch, &runner_id, &held, &tx, settings.dead_after).await;
             let ended = follow(
                 &mut inbound,
                 &tx,
@@ -245,6 +228,47 @@ impl DesktopRunnerService for RunnerStreams {
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
+    }
+}
+
+/// Reconciles what a (re)connecting runner holds with what this replica
+/// assigned it: runs it should still run are offered again (it deduplicates
+/// by run id); runs it holds that are unknown here are cancelled. Each send
+/// is bounded.
+async fn reconcile(
+    dispatch: &Dispatch,
+    runner_id: &str,
+    held: &[String],
+    tx: &ToRunner,
+    bound: Duration,
+) {
+    let mut outbound: Vec<rpb::ConnectResponse> = dispatch
+        .unfinished_of(runner_id)
+        .iter()
+        .filter(|spec| !held.contains(&spec.run_id))
+        .map(crate::executor::assignment)
+        .collect();
+    outbound.extend(held.iter().filter(|id| !dispatch.knows(id)).map(|run_id| {
+        rpb::ConnectResponse {
+            message: Some(rpb::connect_response::Message::CancelAssignment(
+                rpb::CancelAssignment {
+                    run_id: run_id.clone(),
+                    reason: "the gateway does not know this run".into(),
+                },
+            )),
+        }
+    }));
+    for message in outbound {
+        if tokio::time::timeout(bound, tx.send(Ok(message)))
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                runner_id,
+                "the runner is not reading; reconciliation stopped"
+            );
+            return;
+        }
     }
 }
 
