@@ -3,6 +3,7 @@
 //! - `automesh dev` starts every service in one process on SQLite;
 //! - `automesh gateway|scheduler|run-coordinator|cloud-worker-lifecycle|desktop-runner-gateway`
 //!   runs one service, for separate deployment;
+//! - `automesh runner` is the reference desktop runner;
 //! - `automesh ctl` drives the public API for people;
 //! - `automesh admin` does operator tasks on internal services.
 
@@ -41,6 +42,8 @@ enum Command {
     CloudWorkerLifecycle(automesh_cloud_worker_lifecycle::Command),
     /// Run the desktop-runner-gateway service.
     DesktopRunnerGateway(automesh_desktop_runner_gateway::Command),
+    /// Run the reference desktop runner: execute the owner's desktop runs here.
+    Runner(automesh_runner::cli::Args),
     /// Drive the public API: automations, runs, events, tokens.
     Ctl(ctl::CtlArgs),
     /// Operator tasks on the internal services.
@@ -74,6 +77,7 @@ async fn execute(command: Command) -> anyhow::Result<()> {
         Command::RunCoordinator(c) => c.execute().await,
         Command::CloudWorkerLifecycle(c) => c.execute().await,
         Command::DesktopRunnerGateway(c) => c.execute().await,
+        Command::Runner(args) => args.execute().await,
         Command::Ctl(args) => ctl::run(args).await,
         Command::Admin(args) => admin::run(args).await,
     }

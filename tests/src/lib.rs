@@ -42,6 +42,9 @@ pub struct MeshOptions {
     /// Desktop runs go to the desktop-runner-gateway (the real desktop
     /// executor) instead of `executor`.
     pub desktop_via_runner_gateway: bool,
+    /// Replicas of the desktop-runner-gateway, each with its own connection
+    /// pool. Coordinators call the last one; `runner_gateway` is the first.
+    pub runner_gateways: usize,
 }
 
 impl Default for MeshOptions {
@@ -56,6 +59,7 @@ impl Default for MeshOptions {
             coordinators: 1,
             runner_streams: Default::default(),
             desktop_via_runner_gateway: false,
+            runner_gateways: 1,
         }
     }
 }
@@ -68,6 +72,10 @@ pub struct Mesh {
     pub coordinator: String,
     pub lifecycle: String,
     pub runner_gateway: String,
+    /// Every desktop-runner-gateway replica, in order.
+    pub runner_gateways: Vec<String>,
+    /// Stops one replica (as its process being terminated would).
+    pub runner_gateway_stops: Vec<CancellationToken>,
     pub credential: InternalCredential,
     pub options: MeshOptions,
     /// One handle per coordinator replica; aborting one kills it without
@@ -114,7 +122,15 @@ impl Mesh {
         let (sl, scheduler) = listener().await?;
         let (cl, coordinator) = listener().await?;
         let (ll, lifecycle) = listener().await?;
-        let (rl, runner_gateway) = listener().await?;
+        let mut runner_listeners = vec![];
+        let mut runner_gateways = vec![];
+        for _ in 0..options.runner_gateways.max(1) {
+            let (l, addr) = listener().await?;
+            runner_listeners.push(l);
+            runner_gateways.push(addr);
+        }
+        let runner_gateway = runner_gateways[0].clone();
+        let coordinated_gateway = runner_gateways[runner_gateways.len() - 1].clone();
         let store = db.store.clone();
         let mut first = Some(sl);
         for _ in 0..options.schedulers.max(1) {
@@ -147,7 +163,7 @@ impl Mesh {
                 &credential,
                 l,
                 &shutdown,
-                &runner_gateway,
+                &coordinated_gateway,
             )?);
         }
         tasks.spawn(automesh_cloud_worker_lifecycle::serve(
@@ -157,18 +173,30 @@ impl Mesh {
             ll,
             shutdown.clone(),
         ));
-        tasks.spawn(automesh_desktop_runner_gateway::serve_with(
-            store.clone(),
-            options.runner_streams.clone(),
-            credential.clone(),
-            rl,
-            shutdown.clone(),
-        ));
+        let mut runner_gateway_stops = vec![];
+        for (i, l) in runner_listeners.into_iter().enumerate() {
+            // The first replica shares the mesh's pool; the others have
+            // their own, as separate processes would.
+            let replica_store = if i == 0 {
+                store.clone()
+            } else {
+                Store::connect_lazy(&db.url, automesh_store::StoreOptions::default())?
+            };
+            let stop = shutdown.child_token();
+            runner_gateway_stops.push(stop.clone());
+            tasks.spawn(automesh_desktop_runner_gateway::serve_with(
+                replica_store,
+                options.runner_streams.clone(),
+                credential.clone(),
+                l,
+                stop,
+            ));
+        }
         let upstreams = automesh_gateway::UpstreamAddrs {
             scheduler_addr: scheduler.clone(),
             coordinator_addr: coordinator.clone(),
             lifecycle_addr: lifecycle.clone(),
-            runner_gateway_addr: runner_gateway.clone(),
+            runner_gateway_addr: coordinated_gateway.clone(),
         };
         let gw = automesh_gateway::Gateway::new(
             automesh_gateway::Authenticator::hs256(JWT_SECRET)?,
@@ -183,6 +211,8 @@ impl Mesh {
             coordinator,
             lifecycle,
             runner_gateway,
+            runner_gateways,
+            runner_gateway_stops,
             credential,
             options,
             coordinators,
@@ -207,7 +237,7 @@ impl Mesh {
             &self.credential,
             l,
             &self.shutdown,
-            &self.runner_gateway,
+            &self.runner_gateways[self.runner_gateways.len() - 1],
         )?;
         self.coordinators.push(handle);
         Ok(())

@@ -91,6 +91,14 @@ pub enum EngineEvent {
         step: u32,
         usage: Usage,
     },
+    /// The agent asked for a permission, and what the headless policy
+    /// answered (`once`, `reject`; empty while pending).
+    Permission {
+        permission_id: String,
+        permission: String,
+        patterns: Vec<String>,
+        reply: String,
+    },
     Checkpoint(Checkpoint),
 }
 

@@ -11,6 +11,7 @@
 //! guarded updates, row locks — never from in-memory state.
 
 pub mod automations;
+pub mod desktop;
 mod error;
 pub mod events;
 pub mod leases;
@@ -31,7 +32,7 @@ use sqlx::any::{AnyPoolOptions, install_default_drivers};
 use sqlx::{Any, AnyPool, Executor, Transaction};
 
 pub use error::{Result, StoreError};
-pub use signal::RunWatcher;
+pub use signal::{RunWatcher, Topic, Watcher};
 
 /// Which database a store talks to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

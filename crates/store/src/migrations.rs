@@ -21,6 +21,12 @@ const MIGRATIONS: &[(i64, &str, &str, &str)] = &[
         include_str!("../../../migrations/postgres/0002_run_lifecycle.sql"),
         include_str!("../../../migrations/sqlite/0002_run_lifecycle.sql"),
     ),
+    (
+        3,
+        "desktop dispatch",
+        include_str!("../../../migrations/postgres/0003_desktop_dispatch.sql"),
+        include_str!("../../../migrations/sqlite/0003_desktop_dispatch.sql"),
+    ),
 ];
 
 pub(crate) fn migrator(backend: Backend) -> Migrator {

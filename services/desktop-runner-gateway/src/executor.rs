@@ -1,13 +1,17 @@
 //! The desktop executor: the coordinator's `ExecutorService` for desktop
-//! runs, served by the gateway replica that holds the owner's runner stream.
+//! runs, served by every gateway replica alike.
 //!
-//! `StartRun` hands the run to a connected runner of its owner as an
-//! `Assignment` (at least once; runners deduplicate by run id) — or answers
-//! UNAVAILABLE when none is connected, and the coordinator keeps trying until
-//! the deadline (`runner_offline`). The runner's acceptance, events, result
-//! and idle reports come back on its stream and are served to `ObserveRun`.
+//! Nothing here lives only in one replica's memory. `StartRun` offers the
+//! run in PostgreSQL/SQLite (idempotent by run id) and signals the other
+//! replicas (LISTEN/NOTIFY); the replica holding a stream of the owner's
+//! runner claims the assignment for that runner with a guarded update — so
+//! exactly one replica sends it — and writes back what the runner reports.
+//! `ObserveRun`, `CancelRun` and `GetRunStatus` read and write the same rows
+//! on whichever replica the coordinator calls. With no runner connected the
+//! offer simply waits; the coordinator ends it `runner_offline` at the
+//! deadline.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -16,119 +20,157 @@ use automesh_proto::executor::v1 as epb;
 use automesh_proto::executor::v1::executor_service_server::ExecutorService;
 use automesh_proto::runner::v1 as rpb;
 use automesh_proto::v1 as pb;
+use automesh_rpc::status;
+use automesh_store::desktop::{DesktopAssignment, DesktopPhase};
+use automesh_store::{Store, Topic};
+use chrono::Utc;
+use prost::Message as _;
 use tokio::sync::Notify;
 use tokio_stream::Stream;
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::stream::Sessions;
 
 /// Bound on handing one message to a runner's stream.
-const SEND_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const SEND_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often a replica looks for work even without a signal.
+const POLL: Duration = Duration::from_secs(1);
+/// Assignments (and cancellations) one delivery pass handles.
+const PASS_LIMIT: u32 = 256;
+/// Events one `ObserveRun` read takes.
+const EVENTS_PAGE: u32 = 256;
 
-/// What this replica knows of one desktop run.
-#[derive(Debug, Clone)]
-struct Track {
-    spec: epb::RunSpec,
-    runner_id: String,
-    phase: epb::ExecutionPhase,
-    idle: bool,
-    outcome: Option<epb::Outcome>,
-    events: Vec<pb::RunEvent>,
-    event_ids: HashSet<String>,
-}
-
-impl Track {
-    fn status(&self) -> epb::ExecutionStatus {
-        epb::ExecutionStatus {
-            phase: self.phase as i32,
-            idle: self.idle,
-            outcome: self.outcome.clone(),
-        }
-    }
-}
-
-fn unknown() -> epb::ExecutionStatus {
-    epb::ExecutionStatus {
-        phase: epb::ExecutionPhase::Unknown as i32,
-        idle: true,
-        outcome: None,
-    }
-}
-
-/// The desktop runs this replica dispatched, and what their runners said.
+/// This replica's side of desktop dispatch: wake-ups, and which
+/// cancellations it already forwarded on which stream.
 #[derive(Debug, Default)]
 pub struct Dispatch {
-    runs: Mutex<HashMap<String, Track>>,
     changed: Notify,
+    cancels_sent: Mutex<HashSet<(u64, String)>>,
 }
 
 impl Dispatch {
-    fn update(&self, run_id: &str, runner_id: &str, f: impl FnOnce(&mut Track)) {
-        if let Ok(mut runs) = self.runs.lock()
-            && let Some(t) = runs.get_mut(run_id)
-            && t.runner_id == runner_id
-        {
-            f(t);
-        }
+    /// Wakes this replica's delivery pass and observers.
+    pub fn poke(&self) {
         self.changed.notify_waiters();
     }
 
-    /// A message a runner sent about one of its runs.
-    pub fn on_runner_message(&self, runner_id: &str, message: &rpb::connect_request::Message) {
-        use rpb::connect_request::Message;
-        match message {
-            Message::AssignmentAccepted(a) => self.update(&a.run_id, runner_id, |t| {
-                if t.phase == epb::ExecutionPhase::Admitted {
-                    t.phase = epb::ExecutionPhase::Running;
-                }
-            }),
-            Message::RunEvents(batch) => self.update(&batch.run_id, runner_id, |t| {
-                for e in &batch.events {
-                    if e.event_id.is_empty() || !t.event_ids.insert(e.event_id.clone()) {
-                        continue;
-                    }
-                    let mut e = e.clone();
-                    e.sequence = t.events.len() as i64 + 1;
-                    e.run_id = t.spec.run_id.clone();
-                    t.events.push(e);
-                }
-            }),
-            Message::RunFinished(f) => self.update(&f.run_id, runner_id, |t| {
-                t.phase = epb::ExecutionPhase::Finished;
-                t.idle = true;
-                t.outcome = Some(epb::Outcome {
-                    state: f.outcome,
-                    error_code: f.error_code.clone(),
-                    error_message: f.error_message.clone(),
-                    engine: f.engine.clone(),
-                    usage: f.usage,
-                    ..Default::default()
-                });
-            }),
-            Message::IdleObserved(i) => self.update(&i.run_id, runner_id, |t| t.idle = true),
-            Message::Hello(_) | Message::Heartbeat(_) => {}
+    fn cancel_sent(&self, session: u64, run_id: &str) -> bool {
+        self.cancels_sent
+            .lock()
+            .is_ok_and(|mut s| !s.insert((session, run_id.to_owned())))
+    }
+
+    /// Forgets what was sent on a stream that ended.
+    pub fn forget_session(&self, session: u64) {
+        if let Ok(mut s) = self.cancels_sent.lock() {
+            s.retain(|(id, _)| *id != session);
         }
     }
 
-    /// Runs this replica dispatched to `runner_id` that have not finished.
-    pub fn unfinished_of(&self, runner_id: &str) -> Vec<epb::RunSpec> {
-        self.runs.lock().map_or_else(
-            |_| vec![],
-            |runs| {
-                runs.values()
-                    .filter(|t| {
-                        t.runner_id == runner_id && t.phase != epb::ExecutionPhase::Finished
-                    })
-                    .map(|t| t.spec.clone())
-                    .collect()
-            },
-        )
+    /// Relays desktop signals (local and, on PostgreSQL, from other
+    /// processes) to this replica's waiters, until shutdown.
+    pub async fn relay(self: Arc<Self>, store: Store, shutdown: CancellationToken) {
+        let mut watcher = store.watch(Topic::Desktop).await;
+        loop {
+            tokio::select! {
+                () = watcher.wait(POLL) => self.poke(),
+                () = shutdown.cancelled() => return,
+            }
+        }
     }
 
-    /// Whether this replica knows the run.
-    pub fn knows(&self, run_id: &str) -> bool {
-        self.runs.lock().is_ok_and(|r| r.contains_key(run_id))
+    /// Delivers offered assignments to this replica's runners and forwards
+    /// cancellations, on every signal and at least every second.
+    pub async fn deliver(
+        self: Arc<Self>,
+        store: Store,
+        sessions: Arc<Sessions>,
+        shutdown: CancellationToken,
+    ) {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if !sessions.is_empty()
+                && let Err(error) = self.pass(&store, &sessions).await
+            {
+                tracing::warn!(%error, "desktop delivery pass failed; retrying");
+            }
+            tokio::select! {
+                () = changed => {}
+                () = tokio::time::sleep(POLL) => {}
+                () = shutdown.cancelled() => return,
+            }
+        }
     }
+
+    async fn pass(
+        &self,
+        store: &Store,
+        sessions: &Sessions,
+    ) -> Result<(), automesh_store::StoreError> {
+        for a in store.unclaimed_desktop_runs(PASS_LIMIT).await? {
+            let Some(session) = sessions.of_owner(&a.org_id, &a.owner_id) else {
+                continue;
+            };
+            offer(store, &session.runner_id, &session.tx, &a).await?;
+        }
+        for a in store.cancelling_desktop_runs(PASS_LIMIT).await? {
+            let Some(runner_id) = a.runner_id.as_deref() else {
+                continue;
+            };
+            let Some(session) = sessions.get(runner_id) else {
+                continue;
+            };
+            if self.cancel_sent(session.id, &a.run_id) {
+                continue;
+            }
+            let reason = a.cancel_reason.clone().unwrap_or_default();
+            if send(&session.tx, cancel_message(&a.run_id, &reason)).await {
+                tracing::info!(run_id = %a.run_id, runner_id, "cancellation forwarded to the runner");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Claims `a` for `runner_id` and sends it; gives the claim back when the
+/// stream does not take it, so the next pass (or another runner) can.
+pub(crate) async fn offer(
+    store: &Store,
+    runner_id: &str,
+    tx: &crate::stream::ToRunner,
+    a: &DesktopAssignment,
+) -> Result<bool, automesh_store::StoreError> {
+    if !store
+        .claim_desktop_run(&a.run_id, runner_id, Utc::now())
+        .await?
+    {
+        return Ok(false);
+    }
+    let Ok(spec) = epb::RunSpec::decode(a.spec.as_slice()) else {
+        tracing::error!(run_id = %a.run_id, "undecodable desktop run spec");
+        return Ok(false);
+    };
+    if send(tx, assignment(&spec)).await {
+        tracing::info!(run_id = %a.run_id, runner_id, "run assigned to a runner");
+        Ok(true)
+    } else {
+        tracing::warn!(run_id = %a.run_id, runner_id, "the runner's stream did not take the assignment");
+        store
+            .release_unaccepted_desktop_runs(runner_id, Utc::now())
+            .await?;
+        Ok(false)
+    }
+}
+
+/// Sends one message to a runner, bounded.
+pub(crate) async fn send(tx: &crate::stream::ToRunner, message: rpb::ConnectResponse) -> bool {
+    matches!(
+        tokio::time::timeout(SEND_TIMEOUT, tx.send(Ok(message))).await,
+        Ok(Ok(()))
+    )
 }
 
 /// The assignment message for a run.
@@ -147,25 +189,60 @@ pub fn assignment(spec: &epb::RunSpec) -> rpb::ConnectResponse {
     }
 }
 
+/// The cancellation message for a run.
+pub fn cancel_message(run_id: &str, reason: &str) -> rpb::ConnectResponse {
+    rpb::ConnectResponse {
+        message: Some(rpb::connect_response::Message::CancelAssignment(
+            rpb::CancelAssignment {
+                run_id: run_id.to_owned(),
+                reason: reason.to_owned(),
+            },
+        )),
+    }
+}
+
+fn status_of(a: Option<&DesktopAssignment>) -> epb::ExecutionStatus {
+    let Some(a) = a else {
+        return epb::ExecutionStatus {
+            phase: epb::ExecutionPhase::Unknown as i32,
+            idle: true,
+            outcome: None,
+        };
+    };
+    let phase = match a.phase {
+        DesktopPhase::Admitted => epb::ExecutionPhase::Admitted,
+        DesktopPhase::Running => epb::ExecutionPhase::Running,
+        DesktopPhase::Finished => epb::ExecutionPhase::Finished,
+    };
+    epb::ExecutionStatus {
+        phase: phase as i32,
+        idle: a.idle,
+        outcome: a
+            .outcome
+            .as_deref()
+            .and_then(|b| epb::Outcome::decode(b).ok()),
+    }
+}
+
 /// The `ExecutorService` of desktop runs.
 #[derive(Debug, Clone)]
 pub struct DesktopExecutor {
-    sessions: Arc<Sessions>,
+    store: Store,
     dispatch: Arc<Dispatch>,
 }
 
 impl DesktopExecutor {
-    pub fn new(sessions: Arc<Sessions>, dispatch: Arc<Dispatch>) -> Self {
-        Self { sessions, dispatch }
+    pub fn new(store: Store, dispatch: Arc<Dispatch>) -> Self {
+        Self { store, dispatch }
     }
 
-    fn status(&self, run_id: &str) -> epb::ExecutionStatus {
-        self.dispatch
-            .runs
-            .lock()
-            .ok()
-            .and_then(|r| r.get(run_id).map(Track::status))
-            .unwrap_or_else(unknown)
+    async fn status(&self, run_id: &str) -> Result<epb::ExecutionStatus, Status> {
+        let a = self
+            .store
+            .desktop_run(run_id)
+            .await
+            .map_err(|e| status::unavailable("desktop dispatch", &e))?;
+        Ok(status_of(a.as_ref()))
     }
 }
 
@@ -186,48 +263,29 @@ impl ExecutorService for DesktopExecutor {
                 "run_id and message_id are required",
             ));
         }
-        if self.dispatch.knows(&spec.run_id) {
-            return Ok(Response::new(epb::StartRunResponse {
-                submitted: false,
-                status: Some(self.status(&spec.run_id)),
-            }));
+        if spec.organization_id.is_empty() || spec.owner_id.is_empty() {
+            return Err(Status::invalid_argument(
+                "organization_id and owner_id are required",
+            ));
         }
-        let (runner_id, tx) = self
-            .sessions
-            .of_owner(&spec.organization_id, &spec.owner_id)
-            .ok_or_else(|| {
-                Status::unavailable("runner_offline: no runner of the owner is connected")
-            })?;
-        let track = Track {
-            spec: spec.clone(),
-            runner_id: runner_id.clone(),
-            phase: epb::ExecutionPhase::Admitted,
-            idle: false,
-            outcome: None,
-            events: vec![],
-            event_ids: HashSet::new(),
-        };
-        let status = track.status();
-        if let Ok(mut runs) = self.dispatch.runs.lock() {
-            runs.insert(spec.run_id.clone(), track);
+        let offered = self
+            .store
+            .offer_desktop_run(
+                &spec.run_id,
+                &spec.organization_id,
+                &spec.owner_id,
+                &spec.encode_to_vec(),
+                Utc::now(),
+            )
+            .await
+            .map_err(|e| status::unavailable("desktop dispatch", &e))?;
+        if offered {
+            tracing::info!(run_id = %spec.run_id, "desktop run offered to the owner's runners");
         }
-        match tokio::time::timeout(SEND_TIMEOUT, tx.send(Ok(assignment(&spec)))).await {
-            Ok(Ok(())) => {
-                tracing::info!(run_id = %spec.run_id, runner_id = %runner_id, "run assigned to a runner");
-                Ok(Response::new(epb::StartRunResponse {
-                    submitted: true,
-                    status: Some(status),
-                }))
-            }
-            _ => {
-                if let Ok(mut runs) = self.dispatch.runs.lock() {
-                    runs.remove(&spec.run_id);
-                }
-                Err(Status::unavailable(
-                    "runner_offline: the runner's stream did not take the assignment",
-                ))
-            }
-        }
+        Ok(Response::new(epb::StartRunResponse {
+            submitted: offered,
+            status: Some(self.status(&spec.run_id).await?),
+        }))
     }
 
     type ObserveRunStream = ObserveStream;
@@ -237,9 +295,16 @@ impl ExecutorService for DesktopExecutor {
         request: Request<epb::ObserveRunRequest>,
     ) -> Result<Response<Self::ObserveRunStream>, Status> {
         let req = request.into_inner();
-        if !self.dispatch.knows(&req.run_id) {
-            return Err(Status::not_found("this replica does not know the run"));
+        if self
+            .store
+            .desktop_run(&req.run_id)
+            .await
+            .map_err(|e| status::unavailable("desktop dispatch", &e))?
+            .is_none()
+        {
+            return Err(Status::not_found("no desktop assignment for this run"));
         }
+        let store = self.store.clone();
         let dispatch = self.dispatch.clone();
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         tokio::spawn(async move {
@@ -249,23 +314,35 @@ impl ExecutorService for DesktopExecutor {
                 let changed = dispatch.changed.notified();
                 tokio::pin!(changed);
                 changed.as_mut().enable();
-                let snapshot = dispatch.runs.lock().ok().and_then(|r| {
-                    r.get(&req.run_id).map(|t| {
-                        let events: Vec<pb::RunEvent> = t
-                            .events
-                            .iter()
-                            .filter(|e| e.sequence > after)
-                            .cloned()
-                            .collect();
-                        (events, t.status())
-                    })
-                });
-                let Some((events, status)) = snapshot else {
-                    return;
+                // Status first, events after: a finished status read before
+                // its events would end the stream too early.
+                let read = async {
+                    let a = store.desktop_run(&req.run_id).await?;
+                    let events = store
+                        .desktop_events_after(&req.run_id, after, EVENTS_PAGE)
+                        .await?;
+                    Ok::<_, automesh_store::StoreError>((a, events))
                 };
+                let (a, events) = match read.await {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let _ = tx
+                            .send(Err(status::unavailable("desktop dispatch", &e)))
+                            .await;
+                        return;
+                    }
+                };
+                let Some(a) = a else { return };
+                let more = events.len() as u32 == EVENTS_PAGE;
                 for e in events {
                     after = e.sequence;
-                    let update = epb::observe_run_response::Update::Event(e);
+                    let Ok(mut event) = pb::RunEvent::decode(e.body.as_slice()) else {
+                        tracing::error!(run_id = %req.run_id, seq = e.sequence, "undecodable desktop event");
+                        continue;
+                    };
+                    event.sequence = e.sequence;
+                    event.run_id = req.run_id.clone();
+                    let update = epb::observe_run_response::Update::Event(event);
                     if tx
                         .send(Ok(epb::ObserveRunResponse {
                             update: Some(update),
@@ -276,6 +353,10 @@ impl ExecutorService for DesktopExecutor {
                         return;
                     }
                 }
+                if more {
+                    continue;
+                }
+                let status = status_of(Some(&a));
                 if last.as_ref() != Some(&status) {
                     last = Some(status.clone());
                     let finished = status.phase == epb::ExecutionPhase::Finished as i32;
@@ -291,11 +372,11 @@ impl ExecutorService for DesktopExecutor {
                         return;
                     }
                 }
-                // Woken by the runner's next message, and never idle longer
-                // than a second (the coordinator's bounds do the rest).
+                // Woken by any desktop change, never idle longer than the
+                // poll interval (the coordinator's bounds do the rest).
                 tokio::select! {
                     () = changed => {}
-                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    () = tokio::time::sleep(POLL) => {}
                     () = tx.closed() => return,
                 }
             }
@@ -310,32 +391,18 @@ impl ExecutorService for DesktopExecutor {
         request: Request<epb::CancelRunRequest>,
     ) -> Result<Response<epb::CancelRunResponse>, Status> {
         let req = request.into_inner();
-        let runner = self
-            .dispatch
-            .runs
-            .lock()
-            .ok()
-            .and_then(|r| r.get(&req.run_id).map(|t| t.runner_id.clone()));
-        if let Some(runner_id) = runner
-            && let Some(tx) = self.sessions.sender(&runner_id)
-        {
-            let cancel = rpb::ConnectResponse {
-                message: Some(rpb::connect_response::Message::CancelAssignment(
-                    rpb::CancelAssignment {
-                        run_id: req.run_id.clone(),
-                        reason: req.reason.clone(),
-                    },
-                )),
-            };
-            if tokio::time::timeout(SEND_TIMEOUT, tx.send(Ok(cancel)))
-                .await
-                .is_err()
-            {
-                tracing::warn!(run_id = %req.run_id, "the runner did not take the cancellation in time");
-            }
-        }
+        let reason = if req.reason.is_empty() {
+            "cancelled"
+        } else {
+            req.reason.as_str()
+        };
+        let a = self
+            .store
+            .cancel_desktop_run(&req.run_id, reason, Utc::now())
+            .await
+            .map_err(|e| status::unavailable("desktop dispatch", &e))?;
         Ok(Response::new(epb::CancelRunResponse {
-            status: Some(self.status(&req.run_id)),
+            status: Some(status_of(a.as_ref())),
         }))
     }
 
@@ -344,7 +411,7 @@ impl ExecutorService for DesktopExecutor {
         request: Request<epb::GetRunStatusRequest>,
     ) -> Result<Response<epb::GetRunStatusResponse>, Status> {
         Ok(Response::new(epb::GetRunStatusResponse {
-            status: Some(self.status(&request.into_inner().run_id)),
+            status: Some(self.status(&request.into_inner().run_id).await?),
         }))
     }
 }

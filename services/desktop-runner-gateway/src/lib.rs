@@ -166,8 +166,15 @@ pub async fn serve_with(
 ) -> anyhow::Result<()> {
     let mut server = GrpcServer::new(ServerSettings::default())?;
     let streams = stream::RunnerStreams::new(store.clone(), settings, shutdown.clone());
-    let desktop =
-        executor::DesktopExecutor::new(streams.sessions.clone(), streams.dispatch.clone());
+    let desktop = executor::DesktopExecutor::new(store.clone(), streams.dispatch.clone());
+    // Background tasks end with the server, whatever ends it.
+    let tasks = shutdown.child_token();
+    let relay = tokio::spawn(streams.dispatch.clone().relay(store.clone(), tasks.clone()));
+    let deliver = tokio::spawn(streams.dispatch.clone().deliver(
+        store.clone(),
+        streams.sessions.clone(),
+        tasks.clone(),
+    ));
     server.add_service(
         automesh_proto::runner::v1::desktop_runner_service_server::DesktopRunnerServiceServer::new(
             streams,
@@ -185,9 +192,12 @@ pub async fn serve_with(
         },
         RequireInternal(credential),
     ));
-    server
-        .serve(listener, shutdown, store.readiness_probe())
-        .await?;
+    let served = server
+        .serve(listener, shutdown.clone(), store.readiness_probe())
+        .await;
+    tasks.cancel();
+    let _ = tokio::join!(relay, deliver);
+    served?;
     Ok(())
 }
 

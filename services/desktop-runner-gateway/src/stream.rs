@@ -8,19 +8,23 @@
 
 use std::collections::HashMap;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use automesh_proto::executor::v1 as epb;
 use automesh_proto::runner::v1 as rpb;
 use automesh_proto::runner::v1::desktop_runner_service_server::DesktopRunnerService;
 use automesh_rpc::status;
 use automesh_store::Store;
+use chrono::Utc;
+use prost::Message as _;
 use tokio::sync::mpsc;
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::executor::Dispatch;
+use crate::executor::{Dispatch, cancel_message, offer, send};
 use crate::hash_token;
 
 /// Messages queued towards one runner before the sender waits.
@@ -53,6 +57,9 @@ pub type ToRunner = mpsc::Sender<Result<rpb::ConnectResponse, Status>>;
 /// One connected runner.
 #[derive(Debug, Clone)]
 pub struct Session {
+    /// Unique per stream within this replica.
+    pub id: u64,
+    pub runner_id: String,
     pub org_id: String,
     pub owner_id: String,
     /// Ends the stream (a newer stream of the same runner replaces it).
@@ -62,34 +69,39 @@ pub struct Session {
 
 /// The runners connected to this replica.
 #[derive(Debug, Default)]
-pub struct Sessions(Mutex<HashMap<String, Session>>);
+pub struct Sessions {
+    by_runner: Mutex<HashMap<String, Session>>,
+    next_id: AtomicU64,
+}
 
 impl Sessions {
     /// Whether `runner_id` has a live stream here.
     pub fn is_connected(&self, runner_id: &str) -> bool {
-        self.0.lock().is_ok_and(|m| m.contains_key(runner_id))
+        self.by_runner
+            .lock()
+            .is_ok_and(|m| m.contains_key(runner_id))
     }
 
     /// How many streams this replica holds.
     pub fn len(&self) -> usize {
-        self.0.lock().map_or(0, |m| m.len())
+        self.by_runner.lock().map_or(0, |m| m.len())
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    /// A connected runner of the owner, with its stream.
-    pub fn of_owner(&self, org_id: &str, owner_id: &str) -> Option<(String, ToRunner)> {
-        let m = self.0.lock().ok()?;
-        m.iter()
-            .find(|(_, s)| s.org_id == org_id && s.owner_id == owner_id)
-            .map(|(id, s)| (id.clone(), s.tx.clone()))
+    /// A connected runner of the owner.
+    pub fn of_owner(&self, org_id: &str, owner_id: &str) -> Option<Session> {
+        let m = self.by_runner.lock().ok()?;
+        m.values()
+            .find(|s| s.org_id == org_id && s.owner_id == owner_id)
+            .cloned()
     }
 
     /// The stream of a connected runner.
-    pub fn sender(&self, runner_id: &str) -> Option<ToRunner> {
-        self.0.lock().ok()?.get(runner_id).map(|s| s.tx.clone())
+    pub fn get(&self, runner_id: &str) -> Option<Session> {
+        self.by_runner.lock().ok()?.get(runner_id).cloned()
     }
 }
 
@@ -170,13 +182,15 @@ impl DesktopRunnerService for RunnerStreams {
         let (tx, rx) = mpsc::channel(OUTBOUND);
         let closed = CancellationToken::new();
         let session = Session {
+            id: self.sessions.next_id.fetch_add(1, Ordering::Relaxed),
+            runner_id: runner.id.clone(),
             org_id: runner.org_id.clone(),
             owner_id: runner.owner_id.clone(),
             closed: closed.clone(),
             tx: tx.clone(),
         };
-        if let Ok(mut m) = self.sessions.0.lock()
-            && let Some(previous) = m.insert(runner.id.clone(), session)
+        if let Ok(mut m) = self.sessions.by_runner.lock()
+            && let Some(previous) = m.insert(runner.id.clone(), session.clone())
         {
             // A reconnecting runner replaces its old stream.
             previous.closed.cancel();
@@ -195,34 +209,42 @@ impl DesktopRunnerService for RunnerStreams {
             .map_err(|_| Status::cancelled("the runner went away"))?;
         let sessions = self.sessions.clone();
         let dispatch = self.dispatch.clone();
+        let store = self.store.clone();
         let settings = self.settings.clone();
         let shutdown = self.shutdown.clone();
-        let runner_id = runner.id.clone();
         let held: Vec<String> = hello.held_runs.iter().map(|h| h.run_id.clone()).collect();
         tokio::spawn(async move {
+            let runner_id = session.runner_id.clone();
             // After the response is returned, so the runner is reading: the
             // outbound channel is bounded and must never fill unread.
-            reconcile(&dispatch, &runner_id, &held, &tx, settings.dead_after).await;
-            let ended = follow(
-                &mut inbound,
-                &tx,
-                &settings,
-                &closed,
-                &shutdown,
-                &dispatch,
-                &runner_id,
-            )
-            .await;
+            if let Err(error) = reconcile(&store, &session, &held).await {
+                tracing::warn!(runner_id = %runner_id, %error, "reconciliation failed; the delivery pass will retry");
+            }
+            dispatch.poke();
+            let ended = follow(&mut inbound, &session, &settings, &shutdown, &store).await;
             if let Err(status) = ended {
                 tracing::warn!(runner_id = %runner_id, code = ?status.code(), reason = status.message(), "runner stream ended");
                 let _ = tokio::time::timeout(Duration::from_secs(1), tx.send(Err(status))).await;
             } else {
                 tracing::info!(runner_id = %runner_id, "runner disconnected");
             }
-            if let Ok(mut m) = sessions.0.lock()
-                && m.get(&runner_id).is_some_and(|s| s.closed == closed)
+            let current = if let Ok(mut m) = sessions.by_runner.lock()
+                && m.get(&runner_id).is_some_and(|s| s.id == session.id)
             {
                 m.remove(&runner_id);
+                true
+            } else {
+                false
+            };
+            dispatch.forget_session(session.id);
+            // What it was offered but never accepted may go to another
+            // runner of the owner (or back to this one when it returns).
+            if current
+                && let Err(error) = store
+                    .release_unaccepted_desktop_runs(&runner_id, Utc::now())
+                    .await
+            {
+                tracing::warn!(runner_id = %runner_id, %error, "cannot release unaccepted assignments");
             }
         });
         Ok(Response::new(Box::pin(
@@ -231,62 +253,119 @@ impl DesktopRunnerService for RunnerStreams {
     }
 }
 
-/// Reconciles what a (re)connecting runner holds with what this replica
-/// assigned it: runs it should still run are offered again (it deduplicates
-/// by run id); runs it holds that are unknown here are cancelled. Each send
-/// is bounded.
+/// Reconciles what a (re)connecting runner holds with the shared dispatch
+/// state: runs it should run and does not hold are offered again (it
+/// deduplicates by run id); cancelled runs it holds are cancelled again;
+/// cancelled runs it no longer holds are idle; runs it holds that are
+/// unknown, finished or another runner's are cancelled. Each send is
+/// bounded.
 async fn reconcile(
-    dispatch: &Dispatch,
-    runner_id: &str,
+    store: &Store,
+    session: &Session,
     held: &[String],
-    tx: &ToRunner,
-    bound: Duration,
-) {
-    let mut outbound: Vec<rpb::ConnectResponse> = dispatch
-        .unfinished_of(runner_id)
-        .iter()
-        .filter(|spec| !held.contains(&spec.run_id))
-        .map(crate::executor::assignment)
-        .collect();
-    outbound.extend(held.iter().filter(|id| !dispatch.knows(id)).map(|run_id| {
-        rpb::ConnectResponse {
-            message: Some(rpb::connect_response::Message::CancelAssignment(
-                rpb::CancelAssignment {
-                    run_id: run_id.clone(),
-                    reason: "the gateway does not know this run".into(),
-                },
-            )),
+) -> Result<(), automesh_store::StoreError> {
+    let runner_id = session.runner_id.as_str();
+    let mine = store
+        .desktop_runs_for_runner(&session.org_id, &session.owner_id, runner_id, 1024)
+        .await?;
+    for a in &mine {
+        let holds = held.contains(&a.run_id);
+        if a.cancel_requested {
+            if holds {
+                let reason = a.cancel_reason.clone().unwrap_or_default();
+                send(&session.tx, cancel_message(&a.run_id, &reason)).await;
+            } else if a.runner_id.as_deref() == Some(runner_id) {
+                store
+                    .desktop_run_idle(&a.run_id, runner_id, Utc::now())
+                    .await?;
+            }
+        } else if !holds && !offer(store, runner_id, &session.tx, a).await? {
+            return Ok(());
         }
-    }));
-    for message in outbound {
-        if tokio::time::timeout(bound, tx.send(Ok(message)))
-            .await
-            .is_err()
-        {
+    }
+    for run_id in held {
+        if mine.iter().any(|a| &a.run_id == run_id) {
+            continue;
+        }
+        let reason = match store.desktop_run(run_id).await? {
+            None => "the gateway does not know this run",
+            Some(a) if a.phase == automesh_store::desktop::DesktopPhase::Finished => {
+                "the run is finished"
+            }
+            Some(_) => "the run belongs to another runner",
+        };
+        if !send(&session.tx, cancel_message(run_id, reason)).await {
             tracing::warn!(
                 runner_id,
                 "the runner is not reading; reconciliation stopped"
             );
-            return;
+            return Ok(());
         }
     }
+    Ok(())
+}
+
+/// Records a runner's report about one of its runs. Only the runner a run is
+/// claimed for can change it (the store's updates are guarded by runner).
+async fn record(
+    store: &Store,
+    runner_id: &str,
+    message: rpb::connect_request::Message,
+) -> Result<(), automesh_store::StoreError> {
+    use rpb::connect_request::Message;
+    let now = Utc::now();
+    match message {
+        Message::AssignmentAccepted(a) => {
+            store
+                .desktop_run_accepted(&a.run_id, runner_id, now)
+                .await?;
+        }
+        Message::RunEvents(batch) => {
+            let events: Vec<(String, Vec<u8>)> = batch
+                .events
+                .iter()
+                .filter(|e| !e.event_id.is_empty())
+                .map(|e| (e.event_id.clone(), e.encode_to_vec()))
+                .collect();
+            store
+                .append_desktop_events(&batch.run_id, runner_id, &events, now)
+                .await?;
+        }
+        Message::RunFinished(f) => {
+            let outcome = epb::Outcome {
+                state: f.outcome,
+                error_code: f.error_code.clone(),
+                error_message: f.error_message.clone(),
+                engine: f.engine.clone(),
+                usage: f.usage,
+                ..Default::default()
+            };
+            store
+                .desktop_run_finished(&f.run_id, runner_id, &outcome.encode_to_vec(), now)
+                .await?;
+        }
+        Message::IdleObserved(i) => {
+            store.desktop_run_idle(&i.run_id, runner_id, now).await?;
+        }
+        Message::Hello(_) | Message::Heartbeat(_) => {}
+    }
+    Ok(())
 }
 
 /// Reads the runner's messages until it leaves, falls silent, or is replaced.
 async fn follow(
     inbound: &mut Streaming<rpb::ConnectRequest>,
-    tx: &mpsc::Sender<Result<rpb::ConnectResponse, Status>>,
+    session: &Session,
     settings: &StreamSettings,
-    closed: &CancellationToken,
     shutdown: &CancellationToken,
-    dispatch: &Dispatch,
-    runner_id: &str,
+    store: &Store,
 ) -> Result<(), Status> {
     use rpb::connect_request::Message;
+    let tx = &session.tx;
     loop {
         let next = tokio::select! {
             next = tokio::time::timeout(settings.dead_after, inbound.next()) => next,
-            () = closed.cancelled() => return Err(Status::aborted("replaced by a newer stream of this runner")),
+            () = session.closed.cancelled() => return Err(Status::aborted("replaced by a newer stream of this runner")),
             () = shutdown.cancelled() => return Err(Status::unavailable("gateway shutting down; reconnect")),
         };
         let message = match next {
@@ -326,7 +405,27 @@ async fn follow(
                     "Hello may be sent only once per stream",
                 ));
             }
-            Some(other) => dispatch.on_runner_message(runner_id, &other),
+            Some(other) => {
+                // Bounded like every wait; a report that cannot be recorded
+                // ends the stream, and the runner resends what it holds when
+                // it reconnects (event ids make that harmless).
+                match tokio::time::timeout(
+                    settings.dead_after,
+                    record(store, &session.runner_id, other),
+                )
+                .await
+                {
+                    Ok(Ok(())) => {}
+                    Ok(Err(error)) => {
+                        return Err(status::unavailable("recording the runner's report", &error));
+                    }
+                    Err(_) => {
+                        return Err(Status::unavailable(
+                            "recording the runner's report timed out; reconnect",
+                        ));
+                    }
+                }
+            }
             None => {}
         }
     }

@@ -431,6 +431,9 @@ async fn execute(
 
     let mut after = claimed.executor_seq;
     let mut cancel: Option<(CancelCause, tokio::time::Instant)> = None;
+    // Whether the executor ever ran it: a desktop run no runner accepted
+    // before its deadline is `runner_offline`, not a cancelled execution.
+    let mut ran = ran_on_executor(started.status.as_ref()) || run.started_at.is_some();
     let mut backoff = Duration::from_millis(100);
     loop {
         // Opening the stream is bounded; the stream itself is read inside
@@ -467,12 +470,13 @@ async fn execute(
                                     after = after.max(e.sequence);
                                 }
                                 Some(epb::observe_run_response::Update::Status(s)) => {
+                                    ran |= ran_on_executor(Some(&s));
                                     apply_status(ctx, run, Some(&s)).await?;
                                     if let Some(ending) = finished(Some(&s), cancel.map(|c| c.0)) {
                                         return Ok(ending);
                                     }
                                     if s.idle && let Some((cause, _)) = cancel {
-                                        return Ok(cancelled(cause, true));
+                                        return Ok(offline_unless(ran, run, cause, cancelled(cause, true)));
                                     }
                                 }
                                 None => {}
@@ -493,7 +497,7 @@ async fn execute(
                     // Last look before giving up on seeing it idle.
                     if let Some((cause, _)) = cancel {
                         let idle = status_of(ctx, &mut executor, run).await.is_some_and(|s| s.idle);
-                        return Ok(cancelled(cause, idle));
+                        return Ok(offline_unless(ran, run, cause, cancelled(cause, idle)));
                     }
                 }
                 () = lost.cancelled() => return Err(Stop::LeaseLost),
@@ -511,6 +515,28 @@ async fn execute(
             cancel = Some((CancelCause::Deadline, tokio::time::Instant::now()));
         }
     }
+}
+
+fn ran_on_executor(status: Option<&epb::ExecutionStatus>) -> bool {
+    status.is_some_and(|s| {
+        matches!(
+            epb::ExecutionPhase::try_from(s.phase),
+            Ok(epb::ExecutionPhase::Running | epb::ExecutionPhase::Finished)
+        )
+    })
+}
+
+/// A desktop run that reached its deadline without any runner accepting it
+/// ends `runner_offline` (SPEC §6); anything else keeps its ending.
+fn offline_unless(ran: bool, run: &Run, cause: CancelCause, ending: Ending) -> Ending {
+    if ran || run.placement != Placement::Desktop || !matches!(cause, CancelCause::Deadline) {
+        return ending;
+    }
+    Ending::new(
+        RunState::TimedOut,
+        Some(ErrorCode::RunnerOffline),
+        "no runner of the owner took the run before its deadline",
+    )
 }
 
 /// Without an executor for its placement a run can only wait: for a

@@ -1,0 +1,157 @@
+//! `automesh runner`: the reference desktop runner as a command.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use automesh_engine::adapter::{EngineAdapter, NativeEngine};
+use automesh_engine::connect::ConnectConfig;
+use automesh_engine::native::{NativeRun, Price};
+use automesh_engine::provider::ProviderConfig;
+use automesh_rpc::auth::Secret;
+use automesh_rpc::runtime::parse_duration;
+use tokio_util::sync::CancellationToken;
+
+use crate::{Runner, Settings};
+
+/// Which engine runs the assignments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum EngineKind {
+    /// The native engine: an OpenAI-compatible provider plus the two Connect
+    /// MCP tools.
+    Native,
+}
+
+/// Connects to the desktop-runner-gateway with a runner token and runs the
+/// owner's desktop runs on this machine.
+///
+/// Mint a token with `automesh ctl runner-token --name <name>`. Runs the runner
+/// accepted are recorded in --state-dir before they start, so a restart
+/// never runs one twice.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// The desktop-runner-gateway to connect to; several (comma-separated)
+    /// are tried in turn on each reconnection.
+    #[arg(
+        long,
+        env = "AUTOMESH_RUNNER_GATEWAY",
+        default_value = "http://127.0.0.1:50052",
+        value_delimiter = ','
+    )]
+    pub gateway: Vec<String>,
+    /// The runner token (`amr_…`); prefer the environment variable.
+    #[arg(long, env = "AUTOMESH_RUNNER_TOKEN", hide_env_values = true)]
+    pub token: Secret,
+    /// Where the record of accepted runs is kept.
+    #[arg(
+        long,
+        env = "AUTOMESH_RUNNER_STATE_DIR",
+        default_value = ".automesh/runner"
+    )]
+    pub state_dir: PathBuf,
+    /// The engine that executes runs.
+    #[arg(long, value_enum, default_value = "native")]
+    pub engine: EngineKind,
+    /// Silence from the gateway after which the stream is declared dead.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub dead_after: Duration,
+    /// The largest pause between reconnection attempts.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub reconnect_max: Duration,
+    /// Native engine: the OpenAI-compatible provider's base URL.
+    #[arg(
+        long,
+        env = "AUTOMESH_PROVIDER_URL",
+        default_value = "https://api.openai.com/v1"
+    )]
+    pub provider_url: String,
+    /// Native engine: the provider's API key (sent only as a header).
+    #[arg(
+        long,
+        env = "AUTOMESH_PROVIDER_API_KEY",
+        hide_env_values = true,
+        default_value = ""
+    )]
+    pub provider_key: Secret,
+    /// Native engine: use streaming completions.
+    #[arg(long)]
+    pub stream: bool,
+    /// Native engine: bound on one provider request.
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    pub request_timeout: Duration,
+    /// Native engine: the Connect (MCP) endpoint serving the owner's tools.
+    #[arg(long, env = "AUTOMESH_CONNECT_URL", default_value = "")]
+    pub connect_url: String,
+    /// Native engine: the Connect bearer token.
+    #[arg(
+        long,
+        env = "AUTOMESH_CONNECT_TOKEN",
+        hide_env_values = true,
+        default_value = ""
+    )]
+    pub connect_token: Secret,
+    /// Native engine: the agent loop's step limit.
+    #[arg(long, default_value_t = 32)]
+    pub max_steps: u32,
+}
+
+/// The native engine as the flags configure it.
+pub fn native_engine(args: &Args) -> NativeEngine {
+    NativeEngine {
+        template: NativeRun {
+            model: String::new(),
+            prompt: String::new(),
+            guidance: None,
+            provider: ProviderConfig {
+                kind: "openai-compatible".into(),
+                base_url: args.provider_url.clone(),
+                api_key: args.provider_key.expose().to_owned(),
+                request_timeout: args.request_timeout,
+                stream: args.stream,
+            },
+            connect: ConnectConfig {
+                url: args.connect_url.clone(),
+                token: args.connect_token.expose().to_owned(),
+                call_timeout: Duration::from_secs(30),
+            },
+            connect_token_expires_at: None,
+            // The gateway only assigns runs whose model the owner may use.
+            model_authorized: true,
+            max_steps: args.max_steps,
+            price: Price::default(),
+            deadline: tokio::time::Instant::now(),
+            resume_from: None,
+        },
+    }
+}
+
+impl Args {
+    pub async fn execute(self) -> anyhow::Result<()> {
+        let _telemetry = automesh_rpc::telemetry::init("automesh-runner")?;
+        let engine: Arc<dyn EngineAdapter> = match self.engine {
+            EngineKind::Native => Arc::new(native_engine(&self)),
+        };
+        let mut settings = Settings::new(
+            self.gateway.clone(),
+            self.token.clone(),
+            self.state_dir.clone(),
+        );
+        settings.dead_after = self.dead_after;
+        settings.reconnect_max = self.reconnect_max;
+        let runner = Runner::new(settings, engine)?;
+        eprintln!(
+            "automesh runner: connecting to {} (engine {}, record in {})",
+            self.gateway.join(", "),
+            runner.engine.engine_id(),
+            self.state_dir.display()
+        );
+        let shutdown = CancellationToken::new();
+        let signal = shutdown.clone();
+        tokio::spawn(async move {
+            let _ = tokio::signal::ctrl_c().await;
+            signal.cancel();
+        });
+        runner.run(shutdown).await;
+        Ok(())
+    }
+}

@@ -1,0 +1,636 @@
+//! The reference desktop runner (`automesh runner`, SPEC §6).
+//!
+//! It keeps one `Connect` stream to the desktop-runner-gateway, authenticated
+//! with its per-runner token, and:
+//! - says `Hello` with every run its local record still holds, then sends the
+//!   events and results of those runs again (event ids make that harmless);
+//! - heartbeats at the interval the gateway asks for, and treats a stream on
+//!   which the gateway says nothing (not even heartbeat acks) for
+//!   `dead_after` as dead, like the gateway does;
+//! - reconnects with jittered exponential backoff;
+//! - records each assignment as accepted, synced to disk, *before* it tells
+//!   the gateway or starts the engine: an assignment it already holds is
+//!   never run again — not after a redelivery, a reconnect, a restart or a
+//!   laptop waking from sleep. A run a previous process accepted but did not
+//!   finish ends `runner_interrupted` (its agent may have acted already);
+//! - runs each assignment through an [`EngineAdapter`] — the native engine
+//!   or OpenCode — with the assignment's deadline, and cancels it on
+//!   `CancelAssignment`, reporting `IdleObserved` once the engine stopped.
+
+pub mod cli;
+pub mod record;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use automesh_domain::ErrorCode;
+use automesh_engine::adapter::{EngineAdapter, EngineRequest};
+use automesh_engine::native::{Ending, EngineEvent, Outcome};
+use automesh_proto::runner::v1 as rpb;
+use automesh_proto::runner::v1::desktop_runner_service_client::DesktopRunnerServiceClient;
+use automesh_proto::v1 as pb;
+use automesh_rpc::auth::Secret;
+use rpb::connect_request::Message as Up;
+use rpb::connect_response::Message as Down;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::record::Record;
+
+/// Messages queued towards the gateway before senders wait.
+const OUTBOUND: usize = 256;
+/// Bound on queueing one message towards the gateway.
+const SEND_TIMEOUT: Duration = Duration::from_secs(5);
+/// Engine events buffered between the engine and the stream.
+const ENGINE_EVENTS: usize = 64;
+
+/// How a runner connects and where it keeps its record.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The desktop-runner-gateway replicas, such as `http://127.0.0.1:50052`;
+    /// each reconnection tries the next.
+    pub gateways: Vec<String>,
+    pub token: Secret,
+    /// Where the record of accepted runs lives.
+    pub state_dir: PathBuf,
+    /// First and largest pause between reconnection attempts (each pause
+    /// is jittered).
+    pub reconnect_min: Duration,
+    pub reconnect_max: Duration,
+    /// Bound on connecting and on the gateway's `Welcome`.
+    pub connect_timeout: Duration,
+    /// Silence from the gateway after which the stream is declared dead.
+    pub dead_after: Duration,
+}
+
+impl Settings {
+    pub fn new(gateways: Vec<String>, token: Secret, state_dir: PathBuf) -> Self {
+        Self {
+            gateways,
+            token,
+            state_dir,
+            reconnect_min: Duration::from_millis(200),
+            reconnect_max: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(10),
+            dead_after: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Counters a supervisor (or a test) can read.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Streams that got a `Welcome`.
+    pub connections: AtomicUsize,
+    /// Runs handed to the engine by this process.
+    pub executions: AtomicUsize,
+    /// Assignments received that were already held (not run again).
+    pub duplicates: AtomicUsize,
+}
+
+/// Why a stream ended.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamEnd {
+    #[error("cannot connect to the gateway: {0}")]
+    Connect(String),
+    #[error("the gateway refused the stream: {0}")]
+    Refused(tonic::Status),
+    #[error("the gateway sent nothing for {0:?}: the stream is declared dead")]
+    Silent(Duration),
+    #[error("the stream broke: {0}")]
+    Broken(tonic::Status),
+    #[error("the gateway closed the stream")]
+    Closed,
+}
+
+/// A desktop runner.
+pub struct Runner {
+    settings: Settings,
+    engine: Arc<dyn EngineAdapter>,
+    record: Arc<Record>,
+    active: Arc<Mutex<HashMap<String, CancellationToken>>>,
+    outbox: Arc<Mutex<Option<mpsc::Sender<rpb::ConnectRequest>>>>,
+    pub stats: Arc<Stats>,
+    /// The engines running; aborted when the runner is dropped (a killed
+    /// runner leaves nothing running behind).
+    engines: Mutex<Vec<tokio::task::AbortHandle>>,
+}
+
+impl Drop for Runner {
+    fn drop(&mut self) {
+        if let Ok(engines) = self.engines.lock() {
+            for e in engines.iter() {
+                e.abort();
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Runner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runner")
+            .field("gateways", &self.settings.gateways)
+            .field("engine", &self.engine.engine_id())
+            .finish()
+    }
+}
+
+fn up(m: Up) -> rpb::ConnectRequest {
+    rpb::ConnectRequest { message: Some(m) }
+}
+
+fn now_ts() -> prost_types::Timestamp {
+    let now = chrono::Utc::now();
+    prost_types::Timestamp {
+        seconds: now.timestamp(),
+        nanos: now.timestamp_subsec_nanos() as i32,
+    }
+}
+
+/// The wire event for an engine event (checkpoints stay local).
+pub fn run_event(run_id: &str, n: usize, e: &EngineEvent) -> Option<pb::RunEvent> {
+    use pb::run_event::Payload;
+    let payload = match e {
+        EngineEvent::AssistantText { text, .. } => {
+            Payload::AssistantText(pb::AssistantText { text: text.clone() })
+        }
+        EngineEvent::ToolCall {
+            call_id,
+            tool,
+            input_json,
+            ..
+        } => Payload::ToolCall(pb::ToolCall {
+            call_id: call_id.clone(),
+            tool: tool.clone(),
+            input_json: input_json.clone(),
+        }),
+        EngineEvent::ToolResult {
+            call_id,
+            tool,
+            output,
+            is_error,
+            ..
+        } => Payload::ToolResult(pb::ToolResult {
+            call_id: call_id.clone(),
+            tool: tool.clone(),
+            output: output.clone(),
+            is_error: *is_error,
+        }),
+        EngineEvent::Usage { usage, .. } => Payload::Usage(pb::Usage {
+            input_tokens: usage.input_tokens,
+            output_tokens: usage.output_tokens,
+            cost_micros: usage.cost_micros,
+        }),
+        EngineEvent::Permission {
+            permission_id,
+            permission,
+            patterns,
+            reply,
+        } => Payload::PermissionPrompt(pb::PermissionPrompt {
+            permission_id: permission_id.clone(),
+            permission: permission.clone(),
+            patterns: patterns.clone(),
+            reply: reply.clone(),
+        }),
+        EngineEvent::Checkpoint(_) => return None,
+    };
+    Some(pb::RunEvent {
+        run_id: run_id.to_owned(),
+        sequence: 0,
+        // Stable: the n-th event of this run on this runner.
+        event_id: format!("{run_id}/{n}"),
+        create_time: Some(now_ts()),
+        payload: Some(payload),
+    })
+}
+
+/// The result message for an engine outcome.
+pub fn finished(run_id: &str, engine: &str, outcome: &Outcome) -> rpb::RunFinished {
+    let (state, code, message) = match &outcome.ending {
+        Ending::Succeeded { .. } => (pb::RunState::Succeeded, String::new(), String::new()),
+        Ending::Cancelled => (
+            pb::RunState::Cancelled,
+            String::new(),
+            "cancelled on the runner".to_owned(),
+        ),
+        Ending::Failed(e) => (
+            if e.code == ErrorCode::DeadlineExceeded {
+                pb::RunState::TimedOut
+            } else {
+                pb::RunState::Failed
+            },
+            e.code.as_str().to_owned(),
+            e.message.clone(),
+        ),
+    };
+    rpb::RunFinished {
+        run_id: run_id.to_owned(),
+        outcome: state as i32,
+        error_code: code,
+        error_message: message,
+        engine: engine.to_owned(),
+        usage: Some(pb::Usage {
+            input_tokens: outcome.usage.input_tokens,
+            output_tokens: outcome.usage.output_tokens,
+            cost_micros: outcome.usage.cost_micros,
+        }),
+    }
+}
+
+fn jitter(base: Duration) -> Duration {
+    // Full jitter in [base/2, base]: reconnecting runners spread out.
+    let r = (uuid::Uuid::new_v4().as_u128() % 1000) as u32;
+    base / 2 + base * r / 2000
+}
+
+impl Runner {
+    /// A runner with its record opened. Runs a previous process accepted
+    /// but never finished are ended `runner_interrupted` here: they are
+    /// never run again.
+    pub fn new(settings: Settings, engine: Arc<dyn EngineAdapter>) -> anyhow::Result<Runner> {
+        let record = Arc::new(Record::open(&settings.state_dir)?);
+        for run in record.all() {
+            if run.finished.is_none() {
+                tracing::warn!(run_id = %run.run_id, "a run accepted before a restart ends runner_interrupted; it is not run again");
+                record.finish(
+                    &run.run_id,
+                    &rpb::RunFinished {
+                        run_id: run.run_id.clone(),
+                        outcome: pb::RunState::Failed as i32,
+                        error_code: ErrorCode::RunnerInterrupted.as_str().to_owned(),
+                        error_message: "the runner stopped while the run was executing; it is not run again because its agent may already have acted".into(),
+                        engine: engine.engine_id().to_owned(),
+                        usage: None,
+                    },
+                )?;
+            }
+        }
+        Ok(Runner {
+            settings,
+            engine,
+            record,
+            active: Arc::default(),
+            outbox: Arc::default(),
+            stats: Arc::default(),
+            engines: Mutex::default(),
+        })
+    }
+
+    /// Keeps a stream to the gateway until `shutdown`, reconnecting with
+    /// jittered exponential backoff.
+    pub async fn run(&self, shutdown: CancellationToken) {
+        let mut backoff = self.settings.reconnect_min;
+        let mut attempt = 0usize;
+        while !shutdown.is_cancelled() {
+            let welcomed_before = self.stats.connections.load(Ordering::SeqCst);
+            let Some(gateway) = self
+                .settings
+                .gateways
+                .get(attempt % self.settings.gateways.len().max(1))
+                .cloned()
+            else {
+                tracing::error!("no gateway to connect to");
+                return;
+            };
+            attempt += 1;
+            let ended = tokio::select! {
+                e = self.stream_once(&gateway, &shutdown) => e,
+                () = shutdown.cancelled() => break,
+            };
+            if let Ok(mut o) = self.outbox.lock() {
+                *o = None;
+            }
+            if self.stats.connections.load(Ordering::SeqCst) > welcomed_before {
+                backoff = self.settings.reconnect_min;
+            }
+            let pause = jitter(backoff);
+            tracing::warn!(reason = %ended, retry_in = ?pause, "runner stream ended; reconnecting");
+            tokio::select! {
+                () = tokio::time::sleep(pause) => {}
+                () = shutdown.cancelled() => break,
+            }
+            backoff = (backoff * 2).min(self.settings.reconnect_max);
+        }
+        // Stop the engines; their results stay in the record and are
+        // reported on the next connection.
+        if let Ok(active) = self.active.lock() {
+            for token in active.values() {
+                token.cancel();
+            }
+        }
+    }
+
+    fn hello(&self) -> rpb::ConnectRequest {
+        let held_runs = self
+            .record
+            .all()
+            .into_iter()
+            .map(|r| rpb::HeldRun {
+                run_id: r.run_id,
+                finished: r.finished.is_some(),
+            })
+            .collect();
+        up(Up::Hello(rpb::Hello {
+            runner_version: env!("CARGO_PKG_VERSION").into(),
+            held_runs,
+        }))
+    }
+
+    async fn stream_once(&self, gateway: &str, shutdown: &CancellationToken) -> StreamEnd {
+        let endpoint = match tonic::transport::Endpoint::from_shared(gateway.to_owned()) {
+            Ok(e) => e
+                .connect_timeout(self.settings.connect_timeout)
+                .http2_keep_alive_interval(Duration::from_secs(10))
+                .keep_alive_timeout(Duration::from_secs(10)),
+            Err(e) => return StreamEnd::Connect(e.to_string()),
+        };
+        let channel =
+            match tokio::time::timeout(self.settings.connect_timeout, endpoint.connect()).await {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => return StreamEnd::Connect(e.to_string()),
+                Err(_) => return StreamEnd::Connect("timed out".into()),
+            };
+        let (tx, rx) = mpsc::channel(OUTBOUND);
+        if tx.send(self.hello()).await.is_err() {
+            return StreamEnd::Closed;
+        }
+        let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        match format!("Bearer {}", self.settings.token.expose()).parse() {
+            Ok(v) => {
+                request.metadata_mut().insert("authorization", v);
+            }
+            Err(_) => return StreamEnd::Connect("the runner token is not valid ASCII".into()),
+        }
+        let mut client = DesktopRunnerServiceClient::new(channel);
+        let opened =
+            tokio::time::timeout(self.settings.connect_timeout, client.connect(request)).await;
+        let mut inbound = match opened {
+            Ok(Ok(r)) => r.into_inner(),
+            Ok(Err(status)) => return StreamEnd::Refused(status),
+            Err(_) => return StreamEnd::Connect("the gateway did not answer in time".into()),
+        };
+        let welcome = match tokio::time::timeout(self.settings.connect_timeout, inbound.message())
+            .await
+        {
+            Ok(Ok(Some(rpb::ConnectResponse {
+                message: Some(Down::Welcome(w)),
+            }))) => w,
+            Ok(Ok(_)) => return StreamEnd::Connect("the gateway did not say Welcome first".into()),
+            Ok(Err(status)) => return StreamEnd::Refused(status),
+            Err(_) => return StreamEnd::Connect("no Welcome in time".into()),
+        };
+        self.stats.connections.fetch_add(1, Ordering::SeqCst);
+        let interval = welcome
+            .heartbeat_interval
+            .and_then(|d| Duration::try_from(d).ok())
+            .filter(|d| !d.is_zero())
+            .unwrap_or(Duration::from_secs(3));
+        tracing::info!(runner_id = %welcome.runner_id, gateway, ?interval, "runner connected");
+        if let Ok(mut o) = self.outbox.lock() {
+            *o = Some(tx.clone());
+        }
+        let stream_done = CancellationToken::new();
+        let _stop_heartbeats = stream_done.clone().drop_guard();
+        tokio::spawn(heartbeats(tx.clone(), interval, stream_done.clone()));
+        self.resend_held(&tx).await;
+
+        loop {
+            let next = tokio::select! {
+                next = tokio::time::timeout(self.settings.dead_after, inbound.message()) => next,
+                () = shutdown.cancelled() => return StreamEnd::Closed,
+            };
+            let message = match next {
+                Err(_) => return StreamEnd::Silent(self.settings.dead_after),
+                Ok(Err(status)) => return StreamEnd::Broken(status),
+                Ok(Ok(None)) => return StreamEnd::Closed,
+                Ok(Ok(Some(m))) => m,
+            };
+            match message.message {
+                Some(Down::Assignment(a)) => self.on_assignment(a, &tx).await,
+                Some(Down::CancelAssignment(c)) => self.on_cancel(&c, &tx).await,
+                Some(Down::HeartbeatAck(_)) | Some(Down::Welcome(_)) | None => {}
+            }
+        }
+    }
+
+    /// After a (re)connect: what the gateway may have missed.
+    async fn resend_held(&self, tx: &mpsc::Sender<rpb::ConnectRequest>) {
+        for run in self.record.all() {
+            let active = self.is_active(&run.run_id);
+            if active {
+                send(
+                    tx,
+                    up(Up::AssignmentAccepted(rpb::AssignmentAccepted {
+                        run_id: run.run_id.clone(),
+                    })),
+                )
+                .await;
+            }
+            if !run.events.is_empty() {
+                send(
+                    tx,
+                    up(Up::RunEvents(rpb::RunEvents {
+                        run_id: run.run_id.clone(),
+                        events: run.events.clone(),
+                    })),
+                )
+                .await;
+            }
+            if let Some(f) = run.finished {
+                send(tx, up(Up::RunFinished(f))).await;
+            }
+        }
+    }
+
+    fn is_active(&self, run_id: &str) -> bool {
+        self.active.lock().is_ok_and(|a| a.contains_key(run_id))
+    }
+
+    async fn on_assignment(&self, a: rpb::Assignment, tx: &mpsc::Sender<rpb::ConnectRequest>) {
+        let run_id = a.run_id.clone();
+        match self.record.accept(&run_id) {
+            Ok(true) => {}
+            Ok(false) => {
+                // Held already: never run again; tell the gateway where it is.
+                self.stats.duplicates.fetch_add(1, Ordering::SeqCst);
+                tracing::info!(run_id = %run_id, "assignment already held; not run again");
+                if let Some(run) = self.record.get(&run_id) {
+                    if let Some(f) = run.finished {
+                        send(tx, up(Up::RunFinished(f))).await;
+                    } else {
+                        send(
+                            tx,
+                            up(Up::AssignmentAccepted(rpb::AssignmentAccepted { run_id })),
+                        )
+                        .await;
+                    }
+                }
+                return;
+            }
+            Err(error) => {
+                // Not recorded, so not accepted: the gateway offers it again.
+                tracing::error!(run_id = %run_id, %error, "cannot record the assignment; not accepting it");
+                return;
+            }
+        }
+        send(
+            tx,
+            up(Up::AssignmentAccepted(rpb::AssignmentAccepted {
+                run_id: run_id.clone(),
+            })),
+        )
+        .await;
+        let cancel = CancellationToken::new();
+        if let Ok(mut active) = self.active.lock() {
+            active.insert(run_id.clone(), cancel.clone());
+        }
+        self.stats.executions.fetch_add(1, Ordering::SeqCst);
+        let span = tracing::info_span!("automesh.runner.run", run_id = %run_id, engine = self.engine.engine_id());
+        automesh_rpc::propagation::continue_trace(
+            &span,
+            Some(a.traceparent.as_str()).filter(|t| !t.is_empty()),
+        );
+        let engine = self.engine.clone();
+        let record = self.record.clone();
+        let active = self.active.clone();
+        let outbox = self.outbox.clone();
+        let task =
+            tokio::spawn(execute(engine, record, active, outbox, a, cancel).instrument(span));
+        if let Ok(mut engines) = self.engines.lock() {
+            engines.retain(|e| !e.is_finished());
+            engines.push(task.abort_handle());
+        }
+    }
+
+    async fn on_cancel(&self, c: &rpb::CancelAssignment, tx: &mpsc::Sender<rpb::ConnectRequest>) {
+        let token = self
+            .active
+            .lock()
+            .ok()
+            .and_then(|a| a.get(&c.run_id).cloned());
+        if let Some(token) = token {
+            tracing::info!(run_id = %c.run_id, reason = %c.reason, "cancelling the run");
+            token.cancel();
+            // `execute` reports idle once the engine has stopped.
+            return;
+        }
+        // Nothing runs here: idle. A finished run's result goes first, then
+        // the record of it can go.
+        if let Some(f) = self.record.get(&c.run_id).and_then(|r| r.finished) {
+            send(tx, up(Up::RunFinished(f))).await;
+        }
+        send(
+            tx,
+            up(Up::IdleObserved(rpb::IdleObserved {
+                run_id: c.run_id.clone(),
+            })),
+        )
+        .await;
+        self.record.forget(&c.run_id);
+    }
+}
+
+async fn send(tx: &mpsc::Sender<rpb::ConnectRequest>, m: rpb::ConnectRequest) -> bool {
+    matches!(
+        tokio::time::timeout(SEND_TIMEOUT, tx.send(m)).await,
+        Ok(Ok(()))
+    )
+}
+
+async fn send_current(
+    outbox: &Mutex<Option<mpsc::Sender<rpb::ConnectRequest>>>,
+    m: rpb::ConnectRequest,
+) {
+    let tx = outbox.lock().ok().and_then(|o| o.clone());
+    if let Some(tx) = tx {
+        // Not sent now is sent after the next connect, from the record.
+        send(&tx, m).await;
+    }
+}
+
+async fn heartbeats(
+    tx: mpsc::Sender<rpb::ConnectRequest>,
+    interval: Duration,
+    done: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = done.cancelled() => return,
+        }
+        let hb = up(Up::Heartbeat(rpb::Heartbeat {
+            send_time: Some(now_ts()),
+        }));
+        if !send(&tx, hb).await {
+            return;
+        }
+    }
+}
+
+async fn execute(
+    engine: Arc<dyn EngineAdapter>,
+    record: Arc<Record>,
+    active: Arc<Mutex<HashMap<String, CancellationToken>>>,
+    outbox: Arc<Mutex<Option<mpsc::Sender<rpb::ConnectRequest>>>>,
+    a: rpb::Assignment,
+    cancel: CancellationToken,
+) {
+    let run_id = a.run_id.clone();
+    let deadline = a
+        .deadline_time
+        .and_then(|t| chrono::DateTime::from_timestamp(t.seconds, t.nanos.max(0) as u32))
+        .map(|d| (d - chrono::Utc::now()).to_std().unwrap_or_default())
+        .unwrap_or(Duration::from_secs(1800));
+    let request = EngineRequest {
+        prompt: a.prompt.clone(),
+        model: a.model.clone(),
+        guidance: Some("You run headless on the owner's desktop through the automesh runner; nobody can answer questions or prompts.".into()),
+        deadline: tokio::time::Instant::now() + deadline,
+        resume_from: None,
+    };
+    let (etx, mut erx) = mpsc::channel(ENGINE_EVENTS);
+    let forward = {
+        let record = record.clone();
+        let outbox = outbox.clone();
+        let run_id = run_id.clone();
+        async move {
+            let mut n = 0;
+            while let Some(e) = erx.recv().await {
+                n += 1;
+                let Some(event) = run_event(&run_id, n, &e) else {
+                    continue;
+                };
+                if let Err(error) = record.event(&run_id, &event) {
+                    tracing::error!(%error, "cannot record an event");
+                }
+                send_current(
+                    &outbox,
+                    up(Up::RunEvents(rpb::RunEvents {
+                        run_id: run_id.clone(),
+                        events: vec![event],
+                    })),
+                )
+                .await;
+            }
+        }
+    };
+    let (outcome, ()) = tokio::join!(engine.run(request, etx, cancel.clone()), forward);
+    let result = finished(&run_id, engine.engine_id(), &outcome);
+    tracing::info!(state = result.outcome, code = %result.error_code, "run finished on the runner");
+    if let Err(error) = record.finish(&run_id, &result) {
+        tracing::error!(%error, "cannot record the result");
+    }
+    if let Ok(mut a) = active.lock() {
+        a.remove(&run_id);
+    }
+    send_current(&outbox, up(Up::RunFinished(result))).await;
+    if cancel.is_cancelled() {
+        send_current(&outbox, up(Up::IdleObserved(rpb::IdleObserved { run_id }))).await;
+    }
+}

@@ -1,0 +1,322 @@
+//! The runner's local record of the runs it accepted: one append-only file
+//! per run (`<dir>/<run id>.jsonl`), each line synced before the runner acts
+//! on it. A run is recorded as accepted *before* the runner tells the
+//! gateway or starts its engine, so a restart, a crash or a laptop waking
+//! from sleep finds it and never runs it a second time; its events and its
+//! result are recorded too, so they can be sent again after a reconnect
+//! (the gateway deduplicates by event id).
+//!
+//! A torn last line (a crash mid-write) is ignored; the runner then only
+//! lacks that one event, never a run.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use automesh_proto::runner::v1 as rpb;
+use automesh_proto::v1 as pb;
+use prost::Message as _;
+use serde::{Deserialize, Serialize};
+
+/// How long a finished run's record is kept when the gateway never says it
+/// is done with it.
+const KEEP_FINISHED: chrono::Duration = chrono::Duration::days(7);
+
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error("runner record {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+enum Line {
+    Accepted {
+        run_id: String,
+        at: String,
+    },
+    /// A hex-encoded `automesh.v1.RunEvent`.
+    Event {
+        body: String,
+    },
+    /// A hex-encoded `automesh.runner.v1.RunFinished`.
+    Finished {
+        body: String,
+        at: String,
+    },
+}
+
+/// What the record holds of one run.
+#[derive(Debug, Clone, Default)]
+pub struct RunRecord {
+    pub run_id: String,
+    pub events: Vec<pb::RunEvent>,
+    pub finished: Option<rpb::RunFinished>,
+    pub finished_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// The record directory.
+#[derive(Debug)]
+pub struct Record {
+    dir: PathBuf,
+    runs: Mutex<HashMap<String, RunRecord>>,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> RecordError + '_ {
+    move |source| RecordError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+fn valid_run_id(run_id: &str) -> bool {
+    !run_id.is_empty()
+        && run_id.len() <= 200
+        && run_id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
+impl Record {
+    /// Opens (creating) the record in `dir` and loads what it holds.
+    pub fn open(dir: &Path) -> Result<Record, RecordError> {
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let mut runs = HashMap::new();
+        for entry in std::fs::read_dir(dir).map_err(io(dir))? {
+            let path = entry.map_err(io(dir))?.path();
+            if path.extension().and_then(|e| e.to_str()) != Some("jsonl") {
+                continue;
+            }
+            let mut text = std::fs::read_to_string(&path).map_err(io(&path))?;
+            if !text.is_empty() && !text.ends_with('\n') {
+                // A torn last line: cut it, so the next append starts clean.
+                text.truncate(text.rfind('\n').map_or(0, |i| i + 1));
+                std::fs::write(&path, &text).map_err(io(&path))?;
+            }
+            let mut run = RunRecord::default();
+            for line in text.lines() {
+                match serde_json::from_str::<Line>(line) {
+                    Ok(Line::Accepted { run_id, .. }) => run.run_id = run_id,
+                    Ok(Line::Event { body }) => {
+                        if let Some(e) = hex::decode(&body)
+                            .ok()
+                            .and_then(|b| pb::RunEvent::decode(b.as_slice()).ok())
+                        {
+                            run.events.push(e);
+                        }
+                    }
+                    Ok(Line::Finished { body, at }) => {
+                        run.finished = hex::decode(&body)
+                            .ok()
+                            .and_then(|b| rpb::RunFinished::decode(b.as_slice()).ok());
+                        run.finished_at = at.parse().ok();
+                    }
+                    Err(_) => {
+                        tracing::warn!(path = %path.display(), "ignoring a torn line of the runner record");
+                    }
+                }
+            }
+            if !run.run_id.is_empty() {
+                runs.insert(run.run_id.clone(), run);
+            }
+        }
+        Ok(Record {
+            dir: dir.to_owned(),
+            runs: Mutex::new(runs),
+        })
+    }
+
+    fn path(&self, run_id: &str) -> PathBuf {
+        self.dir.join(format!("{run_id}.jsonl"))
+    }
+
+    fn append(&self, run_id: &str, line: &Line) -> Result<(), RecordError> {
+        let path = self.path(run_id);
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(io(&path))?;
+        let mut text = serde_json::to_string(line).unwrap_or_default();
+        text.push('\n');
+        f.write_all(text.as_bytes()).map_err(io(&path))?;
+        f.sync_data().map_err(io(&path))
+    }
+
+    /// Records the run as accepted; false when it already was (it must not
+    /// run again). Synced to disk before it returns.
+    pub fn accept(&self, run_id: &str) -> Result<bool, RecordError> {
+        if !valid_run_id(run_id) {
+            return Err(RecordError::Io {
+                path: self.dir.clone(),
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "bad run id"),
+            });
+        }
+        let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
+        if runs.contains_key(run_id) {
+            return Ok(false);
+        }
+        self.append(
+            run_id,
+            &Line::Accepted {
+                run_id: run_id.to_owned(),
+                at: chrono::Utc::now().to_rfc3339(),
+            },
+        )?;
+        runs.insert(
+            run_id.to_owned(),
+            RunRecord {
+                run_id: run_id.to_owned(),
+                ..RunRecord::default()
+            },
+        );
+        Ok(true)
+    }
+
+    /// Records an event of the run.
+    pub fn event(&self, run_id: &str, event: &pb::RunEvent) -> Result<(), RecordError> {
+        let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
+        self.append(
+            run_id,
+            &Line::Event {
+                body: hex::encode(event.encode_to_vec()),
+            },
+        )?;
+        if let Some(r) = runs.get_mut(run_id) {
+            r.events.push(event.clone());
+        }
+        Ok(())
+    }
+
+    /// Records the run's result.
+    pub fn finish(&self, run_id: &str, finished: &rpb::RunFinished) -> Result<(), RecordError> {
+        let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
+        let now = chrono::Utc::now();
+        self.append(
+            run_id,
+            &Line::Finished {
+                body: hex::encode(finished.encode_to_vec()),
+                at: now.to_rfc3339(),
+            },
+        )?;
+        if let Some(r) = runs.get_mut(run_id) {
+            r.finished = Some(finished.clone());
+            r.finished_at = Some(now);
+        }
+        Ok(())
+    }
+
+    /// Forgets a finished run the gateway no longer needs.
+    pub fn forget(&self, run_id: &str) {
+        let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
+        if runs.get(run_id).is_some_and(|r| r.finished.is_some()) {
+            runs.remove(run_id);
+            let _ = std::fs::remove_file(self.path(run_id));
+        }
+    }
+
+    /// One run's record.
+    pub fn get(&self, run_id: &str) -> Option<RunRecord> {
+        self.runs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(run_id)
+            .cloned()
+    }
+
+    /// Every run recorded, after dropping finished ones past retention.
+    pub fn all(&self) -> Vec<RunRecord> {
+        let cutoff = chrono::Utc::now() - KEEP_FINISHED;
+        let stale: Vec<String> = {
+            let runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
+            runs.values()
+                .filter(|r| r.finished_at.is_some_and(|t| t < cutoff))
+                .map(|r| r.run_id.clone())
+                .collect()
+        };
+        for run_id in stale {
+            self.forget(&run_id);
+        }
+        self.runs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "automesh-record-{name}-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn an_accepted_run_survives_a_reopen_and_is_not_accepted_twice() {
+        let d = dir("reopen");
+        let r = Record::open(&d).expect("open");
+        assert!(r.accept("run-1").expect("accept"));
+        assert!(!r.accept("run-1").expect("again"));
+        let e = pb::RunEvent {
+            event_id: "run-1:1".into(),
+            ..Default::default()
+        };
+        r.event("run-1", &e).expect("event");
+        drop(r);
+        let r = Record::open(&d).expect("reopen");
+        assert!(!r.accept("run-1").expect("after reopen"));
+        let run = r.get("run-1").expect("held");
+        assert_eq!(run.events.len(), 1);
+        assert!(run.finished.is_none());
+        r.finish(
+            "run-1",
+            &rpb::RunFinished {
+                run_id: "run-1".into(),
+                ..Default::default()
+            },
+        )
+        .expect("finish");
+        let r = Record::open(&d).expect("reopen");
+        assert!(r.get("run-1").expect("held").finished.is_some());
+        r.forget("run-1");
+        assert!(r.get("run-1").is_none());
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_torn_last_line_loses_only_that_line() {
+        let d = dir("torn");
+        let r = Record::open(&d).expect("open");
+        assert!(r.accept("run-2").expect("accept"));
+        drop(r);
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(d.join("run-2.jsonl"))
+            .expect("file");
+        f.write_all(b"{\"kind\":\"ev").expect("torn");
+        let r = Record::open(&d).expect("reopen");
+        assert!(r.get("run-2").is_some());
+        assert!(!r.accept("run-2").expect("still accepted"));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn run_ids_cannot_escape_the_directory() {
+        let d = dir("escape");
+        let r = Record::open(&d).expect("open");
+        assert!(r.accept("../etc/passwd").is_err());
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}

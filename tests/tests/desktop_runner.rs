@@ -1,0 +1,459 @@
+//! The desktop path end to end with the reference runner (`automesh-runner`)
+//! running the native engine against a fake OpenAI-compatible provider and a
+//! fake Connect MCP server (both speak the real protocols on loopback), on
+//! PostgreSQL, with two desktop-runner-gateway replicas: coordinators call
+//! replica B, the runner starts on replica A.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use automesh_desktop_runner_gateway::stream::StreamSettings;
+use automesh_domain::{ErrorCode, RunState};
+use automesh_e2e_tests::{Mesh, MeshOptions};
+use automesh_engine::adapter::NativeEngine;
+use automesh_engine::connect::ConnectConfig;
+use automesh_engine::native::{NativeRun, Price};
+use automesh_engine::provider::ProviderConfig;
+use automesh_proto::runner::v1 as rpb;
+use automesh_proto::runner::v1::desktop_runner_service_client::DesktopRunnerServiceClient;
+use automesh_proto::v1 as pb;
+use automesh_runner::{Runner, Settings, Stats};
+use automesh_store::Backend;
+use automesh_testkit::{FakeMcp, FakeProvider, Reply, mcp, provider, text_completion};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+
+const MCP_TOKEN: &str = "connect-secret-token-for-the-run";
+const PROVIDER_KEY: &str = "sk-provider-secret-key";
+
+struct Desk {
+    mesh: Mesh,
+    runner_token: String,
+    provider: FakeProvider,
+    engine: NativeEngine,
+    state_dir: PathBuf,
+    _mcp: CancellationToken,
+}
+
+/// A mesh on PostgreSQL with two runner-gateway replicas, a runner token for
+/// alice, and a native engine whose provider answers as `script` says.
+async fn desk(
+    run_deadline: Duration,
+    streams: StreamSettings,
+    script: impl Fn(usize, &serde_json::Value) -> Reply + Send + Sync + 'static,
+) -> Desk {
+    let mesh = Mesh::start_with(
+        Backend::Postgres,
+        MeshOptions {
+            desktop_via_runner_gateway: true,
+            runner_gateways: 2,
+            run_deadline,
+            runner_streams: streams,
+            ..MeshOptions::default()
+        },
+    )
+    .await
+    .expect("mesh");
+    let runner_token = mesh
+        .automations(Some(&mesh.token("acme", "alice")))
+        .create_runner_token(pb::CreateRunnerTokenRequest {
+            runner_name: "laptop".into(),
+        })
+        .await
+        .expect("mint")
+        .into_inner()
+        .token;
+    let (provider_url, provider) = provider(script).await;
+    let (mcp_url, mcp_stop) = mcp(
+        FakeMcp::with_tools(&["search_capabilities", "execute_capability"]),
+        MCP_TOKEN,
+    )
+    .await;
+    let engine = NativeEngine {
+        template: NativeRun {
+            model: String::new(),
+            prompt: String::new(),
+            guidance: None,
+            provider: ProviderConfig {
+                kind: "openai-compatible".into(),
+                base_url: provider_url,
+                api_key: PROVIDER_KEY.into(),
+                request_timeout: Duration::from_secs(60),
+                stream: false,
+            },
+            connect: ConnectConfig {
+                url: mcp_url,
+                token: MCP_TOKEN.into(),
+                call_timeout: Duration::from_secs(10),
+            },
+            connect_token_expires_at: None,
+            model_authorized: true,
+            max_steps: 8,
+            price: Price::default(),
+            deadline: tokio::time::Instant::now(),
+            resume_from: None,
+        },
+    };
+    let state_dir = std::env::temp_dir().join(format!(
+        "automesh-runner-test-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
+    Desk {
+        mesh,
+        runner_token,
+        provider,
+        engine,
+        state_dir,
+        _mcp: mcp_stop,
+    }
+}
+
+/// A runner process, in-process: aborting `task` kills it (its engines
+/// with it), as SIGKILL would; its record stays on disk.
+struct RunnerProc {
+    task: tokio::task::JoinHandle<()>,
+    stats: Arc<Stats>,
+}
+
+impl Desk {
+    fn start_runner(&self, gateways: &[&str]) -> RunnerProc {
+        let mut settings = Settings::new(
+            gateways.iter().map(|g| (*g).to_owned()).collect(),
+            self.runner_token.clone().into(),
+            self.state_dir.clone(),
+        );
+        settings.reconnect_min = Duration::from_millis(50);
+        settings.reconnect_max = Duration::from_millis(500);
+        settings.dead_after = Duration::from_secs(3);
+        let runner = Runner::new(settings, Arc::new(self.engine.clone())).expect("runner");
+        let stats = runner.stats.clone();
+        let task = tokio::spawn(async move { runner.run(CancellationToken::new()).await });
+        RunnerProc { task, stats }
+    }
+
+    async fn run_now(&self) -> pb::Run {
+        let mut api = self
+            .mesh
+            .automations(Some(&self.mesh.token("acme", "alice")));
+        let a = api
+            .create_automation(pb::CreateAutomationRequest {
+                automation: Some(pb::Automation {
+                    name: "desk".into(),
+                    prompt: "tidy my downloads".into(),
+                    model: "fake/echo".into(),
+                    schedule: Some(pb::Schedule {
+                        kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
+                            time_of_day: Some(pb::TimeOfDay {
+                                hours: 9,
+                                minutes: 0,
+                            }),
+                            time_zone: "UTC".into(),
+                        })),
+                    }),
+                    ..Default::default()
+                }),
+                surface: pb::Surface::Desktop as i32,
+            })
+            .await
+            .expect("create")
+            .into_inner()
+            .automation
+            .expect("automation");
+        api.run_automation_now(pb::RunAutomationNowRequest {
+            id: a.id,
+            idempotency_key: "k".into(),
+        })
+        .await
+        .expect("run now")
+        .into_inner()
+        .run
+        .expect("run")
+    }
+
+    async fn terminal(&self, run_id: &str) -> automesh_domain::Run {
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let run = self
+                .mesh
+                .store()
+                .get_run_unscoped(run_id)
+                .await
+                .expect("run");
+            if run.state.is_terminal() {
+                return run;
+            }
+            assert!(
+                tokio::time::Instant::now() < give_up,
+                "run did not end: {run:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn stop(self) {
+        let _ = std::fs::remove_dir_all(&self.state_dir);
+        self.mesh.stop().await.expect("stop");
+    }
+}
+
+async fn until(what: &str, mut f: impl FnMut() -> bool) {
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !f() {
+        assert!(tokio::time::Instant::now() < give_up, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn streams() -> StreamSettings {
+    StreamSettings {
+        heartbeat_interval: Duration::from_millis(300),
+        dead_after: Duration::from_secs(2),
+        hello_timeout: Duration::from_secs(2),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_assignment_made_through_replica_b_reaches_the_runner_on_a_and_survives_losing_a() {
+    // The model takes a while: replica A goes away mid-run.
+    let desk = desk(Duration::from_secs(60), streams(), |n, _| match n {
+        0 => Reply::Delayed(Duration::from_secs(2), text_completion("tidied")),
+        _ => Reply::Json(text_completion("a second submission must never happen")),
+    })
+    .await;
+    let a = desk.mesh.runner_gateways[0].clone();
+    let b = desk.mesh.runner_gateways[1].clone();
+    let runner = desk.start_runner(&[&a, &b]);
+    until("runner connected to A", || {
+        runner.stats.connections.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    let run = desk.run_now().await;
+    let provider = desk.provider.clone();
+    until("the model is asked", || provider.calls() == 1).await;
+    let held = desk
+        .mesh
+        .store()
+        .desktop_run(&run.id)
+        .await
+        .expect("read")
+        .expect("offered");
+    assert!(held.runner_id.is_some(), "claimed for the runner on A");
+
+    // Replica A stops; the runner reconnects to B and reports there.
+    desk.mesh.runner_gateway_stops[0].cancel();
+    let ended = desk.terminal(&run.id).await;
+    assert_eq!(ended.state, RunState::Succeeded, "{ended:?}");
+    assert!(runner.stats.connections.load(Ordering::SeqCst) >= 2);
+    assert_eq!(desk.provider.calls(), 1, "the prompt was submitted once");
+    assert_eq!(runner.stats.executions.load(Ordering::SeqCst), 1);
+    let events = desk
+        .mesh
+        .store()
+        .list_events(&run.id, 0, 100)
+        .await
+        .expect("events");
+    assert!(
+        events.iter().any(|e| matches!(
+            &e.payload,
+            automesh_domain::RunEventPayload::AssistantText { text } if text == "tidied"
+        )),
+        "the runner's events reached the run through B: {events:?}"
+    );
+    // No secret of the runner's engine reached the run's record.
+    let dump = format!("{events:?}{ended:?}");
+    assert!(!dump.contains(PROVIDER_KEY) && !dump.contains(MCP_TOKEN));
+    runner.task.abort();
+    desk.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_killed_mid_run_and_restarted_against_b_never_runs_it_again() {
+    let desk = desk(Duration::from_secs(60), streams(), |_, _| {
+        Reply::Delayed(Duration::from_secs(20), text_completion("too late"))
+    })
+    .await;
+    let a = desk.mesh.runner_gateways[0].clone();
+    let b = desk.mesh.runner_gateways[1].clone();
+    let first = desk.start_runner(&[&a]);
+    until("runner connected to A", || {
+        first.stats.connections.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    let run = desk.run_now().await;
+    let provider = desk.provider.clone();
+    until("the model is asked", || provider.calls() == 1).await;
+
+    // SIGKILL, in effect: the engine and the stream die with the runner.
+    first.task.abort();
+    let _ = first.task.await;
+
+    let second = desk.start_runner(&[&b]);
+    let ended = desk.terminal(&run.id).await;
+    assert_eq!(
+        (ended.state, ended.error_code),
+        (RunState::Failed, Some(ErrorCode::RunnerInterrupted)),
+        "{ended:?}"
+    );
+    assert_eq!(second.stats.executions.load(Ordering::SeqCst), 0);
+    assert_eq!(desk.provider.calls(), 1, "the prompt was submitted once");
+    second.task.abort();
+    desk.stop().await;
+}
+
+/// A test runner speaking the protocol by hand, to stall on purpose.
+async fn stalled_runner(
+    addr: &str,
+    token: &str,
+) -> (
+    mpsc::Sender<rpb::ConnectRequest>,
+    tonic::Streaming<rpb::ConnectResponse>,
+) {
+    let mut client =
+        DesktopRunnerServiceClient::new(automesh_rpc::client::channel(addr).expect("channel"));
+    let (tx, rx) = mpsc::channel(16);
+    tx.send(rpb::ConnectRequest {
+        message: Some(rpb::connect_request::Message::Hello(rpb::Hello {
+            runner_version: "stall".into(),
+            held_runs: vec![],
+        })),
+    })
+    .await
+    .expect("hello");
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {token}").parse().expect("ascii"),
+    );
+    let stream = tokio::time::timeout(Duration::from_secs(10), client.connect(request))
+        .await
+        .expect("bounded")
+        .expect("connected")
+        .into_inner();
+    (tx, stream)
+}
+
+async fn next_assignment(stream: &mut tonic::Streaming<rpb::ConnectResponse>) -> rpb::Assignment {
+    loop {
+        let m = tokio::time::timeout(Duration::from_secs(20), stream.message())
+            .await
+            .expect("bounded")
+            .expect("ok")
+            .expect("open");
+        if let Some(rpb::connect_response::Message::Assignment(a)) = m.message {
+            return a;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_stream_is_declared_dead_and_its_run_is_offered_again_when_the_runner_returns() {
+    let desk = desk(Duration::from_secs(60), streams(), |_, _| {
+        Reply::Json(text_completion("done"))
+    })
+    .await;
+    let a = desk.mesh.runner_gateways[0].clone();
+    let b = desk.mesh.runner_gateways[1].clone();
+    // The runner gets the assignment, then stalls: TCP open, nothing sent.
+    let (_keep_open, mut stream) = stalled_runner(&a, &desk.runner_token).await;
+    let run = desk.run_now().await;
+    let offered = next_assignment(&mut stream).await;
+    assert_eq!(offered.run_id, run.id);
+    let declared = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match stream.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => return None,
+                Err(status) => return Some(status),
+            }
+        }
+    })
+    .await
+    .expect("declared dead within 10 s");
+    let status = declared.expect("ended with a status");
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
+    // The unaccepted assignment is given back as the stream is dropped.
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(10);
+    while desk
+        .mesh
+        .store()
+        .desktop_run(&run.id)
+        .await
+        .expect("read")
+        .expect("offered")
+        .runner_id
+        .is_some()
+    {
+        assert!(tokio::time::Instant::now() < give_up, "never given back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // The runner comes back (through the other replica): offered again, run once.
+    let back = desk.start_runner(&[&b]);
+    let ended = desk.terminal(&run.id).await;
+    assert_eq!(ended.state, RunState::Succeeded, "{ended:?}");
+    assert_eq!(back.stats.executions.load(Ordering::SeqCst), 1);
+    assert_eq!(desk.provider.calls(), 1);
+    back.task.abort();
+    desk.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_runner_that_never_returns_leaves_its_run_runner_offline_at_the_deadline() {
+    let desk = desk(Duration::from_secs(5), streams(), |_, _| {
+        Reply::Json(text_completion("done"))
+    })
+    .await;
+    let a = desk.mesh.runner_gateways[0].clone();
+    let (_keep_open, mut stream) = stalled_runner(&a, &desk.runner_token).await;
+    let run = desk.run_now().await;
+    assert_eq!(next_assignment(&mut stream).await.run_id, run.id);
+    let ended = desk.terminal(&run.id).await;
+    assert_eq!(
+        (ended.state, ended.error_code),
+        (RunState::TimedOut, Some(ErrorCode::RunnerOffline)),
+        "{ended:?}"
+    );
+    assert_eq!(desk.provider.calls(), 0);
+    desk.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_a_run_stops_the_runners_engine_and_ends_once_idle_is_observed() {
+    let desk = desk(Duration::from_secs(60), streams(), |_, _| {
+        Reply::Delayed(Duration::from_secs(30), text_completion("too late"))
+    })
+    .await;
+    let a = desk.mesh.runner_gateways[0].clone();
+    let runner = desk.start_runner(&[&a]);
+    until("runner connected", || {
+        runner.stats.connections.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    let run = desk.run_now().await;
+    let provider = desk.provider.clone();
+    until("the model is asked", || provider.calls() == 1).await;
+    desk.mesh
+        .runs(Some(&desk.mesh.token("acme", "alice")))
+        .cancel_run(pb::CancelRunRequest { id: run.id.clone() })
+        .await
+        .expect("cancel");
+    let ended = desk.terminal(&run.id).await;
+    assert_eq!(
+        (ended.state, ended.error_code),
+        (RunState::Cancelled, None),
+        "{ended:?}"
+    );
+    let held = desk
+        .mesh
+        .store()
+        .desktop_run(&run.id)
+        .await
+        .expect("read")
+        .expect("offered");
+    assert!(held.idle, "idle was observed on the runner");
+    runner.task.abort();
+    desk.stop().await;
+}
