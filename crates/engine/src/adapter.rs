@@ -16,6 +16,9 @@ use crate::native::{self, Checkpoint, EngineEvent, NativeRun, Outcome};
 pub struct EngineRequest {
     pub prompt: String,
     pub model: String,
+    /// The automation the run belongs to (engines may configure per
+    /// automation, such as OpenCode's permission policy).
+    pub automation_id: String,
     /// Runtime guidance (where the agent runs, with which tools).
     pub guidance: Option<String>,
     pub deadline: Instant,

@@ -449,6 +449,7 @@ async fn the_native_engine_runs_behind_the_adapter_contract() {
             EngineRequest {
                 prompt: "Send it.".into(),
                 model: "fake-model".into(),
+                automation_id: "aut-1".into(),
                 guidance: None,
                 deadline: Instant::now() + Duration::from_secs(30),
                 resume_from: None,

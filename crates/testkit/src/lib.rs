@@ -113,6 +113,13 @@ pub async fn provider(
     };
     let app = Router::new()
         .route("/v1/chat/completions", post(handle))
+        .route(
+            "/v1/models",
+            axum::routing::get(|| async {
+                axum::Json(serde_json::json!({"object": "list", "data": [
+                    {"id": "fake-model", "object": "model", "owned_by": "fake"}]}))
+            }),
+        )
         .with_state(fake.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
