@@ -31,6 +31,8 @@ fn grpcurl() -> PathBuf {
 struct Dev {
     child: Child,
     data_dir: PathBuf,
+    /// The desktop runners' gateway, `http://…`.
+    runners: String,
 }
 
 impl Drop for Dev {
@@ -93,7 +95,11 @@ fn start_dev(name: &str, env: &[(&str, String)]) -> (Dev, String, String) {
         .spawn()
         .expect("start automesh dev");
     let stdout = child.stdout.take().expect("stdout");
-    let dev = Dev { child, data_dir };
+    let mut dev = Dev {
+        child,
+        data_dir,
+        runners: String::new(),
+    };
 
     // Read the banner on a thread, so the wait for it is bounded.
     let (tx, rx) = mpsc::channel();
@@ -119,6 +125,12 @@ fn start_dev(name: &str, env: &[(&str, String)]) -> (Dev, String, String) {
                 .split_whitespace()
                 .find(|w| w.starts_with("http://"))
                 .map(|w| w.trim_start_matches("http://").to_owned());
+        } else if line.trim_start().starts_with("desktop runners") {
+            dev.runners = line
+                .split_whitespace()
+                .find(|w| w.starts_with("http://"))
+                .unwrap_or_default()
+                .to_owned();
         } else if line.starts_with("development token") {
             expect_token = true;
         } else if line.trim() == "ready" {
@@ -416,4 +428,196 @@ async fn traces_are_exported_over_otlp_and_one_trace_crosses_the_services() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     drop(dev);
+}
+
+/// The reference runner as a real process: killed with SIGKILL while its
+/// engine waits on the model, then started again on the same record. The
+/// run it had accepted ends `runner_interrupted`; the prompt reached the
+/// model once; nothing secret reached its logs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_process_killed_mid_run_never_runs_it_again_after_a_restart() {
+    use automesh_proto::v1 as pb;
+    use automesh_testkit::{FakeMcp, Reply, mcp, provider, text_completion};
+
+    const PROVIDER_KEY: &str = "sk-provider-key-never-logged";
+    const MCP_TOKEN: &str = "connect-token-never-logged";
+    let (provider_url, fake) =
+        provider(|_, _| Reply::Delayed(Duration::from_secs(30), text_completion("too late"))).await;
+    let (mcp_url, _mcp) = mcp(
+        FakeMcp::with_tools(&["search_capabilities", "execute_capability"]),
+        MCP_TOKEN,
+    )
+    .await;
+    let (dev, gateway, token) = start_dev("runner-kill", &[]);
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{gateway}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    let mut automations = pb::automations_client::AutomationsClient::new(channel.clone());
+    let mut runs = pb::runs_client::RunsClient::new(channel);
+    let runner_token = automations
+        .create_runner_token(with_bearer(
+            &token,
+            tonic::Request::new(pb::CreateRunnerTokenRequest {
+                runner_name: "laptop".into(),
+            }),
+        ))
+        .await
+        .expect("runner token")
+        .into_inner()
+        .token;
+    let state_dir = dev.data_dir.join("runner-state");
+    let logs = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let start_runner = || {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_automesh"))
+            .args(["runner", "--engine", "native", "--gateway", &dev.runners])
+            .arg("--state-dir")
+            .arg(&state_dir)
+            .args(["--provider-url", &provider_url, "--connect-url", &mcp_url])
+            .env("AUTOMESH_RUNNER_TOKEN", &runner_token)
+            .env("AUTOMESH_PROVIDER_API_KEY", PROVIDER_KEY)
+            .env("AUTOMESH_CONNECT_TOKEN", MCP_TOKEN)
+            .env("RUST_LOG", "debug")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start automesh runner");
+        // Read both outputs as they come, so a chatty runner never blocks.
+        for out in [
+            child
+                .stdout
+                .take()
+                .map(|o| Box::new(o) as Box<dyn std::io::Read + Send>),
+            child
+                .stderr
+                .take()
+                .map(|e| Box::new(e) as Box<dyn std::io::Read + Send>),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let logs = logs.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(out).lines().map_while(Result::ok) {
+                    let mut l = logs.lock().expect("lock");
+                    l.push_str(&line);
+                    l.push('\n');
+                }
+            });
+        }
+        child
+    };
+    let mut first = start_runner();
+
+    let automation = automations
+        .create_automation(with_bearer(
+            &token,
+            tonic::Request::new(pb::CreateAutomationRequest {
+                automation: Some(pb::Automation {
+                    name: "desk".into(),
+                    prompt: "tidy my downloads".into(),
+                    model: "fake/echo".into(),
+                    schedule: Some(pb::Schedule {
+                        kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
+                            time_of_day: Some(pb::TimeOfDay {
+                                hours: 9,
+                                minutes: 0,
+                            }),
+                            time_zone: "UTC".into(),
+                        })),
+                    }),
+                    ..Default::default()
+                }),
+                surface: pb::Surface::Desktop as i32,
+            }),
+        ))
+        .await
+        .expect("create")
+        .into_inner()
+        .automation
+        .expect("automation");
+    let run = runs_now(
+        &mut automations,
+        with_bearer(
+            &token,
+            tonic::Request::new(pb::RunAutomationNowRequest {
+                id: automation.id,
+                idempotency_key: "once".into(),
+            }),
+        ),
+    )
+    .await;
+
+    let give_up = std::time::Instant::now() + Duration::from_secs(60);
+    while fake.calls() == 0 {
+        assert!(
+            std::time::Instant::now() < give_up,
+            "the runner never called the model"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    first.kill().expect("SIGKILL");
+    let _ = first.wait();
+
+    let mut second = start_runner();
+    let give_up = std::time::Instant::now() + Duration::from_secs(60);
+    let ended = loop {
+        let got = runs
+            .get_run(with_bearer(
+                &token,
+                tonic::Request::new(pb::GetRunRequest { id: run.id.clone() }),
+            ))
+            .await
+            .expect("get run")
+            .into_inner()
+            .run
+            .expect("run");
+        if got.receipt.is_some() {
+            break got;
+        }
+        assert!(
+            std::time::Instant::now() < give_up,
+            "the run did not end: {got:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let receipt = ended.receipt.expect("receipt");
+    assert_eq!(receipt.outcome, pb::RunState::Failed as i32, "{receipt:?}");
+    assert_eq!(receipt.error_code, "runner_interrupted", "{receipt:?}");
+    assert_eq!(fake.calls(), 1, "the prompt reached the model once");
+    second.kill().expect("kill");
+    let _ = second.wait();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let logs = logs.lock().expect("lock").clone();
+    assert!(
+        logs.contains("runner connected"),
+        "the runner logged: {logs}"
+    );
+    for secret in [PROVIDER_KEY, MCP_TOKEN, runner_token.as_str()] {
+        assert!(!logs.contains(secret), "a secret reached the runner's logs");
+    }
+}
+
+async fn runs_now(
+    client: &mut automesh_proto::v1::automations_client::AutomationsClient<
+        tonic::transport::Channel,
+    >,
+    request: tonic::Request<automesh_proto::v1::RunAutomationNowRequest>,
+) -> automesh_proto::v1::Run {
+    client
+        .run_automation_now(request)
+        .await
+        .expect("run now")
+        .into_inner()
+        .run
+        .expect("run")
+}
+
+fn with_bearer<T>(token: &str, mut r: tonic::Request<T>) -> tonic::Request<T> {
+    r.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {token}").parse().expect("ascii"),
+    );
+    r
 }

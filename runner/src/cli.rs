@@ -7,6 +7,7 @@ use std::time::Duration;
 use automesh_engine::adapter::{EngineAdapter, NativeEngine};
 use automesh_engine::connect::ConnectConfig;
 use automesh_engine::native::{NativeRun, Price};
+use automesh_engine::opencode::{OpenCodeConfig, OpenCodeEngine, OpenCodeServer, PolicyBook};
 use automesh_engine::provider::ProviderConfig;
 use automesh_rpc::auth::Secret;
 use automesh_rpc::runtime::parse_duration;
@@ -20,6 +21,10 @@ pub enum EngineKind {
     /// The native engine: an OpenAI-compatible provider plus the two Connect
     /// MCP tools.
     Native,
+    /// A local OpenCode server (`opencode serve`), attached to with
+    /// --opencode-url or started with --opencode-bin, under the headless
+    /// permission policy of --permission-policy.
+    Opencode,
 }
 
 /// Connects to the desktop-runner-gateway with a runner token and runs the
@@ -93,6 +98,35 @@ pub struct Args {
     /// Native engine: the agent loop's step limit.
     #[arg(long, default_value_t = 32)]
     pub max_steps: u32,
+    /// OpenCode: attach to this running server (such as http://127.0.0.1:4096).
+    #[arg(long, env = "AUTOMESH_OPENCODE_URL", conflicts_with = "opencode_bin")]
+    pub opencode_url: Option<String>,
+    /// OpenCode: start this `opencode` binary (`opencode serve`) as a child.
+    #[arg(long, env = "AUTOMESH_OPENCODE_BIN")]
+    pub opencode_bin: Option<PathBuf>,
+    /// OpenCode: the project directory the agent works in.
+    #[arg(long, env = "AUTOMESH_OPENCODE_DIR", default_value = ".")]
+    pub opencode_dir: PathBuf,
+    /// OpenCode: the server's password (HTTP Basic, user `opencode`); a
+    /// started server gets a random one when unset.
+    #[arg(long, env = "AUTOMESH_OPENCODE_PASSWORD", hide_env_values = true)]
+    pub opencode_password: Option<Secret>,
+    /// OpenCode: the headless permission policy (JSON; see
+    /// docs/permission-policy.md). Without it every prompt is rejected.
+    #[arg(long, env = "AUTOMESH_PERMISSION_POLICY")]
+    pub permission_policy: Option<PathBuf>,
+    /// OpenCode: time without progress of a session before it is ended.
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    pub idle_timeout: Duration,
+}
+
+/// Reads a permission policy document.
+pub fn read_policy(path: &std::path::Path) -> anyhow::Result<PolicyBook> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        anyhow::anyhow!("cannot read the permission policy {}: {e}", path.display())
+    })?;
+    serde_json::from_str(&text)
+        .map_err(|e| anyhow::anyhow!("the permission policy {} is not valid: {e}", path.display()))
 }
 
 /// The native engine as the flags configure it.
@@ -128,8 +162,46 @@ pub fn native_engine(args: &Args) -> NativeEngine {
 impl Args {
     pub async fn execute(self) -> anyhow::Result<()> {
         let _telemetry = automesh_rpc::telemetry::init("automesh-runner")?;
+        let mut _server = None;
         let engine: Arc<dyn EngineAdapter> = match self.engine {
             EngineKind::Native => Arc::new(native_engine(&self)),
+            EngineKind::Opencode => {
+                let policies = match &self.permission_policy {
+                    Some(p) => read_policy(p)?,
+                    None => PolicyBook::default(),
+                };
+                let password = self
+                    .opencode_password
+                    .as_ref()
+                    .map(|p| p.expose().to_owned());
+                let (url, password) = match (&self.opencode_url, &self.opencode_bin) {
+                    (Some(url), _) => (url.clone(), password),
+                    (None, Some(bin)) => {
+                        let password =
+                            password.unwrap_or_else(|| automesh_rpc::runtime::random_secret("oc_"));
+                        let env = vec![("OPENCODE_SERVER_PASSWORD".to_owned(), password.clone())];
+                        eprintln!("automesh runner: starting {} serve", bin.display());
+                        let server = OpenCodeServer::start(
+                            bin,
+                            &self.opencode_dir,
+                            &env,
+                            Duration::from_secs(60),
+                        )
+                        .await
+                        .map_err(|e| anyhow::anyhow!("{}: {}", e.code, e.message))?;
+                        let url = server.base_url.clone();
+                        _server = Some(server);
+                        (url, Some(password))
+                    }
+                    (None, None) => anyhow::bail!(
+                        "--engine opencode needs --opencode-url (attach) or --opencode-bin (start)"
+                    ),
+                };
+                let mut config = OpenCodeConfig::new(url);
+                config.password = password;
+                config.idle_timeout = self.idle_timeout;
+                Arc::new(OpenCodeEngine { config, policies })
+            }
         };
         let mut settings = Settings::new(
             self.gateway.clone(),

@@ -457,3 +457,128 @@ async fn cancelling_a_run_stops_the_runners_engine_and_ends_once_idle_is_observe
     runner.task.abort();
     desk.stop().await;
 }
+
+fn opencode_binary() -> PathBuf {
+    std::env::var("AUTOMESH_OPENCODE_BIN").map_or_else(
+        |_| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../.tools/opencode/node_modules/opencode-linux-x64/bin/opencode")
+        },
+        PathBuf::from,
+    )
+}
+
+/// The fake model as OpenCode calls it: a tool result → "4"; otherwise one
+/// bash call.
+fn opencode_model(n: usize, req: &serde_json::Value) -> Reply {
+    let _ = n;
+    let last_is_tool = req["messages"]
+        .as_array()
+        .and_then(|m| m.last())
+        .is_some_and(|m| m["role"] == "tool");
+    let answer = if req["tools"].is_null() {
+        text_completion("Fake title")
+    } else if last_is_tool {
+        text_completion("4")
+    } else {
+        automesh_testkit::tool_call_completion(
+            "call_1",
+            "bash",
+            &serde_json::json!({"command": "echo hi", "description": "Print hi"}).to_string(),
+        )
+    };
+    Reply::Sse(automesh_testkit::as_sse(&answer))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_desktop_run_executes_through_the_opencode_adapter_under_the_runners_policy() {
+    use automesh_engine::opencode::{
+        OpenCodeConfig, OpenCodeEngine, OpenCodeServer, PermissionPolicy, PermissionRule,
+        PolicyBook, isolated_env,
+    };
+    let desk = desk(Duration::from_secs(120), streams(), opencode_model).await;
+    let bin = opencode_binary();
+    assert!(
+        bin.exists(),
+        "OpenCode missing at {} (scripts/test installs it)",
+        bin.display()
+    );
+    let root = desk.state_dir.with_extension("opencode");
+    let project = root.join("project");
+    std::fs::create_dir_all(&project).expect("project");
+    let provider_url = desk.engine.template.provider.base_url.clone();
+    let config = serde_json::json!({
+        "model": "fake/echo", "small_model": "fake/echo", "autoupdate": false, "share": "disabled",
+        "provider": {"fake": {"npm": "@ai-sdk/openai-compatible", "name": "Fake",
+            "options": {"baseURL": provider_url, "apiKey": "sk-fake"},
+            "models": {"echo": {"name": "Echo", "tool_call": true}}}},
+        "permission": {"bash": "ask"}
+    });
+    let server = OpenCodeServer::start(
+        &bin,
+        &project,
+        &isolated_env(&root, &config.to_string()),
+        Duration::from_secs(60),
+    )
+    .await
+    .expect("opencode serve");
+    let engine = OpenCodeEngine {
+        config: OpenCodeConfig::new(server.base_url.clone()),
+        policies: PolicyBook {
+            default: PermissionPolicy {
+                allow: vec![PermissionRule {
+                    permission: "bash".into(),
+                    patterns: vec!["echo *".into()],
+                }],
+            },
+            automations: Default::default(),
+        },
+    };
+    let mut settings = Settings::new(
+        vec![desk.mesh.runner_gateways[0].clone()],
+        desk.runner_token.clone().into(),
+        desk.state_dir.clone(),
+    );
+    settings.reconnect_min = Duration::from_millis(50);
+    let runner = Runner::new(settings, Arc::new(engine)).expect("runner");
+    let task = tokio::spawn(async move { runner.run(CancellationToken::new()).await });
+    let run = desk.run_now().await;
+    let ended = desk.terminal(&run.id).await;
+    assert_eq!(ended.state, RunState::Succeeded, "{ended:?}");
+    let receipt = desk
+        .mesh
+        .store()
+        .get_receipt(&run.id)
+        .await
+        .expect("get")
+        .expect("receipt");
+    assert_eq!(receipt.engine.as_deref(), Some("opencode-1.18"));
+    let events = desk
+        .mesh
+        .store()
+        .list_events(&run.id, 0, 200)
+        .await
+        .expect("events");
+    let replies: Vec<String> = events
+        .iter()
+        .filter_map(|e| match &e.payload {
+            automesh_domain::RunEventPayload::PermissionPrompt { reply, .. } => {
+                Some(reply.clone().unwrap_or_default())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        replies,
+        vec![String::new(), "once".to_owned()],
+        "{events:?}"
+    );
+    assert!(events.iter().any(|e| matches!(
+        &e.payload,
+        automesh_domain::RunEventPayload::AssistantText { text } if text == "4"
+    )));
+    task.abort();
+    drop(server);
+    let _ = std::fs::remove_dir_all(&root);
+    desk.stop().await;
+}

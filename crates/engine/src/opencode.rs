@@ -646,11 +646,7 @@ impl<'a> Drive<'a> {
         }
         match ty {
             "session.status" => match p["status"]["type"].as_str() {
-                Some("idle") => {
-                    if sid == self.root {
-                        self.root_idle = true;
-                    }
-                }
+                Some("idle") if sid == self.root => self.root_idle = true,
                 Some("busy") => self.busy_seen = true,
                 Some("retry") => {
                     self.busy_seen = true;

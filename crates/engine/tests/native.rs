@@ -136,6 +136,7 @@ async fn happy_path(stream: bool) {
             EngineEvent::ToolResult { .. } => "result",
             EngineEvent::Usage { .. } => "usage",
             EngineEvent::Checkpoint(_) => "checkpoint",
+            EngineEvent::Permission { .. } => "permission",
         })
         .collect();
     assert_eq!(

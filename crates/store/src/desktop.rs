@@ -136,7 +136,7 @@ fn to_hex(bytes: &[u8]) -> String {
 
 fn from_hex(s: &str) -> Result<Vec<u8>> {
     let corrupt = || StoreError::Corrupt("desktop body is not hex".into());
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return Err(corrupt());
     }
     s.as_bytes()
@@ -475,7 +475,7 @@ mod tests {
     #[test]
     fn hex_round_trips() {
         let bytes: Vec<u8> = (0..=255).collect();
-        assert_eq!(from_hex(&to_hex(&bytes)).unwrap(), bytes);
+        assert_eq!(from_hex(&to_hex(&bytes)).expect("hex"), bytes);
         assert!(from_hex("abc").is_err());
         assert!(from_hex("zz").is_err());
     }

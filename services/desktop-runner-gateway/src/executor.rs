@@ -38,6 +38,10 @@ pub(crate) const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 const POLL: Duration = Duration::from_secs(1);
 /// Assignments (and cancellations) one delivery pass handles.
 const PASS_LIMIT: u32 = 256;
+/// How often a replica forgets long-finished assignments, and how long
+/// they are kept (their receipts and events live on in the run's records).
+const PURGE_EVERY: Duration = Duration::from_secs(600);
+const KEEP_FINISHED: chrono::Duration = chrono::Duration::hours(24);
 /// Events one `ObserveRun` read takes.
 const EVENTS_PAGE: u32 = 256;
 
@@ -88,10 +92,24 @@ impl Dispatch {
         sessions: Arc<Sessions>,
         shutdown: CancellationToken,
     ) {
+        let mut last_purge = tokio::time::Instant::now();
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
+            if last_purge.elapsed() >= PURGE_EVERY {
+                last_purge = tokio::time::Instant::now();
+                let before = Utc::now() - KEEP_FINISHED;
+                match store.purge_finished_desktop_runs(before).await {
+                    Ok(n) if n > 0 => {
+                        tracing::info!(purged = n, "finished desktop assignments purged")
+                    }
+                    Ok(_) => {}
+                    Err(error) => {
+                        tracing::warn!(%error, "purging finished desktop assignments failed")
+                    }
+                }
+            }
             if !sessions.is_empty()
                 && let Err(error) = self.pass(&store, &sessions).await
             {

@@ -565,3 +565,206 @@ pub async fn invalid_page_token_is_rejected(store: &Store) {
     assert!(page.items.is_empty());
     assert!(page.next.is_none());
 }
+
+pub async fn desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_it(store: &Store) {
+    use automesh_store::desktop::DesktopPhase;
+    let now = t(0);
+    assert!(
+        store
+            .offer_desktop_run("run-d1", "org-a", "alice", b"\x00spec\xff", now)
+            .await
+            .expect("offer")
+    );
+    assert!(
+        !store
+            .offer_desktop_run("run-d1", "org-a", "alice", b"other", now)
+            .await
+            .expect("again"),
+        "offered once"
+    );
+    assert_eq!(
+        store
+            .unclaimed_desktop_runs(10)
+            .await
+            .expect("unclaimed")
+            .len(),
+        1
+    );
+    // Two replicas race to claim for two runners: one wins.
+    let (a, b) = tokio::join!(
+        store.claim_desktop_run("run-d1", "runner-a", now),
+        store.claim_desktop_run("run-d1", "runner-b", now)
+    );
+    assert!(a.expect("a") ^ b.expect("b"), "exactly one claim wins");
+    let held = store
+        .desktop_run("run-d1")
+        .await
+        .expect("read")
+        .expect("offered");
+    let winner = held.runner_id.clone().expect("claimed");
+    let loser = if winner == "runner-a" {
+        "runner-b"
+    } else {
+        "runner-a"
+    };
+    assert_eq!(
+        held.spec, b"\x00spec\xff",
+        "the spec round-trips byte for byte"
+    );
+    assert!(
+        store
+            .unclaimed_desktop_runs(10)
+            .await
+            .expect("unclaimed")
+            .is_empty()
+    );
+    // Only the claiming runner's reports count.
+    assert!(
+        !store
+            .desktop_run_accepted("run-d1", loser, now)
+            .await
+            .expect("loser")
+    );
+    assert!(
+        store
+            .desktop_run_accepted("run-d1", &winner, now)
+            .await
+            .expect("winner")
+    );
+    let events = vec![
+        ("e1".to_owned(), b"one".to_vec()),
+        ("e2".to_owned(), b"two".to_vec()),
+    ];
+    assert_eq!(
+        store
+            .append_desktop_events("run-d1", loser, &events, now)
+            .await
+            .expect("loser"),
+        0
+    );
+    assert_eq!(
+        store
+            .append_desktop_events("run-d1", &winner, &events, now)
+            .await
+            .expect("w"),
+        2
+    );
+    assert_eq!(
+        store
+            .append_desktop_events("run-d1", &winner, &events, now)
+            .await
+            .expect("again"),
+        0,
+        "redelivery adds nothing"
+    );
+    let read = store
+        .desktop_events_after("run-d1", 0, 10)
+        .await
+        .expect("events");
+    assert_eq!(
+        read.iter().map(|e| e.sequence).collect::<Vec<_>>(),
+        vec![1, 2]
+    );
+    assert_eq!(
+        store
+            .desktop_events_after("run-d1", 1, 10)
+            .await
+            .expect("after")
+            .len(),
+        1
+    );
+    // Accepted runs are not given back when the stream ends.
+    assert_eq!(
+        store
+            .release_unaccepted_desktop_runs(&winner, now)
+            .await
+            .expect("release"),
+        0
+    );
+    assert!(
+        store
+            .desktop_run_finished("run-d1", &winner, b"outcome", now)
+            .await
+            .expect("finish")
+    );
+    assert!(
+        !store
+            .desktop_run_finished("run-d1", &winner, b"twice", now)
+            .await
+            .expect("twice")
+    );
+    let done = store
+        .desktop_run("run-d1")
+        .await
+        .expect("read")
+        .expect("offered");
+    assert_eq!(
+        (done.phase, done.idle, done.outcome.as_deref()),
+        (DesktopPhase::Finished, true, Some(&b"outcome"[..]))
+    );
+
+    // A run no runner holds is idle as soon as it is cancelled, and can no
+    // longer be claimed.
+    assert!(
+        store
+            .offer_desktop_run("run-d2", "org-a", "alice", b"s", now)
+            .await
+            .expect("offer")
+    );
+    let cancelled = store
+        .cancel_desktop_run("run-d2", "user", now)
+        .await
+        .expect("cancel")
+        .expect("known");
+    assert!(cancelled.cancel_requested && cancelled.idle);
+    assert!(
+        !store
+            .claim_desktop_run("run-d2", "runner-a", now)
+            .await
+            .expect("claim")
+    );
+    // A claimed, unaccepted run is given back.
+    assert!(
+        store
+            .offer_desktop_run("run-d3", "org-a", "alice", b"s", now)
+            .await
+            .expect("offer")
+    );
+    assert!(
+        store
+            .claim_desktop_run("run-d3", "runner-a", now)
+            .await
+            .expect("claim")
+    );
+    assert_eq!(
+        store
+            .release_unaccepted_desktop_runs("runner-a", now)
+            .await
+            .expect("release"),
+        1
+    );
+    assert!(
+        store
+            .desktop_run("run-d3")
+            .await
+            .expect("read")
+            .expect("offered")
+            .runner_id
+            .is_none()
+    );
+    assert_eq!(
+        store
+            .purge_finished_desktop_runs(t(1))
+            .await
+            .expect("purge"),
+        1
+    );
+    assert!(store.desktop_run("run-d1").await.expect("read").is_none());
+    assert!(
+        store
+            .desktop_events_after("run-d1", 0, 10)
+            .await
+            .expect("events")
+            .is_empty()
+    );
+}

@@ -26,6 +26,7 @@ macro_rules! conformance_suite {
             workers_register_once_per_owner,
             runner_tokens_resolve_until_revoked,
             invalid_page_token_is_rejected,
+            desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_it,
         );
     };
     ($backend:expr; $($case:ident),* $(,)?) => {
