@@ -149,6 +149,11 @@ enum CtlCommand {
         #[arg(long)]
         name: String,
     },
+    /// Revoke a desktop runner: its token stops working and its stream ends.
+    RevokeRunner {
+        /// The runner id `runner-token` printed.
+        runner_id: String,
+    },
     /// Mint a development token for another user (dev mode: signs with <data-dir>/jwt-secret).
     Token {
         #[arg(long)]
@@ -671,6 +676,15 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
                 .into_inner();
             println!("runner id: {}", r.runner_id);
             println!("token (shown once): {}", r.token);
+        }
+        CtlCommand::RevokeRunner { runner_id } => {
+            automations
+                .revoke_runner_token(pb::RevokeRunnerTokenRequest {
+                    runner_id: runner_id.clone(),
+                })
+                .await
+                .map_err(explain)?;
+            println!("runner {runner_id} revoked");
         }
         CtlCommand::Token { .. } => unreachable!("handled above"),
     }

@@ -234,4 +234,21 @@ impl Automations for Gateway {
             create_time: resp.create_time,
         }))
     }
+
+    async fn revoke_runner_token(
+        &self,
+        request: Request<pb::RevokeRunnerTokenRequest>,
+    ) -> Result<Response<pb::RevokeRunnerTokenResponse>, Status> {
+        let owner = self.principal(&request)?;
+        let req = request.into_inner();
+        let mut tokens = self.upstreams.runner_tokens.clone();
+        tokens
+            .revoke_runner_token(rpb::RevokeRunnerTokenRequest {
+                caller: Some(convert::caller(&owner)),
+                runner_id: req.runner_id,
+            })
+            .await
+            .map_err(status::forward)?;
+        Ok(Response::new(pb::RevokeRunnerTokenResponse {}))
+    }
 }

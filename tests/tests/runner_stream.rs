@@ -261,3 +261,51 @@ async fn a_reconnecting_runner_holding_unknown_runs_is_told_to_cancel_them_all()
     drop(tx);
     mesh.stop().await.expect("stop");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revoking_a_runner_through_the_public_api_ends_its_live_stream() {
+    let mesh = mesh().await;
+    let minted = mint(&mesh).await;
+    let (tx, answer) = open(&mesh, &minted.token).await;
+    let mut stream = answer.expect("connected");
+    let first = stream.message().await.expect("ok").expect("welcome");
+    assert!(matches!(
+        first.message,
+        Some(rpb::connect_response::Message::Welcome(_))
+    ));
+    // A live, heartbeating runner.
+    let beating = tokio::spawn(async move {
+        while tx.send(heartbeat()).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    mesh.automations(Some(&mesh.token("acme", "alice")))
+        .revoke_runner_token(pb::RevokeRunnerTokenRequest {
+            runner_id: minted.runner_id.clone(),
+        })
+        .await
+        .expect("revoke");
+    let ended = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match stream.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => return None,
+                Err(status) => return Some(status),
+            }
+        }
+    })
+    .await
+    .expect("the stream ended after the revocation");
+    assert_eq!(ended.map(|s| s.code()), Some(Code::Unauthenticated));
+    // Another user cannot revoke alice's runner: NOT_FOUND.
+    let err = mesh
+        .automations(Some(&mesh.token("acme", "mallory")))
+        .revoke_runner_token(pb::RevokeRunnerTokenRequest {
+            runner_id: minted.runner_id,
+        })
+        .await
+        .expect_err("not hers");
+    assert_eq!(err.code(), Code::NotFound);
+    beating.abort();
+    mesh.stop().await.expect("stop");
+}

@@ -24,6 +24,9 @@ const REVOKE_RUNNER: &str = "UPDATE runners SET revoked_at = $4 \
 const REVOKE_TOKENS: &str =
     "UPDATE runner_tokens SET revoked_at = $2 WHERE runner_id = $1 AND revoked_at IS NULL";
 
+const REVOKED_SINCE: &str =
+    "SELECT id FROM runners WHERE revoked_at IS NOT NULL AND revoked_at >= $1";
+
 const GET: &str = "SELECT id, org_id, owner_id, name, created_at, revoked_at FROM runners \
      WHERE id = $1 AND org_id = $2 AND owner_id = $3";
 
@@ -65,6 +68,15 @@ impl Store {
             .await?;
         tx.commit().await?;
         self.get_runner(owner, runner_id).await
+    }
+
+    /// Runners revoked at or after `since` (any owner): replicas end the
+    /// streams they hold of these.
+    pub async fn runners_revoked_since(&self, since: DateTime<Utc>) -> Result<Vec<String>> {
+        Ok(sqlx::query_scalar(REVOKED_SINCE)
+            .bind(micros(since))
+            .fetch_all(self.pool())
+            .await?)
     }
 
     /// One runner of `owner`.

@@ -38,6 +38,8 @@ pub(crate) const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 const POLL: Duration = Duration::from_secs(1);
 /// Assignments (and cancellations) one delivery pass handles.
 const PASS_LIMIT: u32 = 256;
+/// How far back each pass looks for revoked runners.
+const REVOCATION_MARGIN: chrono::Duration = chrono::Duration::seconds(10);
 /// How often a replica forgets long-finished assignments, and how long
 /// they are kept (their receipts and events live on in the run's records).
 const PURGE_EVERY: Duration = Duration::from_secs(600);
@@ -93,6 +95,9 @@ impl Dispatch {
         shutdown: CancellationToken,
     ) {
         let mut last_purge = tokio::time::Instant::now();
+        // Revocations are looked for with a margin, so a clock step or a
+        // slow commit cannot hide one; ending a stream twice is harmless.
+        let mut revoked_after = Utc::now() - REVOCATION_MARGIN;
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
@@ -108,6 +113,19 @@ impl Dispatch {
                     Err(error) => {
                         tracing::warn!(%error, "purging finished desktop assignments failed")
                     }
+                }
+            }
+            if !sessions.is_empty() {
+                let checked = Utc::now();
+                match store.runners_revoked_since(revoked_after).await {
+                    Ok(ids) => {
+                        let ended = sessions.revoke(&ids);
+                        if ended > 0 {
+                            tracing::info!(streams = ended, "streams of revoked runners ended");
+                        }
+                        revoked_after = checked - REVOCATION_MARGIN;
+                    }
+                    Err(error) => tracing::warn!(%error, "cannot look for revoked runners"),
                 }
             }
             if !sessions.is_empty()

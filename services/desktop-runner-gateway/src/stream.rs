@@ -64,6 +64,8 @@ pub struct Session {
     pub owner_id: String,
     /// Ends the stream (a newer stream of the same runner replaces it).
     pub closed: CancellationToken,
+    /// Ends the stream because the runner was revoked.
+    pub revoked: CancellationToken,
     pub tx: ToRunner,
 }
 
@@ -97,6 +99,18 @@ impl Sessions {
         m.values()
             .find(|s| s.org_id == org_id && s.owner_id == owner_id)
             .cloned()
+    }
+
+    /// Ends the streams of revoked runners held here; returns how many.
+    pub fn revoke(&self, runner_ids: &[String]) -> usize {
+        let Ok(m) = self.by_runner.lock() else {
+            return 0;
+        };
+        runner_ids
+            .iter()
+            .filter_map(|id| m.get(id))
+            .map(|s| s.revoked.cancel())
+            .count()
     }
 
     /// The stream of a connected runner.
@@ -187,6 +201,7 @@ impl DesktopRunnerService for RunnerStreams {
             org_id: runner.org_id.clone(),
             owner_id: runner.owner_id.clone(),
             closed: closed.clone(),
+            revoked: CancellationToken::new(),
             tx: tx.clone(),
         };
         if let Ok(mut m) = self.sessions.by_runner.lock()
@@ -366,6 +381,7 @@ async fn follow(
         let next = tokio::select! {
             next = tokio::time::timeout(settings.dead_after, inbound.next()) => next,
             () = session.closed.cancelled() => return Err(Status::aborted("replaced by a newer stream of this runner")),
+            () = session.revoked.cancelled() => return Err(Status::unauthenticated("the runner was revoked")),
             () = shutdown.cancelled() => return Err(Status::unavailable("gateway shutting down; reconnect")),
         };
         let message = match next {

@@ -254,18 +254,24 @@ async fn drive(ctx: Arc<Context>, claimed: ClaimedRun) {
         .instrument(span.clone())
         .await;
     drop(heartbeat);
-    let _enter = span.enter();
-    match result {
-        Ok(ending) => {
-            if let Err(error) = finish(&ctx, &run, ending).await {
-                tracing::warn!(%error, "cannot record the run's end; it will be retried after the lease");
+    // Instrumented, never `span.enter()` across an await: a guard held over
+    // an await point can be dropped on another thread and corrupt the
+    // subscriber's span registry.
+    async {
+        match result {
+            Ok(ending) => {
+                if let Err(error) = finish(&ctx, &run, ending).await {
+                    tracing::warn!(%error, "cannot record the run's end; it will be retried after the lease");
+                }
+            }
+            Err(Stop::LeaseLost) => tracing::warn!("lease lost; another coordinator has the run"),
+            Err(Stop::Store(error)) => {
+                tracing::warn!(%error, "driver stopped on a store error; retried after the lease")
             }
         }
-        Err(Stop::LeaseLost) => tracing::warn!("lease lost; another coordinator has the run"),
-        Err(Stop::Store(error)) => {
-            tracing::warn!(%error, "driver stopped on a store error; retried after the lease")
-        }
     }
+    .instrument(span)
+    .await;
 }
 
 /// Aborts its task when dropped.
