@@ -17,6 +17,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "automesh/worker/v1/lifecycle.proto",
         "automesh/runner/v1/runner.proto",
         "automesh/executor/v1/executor.proto",
+        "automesh/agent/v1/agent.proto",
     ];
     for file in files {
         println!("cargo:rerun-if-changed={file}");

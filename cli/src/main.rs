@@ -44,6 +44,8 @@ enum Command {
     DesktopRunnerGateway(automesh_desktop_runner_gateway::Command),
     /// Run the reference desktop runner: execute the owner's desktop runs here.
     Runner(automesh_runner::cli::Args),
+    /// Run the worker agent (inside a cloud worker; started by its driver).
+    WorkerAgent(automesh_worker_agent::Args),
     /// Drive the public API: automations, runs, events, tokens.
     Ctl(ctl::CtlArgs),
     /// Operator tasks on the internal services.
@@ -78,6 +80,7 @@ async fn execute(command: Command) -> anyhow::Result<()> {
         Command::CloudWorkerLifecycle(c) => c.execute().await,
         Command::DesktopRunnerGateway(c) => c.execute().await,
         Command::Runner(args) => args.execute().await,
+        Command::WorkerAgent(args) => args.execute().await,
         Command::Ctl(args) => ctl::run(args).await,
         Command::Admin(args) => admin::run(args).await,
     }

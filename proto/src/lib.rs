@@ -61,3 +61,11 @@ pub mod executor {
         tonic::include_proto!("automesh.executor.v1");
     }
 }
+
+#[allow(clippy::all, missing_docs)]
+pub mod agent {
+    //! `automesh.agent.v1`: the worker agent inside a user's cloud worker.
+    pub mod v1 {
+        tonic::include_proto!("automesh.agent.v1");
+    }
+}

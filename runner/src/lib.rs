@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use automesh_domain::ErrorCode;
 use automesh_engine::adapter::{EngineAdapter, EngineRequest};
-use automesh_engine::native::{Ending, EngineEvent, Outcome};
+use automesh_engine::native::Outcome;
 use automesh_proto::runner::v1 as rpb;
 use automesh_proto::runner::v1::desktop_runner_service_client::DesktopRunnerServiceClient;
 use automesh_proto::v1 as pb;
@@ -143,101 +143,19 @@ fn up(m: Up) -> rpb::ConnectRequest {
     rpb::ConnectRequest { message: Some(m) }
 }
 
-fn now_ts() -> prost_types::Timestamp {
-    let now = chrono::Utc::now();
-    prost_types::Timestamp {
-        seconds: now.timestamp(),
-        nanos: now.timestamp_subsec_nanos() as i32,
-    }
-}
-
-/// The wire event for an engine event (checkpoints stay local).
-pub fn run_event(run_id: &str, n: usize, e: &EngineEvent) -> Option<pb::RunEvent> {
-    use pb::run_event::Payload;
-    let payload = match e {
-        EngineEvent::AssistantText { text, .. } => {
-            Payload::AssistantText(pb::AssistantText { text: text.clone() })
-        }
-        EngineEvent::ToolCall {
-            call_id,
-            tool,
-            input_json,
-            ..
-        } => Payload::ToolCall(pb::ToolCall {
-            call_id: call_id.clone(),
-            tool: tool.clone(),
-            input_json: input_json.clone(),
-        }),
-        EngineEvent::ToolResult {
-            call_id,
-            tool,
-            output,
-            is_error,
-            ..
-        } => Payload::ToolResult(pb::ToolResult {
-            call_id: call_id.clone(),
-            tool: tool.clone(),
-            output: output.clone(),
-            is_error: *is_error,
-        }),
-        EngineEvent::Usage { usage, .. } => Payload::Usage(pb::Usage {
-            input_tokens: usage.input_tokens,
-            output_tokens: usage.output_tokens,
-            cost_micros: usage.cost_micros,
-        }),
-        EngineEvent::Permission {
-            permission_id,
-            permission,
-            patterns,
-            reply,
-        } => Payload::PermissionPrompt(pb::PermissionPrompt {
-            permission_id: permission_id.clone(),
-            permission: permission.clone(),
-            patterns: patterns.clone(),
-            reply: reply.clone(),
-        }),
-        EngineEvent::Checkpoint(_) => return None,
-    };
-    Some(pb::RunEvent {
-        run_id: run_id.to_owned(),
-        sequence: 0,
-        // Stable: the n-th event of this run on this runner.
-        event_id: format!("{run_id}/{n}"),
-        create_time: Some(now_ts()),
-        payload: Some(payload),
-    })
-}
+pub use automesh_engine::wire::run_event;
+use automesh_engine::wire::{finished_parts, now_ts};
 
 /// The result message for an engine outcome.
 pub fn finished(run_id: &str, engine: &str, outcome: &Outcome) -> rpb::RunFinished {
-    let (state, code, message) = match &outcome.ending {
-        Ending::Succeeded { .. } => (pb::RunState::Succeeded, String::new(), String::new()),
-        Ending::Cancelled => (
-            pb::RunState::Cancelled,
-            String::new(),
-            "cancelled on the runner".to_owned(),
-        ),
-        Ending::Failed(e) => (
-            if e.code == ErrorCode::DeadlineExceeded {
-                pb::RunState::TimedOut
-            } else {
-                pb::RunState::Failed
-            },
-            e.code.as_str().to_owned(),
-            e.message.clone(),
-        ),
-    };
+    let (state, error_code, error_message, usage) = finished_parts(outcome);
     rpb::RunFinished {
         run_id: run_id.to_owned(),
         outcome: state as i32,
-        error_code: code,
-        error_message: message,
+        error_code,
+        error_message,
         engine: engine.to_owned(),
-        usage: Some(pb::Usage {
-            input_tokens: outcome.usage.input_tokens,
-            output_tokens: outcome.usage.output_tokens,
-            cost_micros: outcome.usage.cost_micros,
-        }),
+        usage: Some(usage),
     }
 }
 

@@ -45,6 +45,16 @@ pub struct MeshOptions {
     /// Replicas of the desktop-runner-gateway, each with its own connection
     /// pool. Coordinators call the last one; `runner_gateway` is the first.
     pub runner_gateways: usize,
+    /// Cloud runs go to the cloud-worker-lifecycle service (the real cloud
+    /// executor) with this driver and these settings, instead of `executor`.
+    pub cloud: Option<CloudOptions>,
+}
+
+/// The cloud path of a test mesh.
+#[derive(Debug, Clone)]
+pub struct CloudOptions {
+    pub driver: std::sync::Arc<dyn automesh_cloud_worker_lifecycle::driver::WorkerDriver>,
+    pub settings: automesh_cloud_worker_lifecycle::cloud::CloudSettings,
 }
 
 impl Default for MeshOptions {
@@ -60,6 +70,7 @@ impl Default for MeshOptions {
             runner_streams: Default::default(),
             desktop_via_runner_gateway: false,
             runner_gateways: 1,
+            cloud: None,
         }
     }
 }
@@ -164,15 +175,26 @@ impl Mesh {
                 l,
                 &shutdown,
                 &coordinated_gateway,
+                &lifecycle,
             )?);
         }
-        tasks.spawn(automesh_cloud_worker_lifecycle::serve(
-            store.clone(),
-            "local-process".into(),
-            credential.clone(),
-            ll,
-            shutdown.clone(),
-        ));
+        match &options.cloud {
+            Some(cloud) => tasks.spawn(automesh_cloud_worker_lifecycle::serve_with(
+                store.clone(),
+                cloud.driver.clone(),
+                cloud.settings.clone(),
+                credential.clone(),
+                ll,
+                shutdown.clone(),
+            )),
+            None => tasks.spawn(automesh_cloud_worker_lifecycle::serve(
+                store.clone(),
+                "local-process".into(),
+                credential.clone(),
+                ll,
+                shutdown.clone(),
+            )),
+        };
         let mut runner_gateway_stops = vec![];
         for (i, l) in runner_listeners.into_iter().enumerate() {
             // The first replica shares the mesh's pool; the others have
@@ -238,6 +260,7 @@ impl Mesh {
             l,
             &self.shutdown,
             &self.runner_gateways[self.runner_gateways.len() - 1],
+            &self.lifecycle,
         )?;
         self.coordinators.push(handle);
         Ok(())
@@ -301,14 +324,19 @@ fn spawn_coordinator(
     listener: TcpListener,
     shutdown: &CancellationToken,
     runner_gateway: &str,
+    lifecycle: &str,
 ) -> anyhow::Result<tokio::task::JoinHandle<anyhow::Result<()>>> {
     let desktop = if options.desktop_via_runner_gateway {
         Some(runner_gateway)
     } else {
         options.executor.as_deref()
     };
-    let executors =
-        automesh_run_coordinator::executors(desktop, options.executor.as_deref(), credential)?;
+    let cloud = if options.cloud.is_some() {
+        Some(lifecycle)
+    } else {
+        options.executor.as_deref()
+    };
+    let executors = automesh_run_coordinator::executors(desktop, cloud, credential)?;
     let settings = automesh_run_coordinator::driver::Settings {
         lease: options.lease,
         cancel_bound: options.cancel_bound,

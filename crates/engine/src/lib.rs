@@ -10,6 +10,7 @@ pub mod error;
 pub mod native;
 pub mod opencode;
 pub mod provider;
+pub mod wire;
 
 pub use adapter::{EngineAdapter, EngineRequest, NativeEngine};
 pub use error::EngineError;

@@ -40,6 +40,30 @@ impl InternalCredential {
             .unwrap_or_else(|_| MetadataValue::from_static("Bearer invalid"))
     }
 
+    /// A secret derived from this one for `label` (HMAC-SHA256, hex): every
+    /// replica derives the same value, so derived secrets (a worker's
+    /// collaborator token, the host credential) never need storing.
+    pub fn derive(&self, label: &str) -> String {
+        use sha2::{Digest, Sha256};
+        let mut key = [0u8; 64];
+        let secret = self.0.as_bytes();
+        if secret.len() > 64 {
+            key[..32].copy_from_slice(&Sha256::digest(secret));
+        } else {
+            key[..secret.len()].copy_from_slice(secret);
+        }
+        let pad = |b: u8| key.iter().map(|k| k ^ b).collect::<Vec<u8>>();
+        let inner = Sha256::new()
+            .chain_update(pad(0x36))
+            .chain_update(label.as_bytes())
+            .finalize();
+        let outer = Sha256::new()
+            .chain_update(pad(0x5c))
+            .chain_update(inner)
+            .finalize();
+        hex::encode(outer)
+    }
+
     fn matches(&self, presented: &[u8]) -> bool {
         let expected = format!("Bearer {}", self.0);
         constant_time_eq(expected.as_bytes(), presented)
@@ -93,5 +117,24 @@ impl std::str::FromStr for Secret {
 impl From<String> for Secret {
     fn from(s: String) -> Self {
         Secret(s)
+    }
+}
+
+#[cfg(test)]
+mod derive_tests {
+    use super::*;
+
+    #[test]
+    fn derived_secrets_are_stable_distinct_and_hide_the_parent() {
+        // RFC 4231 test case 2: key "Jefe", data "what do ya want for nothing?".
+        let c = InternalCredential("Jefe".into());
+        assert_eq!(
+            c.derive("what do ya want for nothing?"),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+        let c = InternalCredential::new("a-mesh-internal-credential").expect("credential");
+        assert_eq!(c.derive("worker:1"), c.derive("worker:1"));
+        assert_ne!(c.derive("worker:1"), c.derive("worker:2"));
+        assert!(!c.derive("worker:1").contains("a-mesh-internal-credential"));
     }
 }

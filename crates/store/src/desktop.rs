@@ -12,7 +12,7 @@
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
-use crate::rows::{int, micros, opt_text, text};
+use crate::rows::{from_hex, int, micros, opt_text, text, to_hex};
 use crate::signal::Topic;
 use crate::{Result, Store, StoreError};
 
@@ -123,30 +123,6 @@ const DELETE_FINISHED_EVENTS_BEFORE: &str = "DELETE FROM desktop_events WHERE ru
 
 const DELETE_FINISHED_BEFORE: &str =
     "DELETE FROM desktop_assignments WHERE phase = 'finished' AND updated_at < $1";
-
-fn to_hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(DIGITS[usize::from(b >> 4)] as char);
-        s.push(DIGITS[usize::from(b & 0xf)] as char);
-    }
-    s
-}
-
-fn from_hex(s: &str) -> Result<Vec<u8>> {
-    let corrupt = || StoreError::Corrupt("desktop body is not hex".into());
-    if !s.len().is_multiple_of(2) {
-        return Err(corrupt());
-    }
-    s.as_bytes()
-        .chunks(2)
-        .map(|pair| {
-            let digit = |c: u8| (c as char).to_digit(16).ok_or_else(corrupt);
-            Ok((digit(pair[0])? << 4 | digit(pair[1])?) as u8)
-        })
-        .collect()
-}
 
 fn decode(row: &AnyRow) -> Result<DesktopAssignment> {
     Ok(DesktopAssignment {
@@ -470,7 +446,7 @@ impl Store {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use crate::rows::{from_hex, to_hex};
 
     #[test]
     fn hex_round_trips() {

@@ -11,6 +11,7 @@
 //! guarded updates, row locks — never from in-memory state.
 
 pub mod automations;
+pub mod cloud;
 pub mod desktop;
 mod error;
 pub mod events;

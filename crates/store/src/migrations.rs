@@ -27,6 +27,12 @@ const MIGRATIONS: &[(i64, &str, &str, &str)] = &[
         include_str!("../../../migrations/postgres/0003_desktop_dispatch.sql"),
         include_str!("../../../migrations/sqlite/0003_desktop_dispatch.sql"),
     ),
+    (
+        4,
+        "cloud dispatch",
+        include_str!("../../../migrations/postgres/0004_cloud_dispatch.sql"),
+        include_str!("../../../migrations/sqlite/0004_cloud_dispatch.sql"),
+    ),
 ];
 
 pub(crate) fn migrator(backend: Backend) -> Migrator {

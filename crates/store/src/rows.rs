@@ -57,3 +57,28 @@ pub(crate) fn opt_parsed<T: FromStr>(row: &AnyRow, col: &str) -> Result<Option<T
     })
     .transpose()
 }
+
+/// Bytes as lowercase hex (bodies kept in TEXT columns on both backends).
+pub(crate) fn to_hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(DIGITS[usize::from(b >> 4)] as char);
+        s.push(DIGITS[usize::from(b & 0xf)] as char);
+    }
+    s
+}
+
+pub(crate) fn from_hex(s: &str) -> Result<Vec<u8>> {
+    let corrupt = || StoreError::Corrupt("a stored body is not hex".into());
+    if !s.len().is_multiple_of(2) {
+        return Err(corrupt());
+    }
+    s.as_bytes()
+        .chunks(2)
+        .map(|pair| {
+            let digit = |c: u8| (c as char).to_digit(16).ok_or_else(corrupt);
+            Ok((digit(pair[0])? << 4 | digit(pair[1])?) as u8)
+        })
+        .collect()
+}

@@ -1,6 +1,10 @@
 //! The cloud-worker-lifecycle service: owns per-user cloud workers — their
-//! records, and (as the cloud path grows) wake, readiness, idle stop and MCP
-//! registration.
+//! records, wake, readiness, idle stop and MCP registration — and serves the
+//! coordinator's executor contract for cloud runs (`cloud.rs`). Workers are
+//! started by a pluggable driver (`driver.rs`).
+
+pub mod cloud;
+pub mod driver;
 
 use std::net::SocketAddr;
 
@@ -34,6 +38,83 @@ pub struct Config {
     /// The worker driver new workers are recorded with.
     #[arg(long, env = "AUTOMESH_WORKER_DRIVER", default_value = "local-process")]
     pub driver: String,
+    /// The command that runs a worker agent (local-process driver); by
+    /// default this binary's `worker-agent` subcommand.
+    #[arg(long, env = "AUTOMESH_WORKER_AGENT_COMMAND", value_delimiter = ' ')]
+    pub agent_command: Vec<String>,
+    /// Where workers' working directories are created.
+    #[arg(
+        long,
+        env = "AUTOMESH_WORKERS_DIR",
+        default_value = ".automesh/workers"
+    )]
+    pub workers_dir: std::path::PathBuf,
+    /// The model provider workers use.
+    #[arg(
+        long,
+        env = "AUTOMESH_WORKER_PROVIDER_URL",
+        default_value = "https://api.openai.com/v1"
+    )]
+    pub provider_url: String,
+    #[arg(
+        long,
+        env = "AUTOMESH_WORKER_PROVIDER_API_KEY",
+        hide_env_values = true,
+        default_value = ""
+    )]
+    pub provider_key: automesh_rpc::auth::Secret,
+    /// The Connect (MCP) endpoint of the users' tools; without it cloud runs
+    /// end `mcp_config_missing`.
+    #[arg(long, env = "AUTOMESH_CONNECT_URL")]
+    pub connect_url: Option<String>,
+    #[arg(
+        long,
+        env = "AUTOMESH_CONNECT_TOKEN",
+        hide_env_values = true,
+        default_value = ""
+    )]
+    pub connect_token: automesh_rpc::auth::Secret,
+    /// Cap on a worker becoming ready (terminal readiness_timeout).
+    #[arg(long, default_value = "120s", value_parser = automesh_rpc::runtime::parse_duration)]
+    pub readiness_cap: std::time::Duration,
+    /// Workers unused this long are stopped.
+    #[arg(long, default_value = "15m", value_parser = automesh_rpc::runtime::parse_duration)]
+    pub idle_after: std::time::Duration,
+}
+
+impl Config {
+    /// The cloud settings and the local-process driver these flags describe.
+    pub fn cloud(
+        &self,
+    ) -> anyhow::Result<(
+        std::sync::Arc<dyn driver::WorkerDriver>,
+        cloud::CloudSettings,
+    )> {
+        let command = if self.agent_command.is_empty() {
+            vec![
+                std::env::current_exe()?.to_string_lossy().into_owned(),
+                "worker-agent".into(),
+            ]
+        } else {
+            self.agent_command.clone()
+        };
+        let driver = driver::LocalProcessDriver::new(
+            command,
+            self.workers_dir.clone(),
+            self.provider_url.clone(),
+            self.provider_key.expose().to_owned(),
+        );
+        let settings = cloud::CloudSettings {
+            readiness_cap: self.readiness_cap,
+            idle_after: self.idle_after,
+            connect: self.connect_url.clone().map(|url| cloud::ConnectSettings {
+                url,
+                token: self.connect_token.clone(),
+            }),
+            ..Default::default()
+        };
+        Ok((std::sync::Arc::new(driver), settings))
+    }
 }
 
 /// The lifecycle service's state. Cheap to clone.
@@ -121,10 +202,13 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let store = Store::connect_lazy(&config.database_url, StoreOptions::default())?;
-    serve(store, config.driver, credential, listener, shutdown).await
+    let (driver, settings) = config.cloud()?;
+    serve_with(store, driver, settings, credential, listener, shutdown).await
 }
 
-/// Serves over an existing store (used by `dev` mode and tests).
+/// Serves over an existing store with the default settings of a
+/// local-process driver running `agent_command` (used by `dev` mode and
+/// tests).
 pub async fn serve(
     store: Store,
     driver: String,
@@ -132,14 +216,54 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    let local = driver::LocalProcessDriver::new(
+        vec![],
+        std::env::temp_dir().join("automesh-workers"),
+        String::new(),
+        String::new(),
+    );
+    let _ = driver;
+    serve_with(
+        store,
+        std::sync::Arc::new(local),
+        cloud::CloudSettings::default(),
+        credential,
+        listener,
+        shutdown,
+    )
+    .await
+}
+
+/// Serves the lifecycle API and the cloud executor, and stops idle workers.
+pub async fn serve_with(
+    store: Store,
+    driver: std::sync::Arc<dyn driver::WorkerDriver>,
+    settings: cloud::CloudSettings,
+    credential: InternalCredential,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     let mut server = GrpcServer::new(ServerSettings::default())?;
+    let driver_name = driver.name();
+    let cloud = cloud::Cloud::new(store.clone(), driver, settings, credential.clone());
     server.add_service(CloudWorkerLifecycleServiceServer::with_interceptor(
-        Lifecycle::new(store.clone(), driver),
-        RequireInternal(credential),
+        Lifecycle::new(store.clone(), driver_name),
+        RequireInternal(credential.clone()),
     ));
-    server
+    server.add_service(
+        automesh_proto::executor::v1::executor_service_server::ExecutorServiceServer::with_interceptor(
+            cloud.clone(),
+            RequireInternal(credential),
+        ),
+    );
+    let tasks = shutdown.child_token();
+    let idle = tokio::spawn(cloud.idle_stop(tasks.clone()));
+    let served = server
         .serve(listener, shutdown, store.readiness_probe())
-        .await?;
+        .await;
+    tasks.cancel();
+    let _ = idle.await;
+    served?;
     Ok(())
 }
 

@@ -1,0 +1,590 @@
+//! The worker agent (`automesh worker-agent`): the program inside a user's
+//! cloud worker that hosts native threads (`automesh.agent.v1`).
+//!
+//! - A message is submitted to a thread idempotently by its message id
+//!   (observe-or-submit): a repeated id returns the existing message, never
+//!   a second execution.
+//! - Threads run on the native engine with the run-scoped Connect MCP
+//!   endpoint of the model's persisted `openwork-cloud` registration (kept in
+//!   the worker's state directory) and the run's bearer token, which is used
+//!   for that message only and never stored.
+//! - Threads keep running when the coordinator that started them goes away;
+//!   a later observer reattaches by thread id.
+//! - Every call needs both credentials — the collaborator token
+//!   (`authorization: Bearer …`) and the internal host credential
+//!   (`x-automesh-host-credential`) — and is refused if either is missing.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use automesh_domain::ErrorCode;
+use automesh_engine::adapter::{EngineAdapter, EngineRequest, NativeEngine};
+use automesh_engine::connect::ConnectConfig;
+use automesh_engine::native::{NativeRun, Price};
+use automesh_engine::provider::ProviderConfig;
+use automesh_engine::wire::{finished_parts, run_event};
+use automesh_proto::agent::v1 as apb;
+use automesh_proto::agent::v1::worker_agent_service_server::{
+    WorkerAgentService, WorkerAgentServiceServer,
+};
+use automesh_proto::v1 as pb;
+use automesh_rpc::auth::{Secret, constant_time_eq};
+use automesh_rpc::{GrpcServer, ServerSettings};
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, mpsc};
+use tokio_stream::Stream;
+use tokio_util::sync::CancellationToken;
+use tonic::service::Interceptor;
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+/// The header carrying the internal host credential.
+pub const HOST_HEADER: &str = "x-automesh-host-credential";
+/// The registration name the mesh manages.
+pub const REGISTRATION: &str = "openwork-cloud";
+
+/// Admits only calls carrying both credentials.
+#[derive(Clone)]
+pub struct DualCredential {
+    collaborator: Arc<str>,
+    host: Arc<str>,
+}
+
+impl std::fmt::Debug for DualCredential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DualCredential(<redacted>)")
+    }
+}
+
+impl DualCredential {
+    pub fn new(collaborator: &str, host: &str) -> Self {
+        Self {
+            collaborator: Arc::from(format!("Bearer {collaborator}")),
+            host: Arc::from(host),
+        }
+    }
+}
+
+impl Interceptor for DualCredential {
+    fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
+        let has = |name: &str, want: &str| {
+            req.metadata()
+                .get(name)
+                .is_some_and(|v| constant_time_eq(v.as_bytes(), want.as_bytes()))
+        };
+        if !has("authorization", &self.collaborator) {
+            return Err(Status::unauthenticated(
+                "missing or invalid collaborator token",
+            ));
+        }
+        if !has(HOST_HEADER, &self.host) {
+            return Err(Status::unauthenticated(
+                "missing or invalid host credential",
+            ));
+        }
+        Ok(req)
+    }
+}
+
+/// How the agent reaches its model provider and where it keeps state.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub provider_url: String,
+    pub provider_key: Secret,
+    pub state_dir: PathBuf,
+    pub max_steps: u32,
+    pub request_timeout: Duration,
+}
+
+struct Track {
+    message_id: String,
+    busy: bool,
+    outcome: Option<(pb::RunState, String, String, pb::Usage)>,
+    events: Vec<pb::RunEvent>,
+    cancel: CancellationToken,
+}
+
+impl Track {
+    fn thread(&self, thread_id: &str) -> apb::Thread {
+        let (outcome, error_code, error_message, usage) = match &self.outcome {
+            Some((s, c, m, u)) => (*s as i32, c.clone(), m.clone(), Some(*u)),
+            None => (0, String::new(), String::new(), None),
+        };
+        apb::Thread {
+            thread_id: thread_id.to_owned(),
+            message_id: self.message_id.clone(),
+            status: if self.busy {
+                apb::ThreadStatus::Busy
+            } else {
+                apb::ThreadStatus::Idle
+            } as i32,
+            outcome,
+            error_code,
+            error_message,
+            usage,
+            last_sequence: self.events.len() as i64,
+            engine: "native-v1".into(),
+        }
+    }
+}
+
+fn unknown(thread_id: &str) -> apb::Thread {
+    apb::Thread {
+        thread_id: thread_id.to_owned(),
+        status: apb::ThreadStatus::Unknown as i32,
+        ..Default::default()
+    }
+}
+
+/// The agent's threads.
+#[derive(Default)]
+struct Threads {
+    by_id: HashMap<String, Track>,
+    by_message: HashMap<String, String>,
+}
+
+/// The `WorkerAgentService`.
+#[derive(Clone)]
+pub struct Agent {
+    settings: Settings,
+    threads: Arc<Mutex<Threads>>,
+    changed: Arc<Notify>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("settings", &self.settings)
+            .finish()
+    }
+}
+
+fn registrations_path(settings: &Settings) -> PathBuf {
+    settings.state_dir.join("mcp-registrations.json")
+}
+
+impl Agent {
+    pub fn new(settings: Settings) -> Self {
+        Self {
+            settings,
+            threads: Arc::default(),
+            changed: Arc::default(),
+        }
+    }
+
+    fn registrations(&self) -> HashMap<String, apb::McpRegistration> {
+        let Ok(text) = std::fs::read_to_string(registrations_path(&self.settings)) else {
+            return HashMap::new();
+        };
+        serde_json::from_str::<HashMap<String, (String, String)>>(&text)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(model, (name, url))| {
+                let r = apb::McpRegistration {
+                    name,
+                    url,
+                    model: model.clone(),
+                };
+                (model, r)
+            })
+            .collect()
+    }
+
+    fn thread(&self, thread_id: &str) -> apb::Thread {
+        self.threads
+            .lock()
+            .ok()
+            .and_then(|t| t.by_id.get(thread_id).map(|t| t.thread(thread_id)))
+            .unwrap_or_else(|| unknown(thread_id))
+    }
+
+    fn engine(&self, url: &str, token: &str) -> NativeEngine {
+        NativeEngine {
+            template: NativeRun {
+                model: String::new(),
+                prompt: String::new(),
+                guidance: None,
+                provider: ProviderConfig {
+                    kind: "openai-compatible".into(),
+                    base_url: self.settings.provider_url.clone(),
+                    api_key: self.settings.provider_key.expose().to_owned(),
+                    request_timeout: self.settings.request_timeout,
+                    stream: false,
+                },
+                connect: ConnectConfig {
+                    url: url.to_owned(),
+                    token: token.to_owned(),
+                    call_timeout: Duration::from_secs(30),
+                },
+                connect_token_expires_at: None,
+                model_authorized: true,
+                max_steps: self.settings.max_steps,
+                price: Price::default(),
+                deadline: tokio::time::Instant::now(),
+                resume_from: None,
+            },
+        }
+    }
+}
+
+type ObserveStream = Pin<Box<dyn Stream<Item = Result<apb::ObserveThreadResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl WorkerAgentService for Agent {
+    async fn submit_message(
+        &self,
+        request: Request<apb::SubmitMessageRequest>,
+    ) -> Result<Response<apb::SubmitMessageResponse>, Status> {
+        let req = request.into_inner();
+        if req.thread_id.is_empty() || req.message_id.is_empty() {
+            return Err(Status::invalid_argument(
+                "thread_id and message_id are required",
+            ));
+        }
+        {
+            let threads = self.threads.lock().map_err(|_| Status::internal("lock"))?;
+            if let Some(thread_id) = threads.by_message.get(&req.message_id) {
+                let thread = threads
+                    .by_id
+                    .get(thread_id)
+                    .map(|t| t.thread(thread_id))
+                    .unwrap_or_else(|| unknown(thread_id));
+                return Ok(Response::new(apb::SubmitMessageResponse {
+                    submitted: false,
+                    thread: Some(thread),
+                }));
+            }
+            if threads.by_id.get(&req.thread_id).is_some_and(|t| t.busy) {
+                return Err(Status::failed_precondition(
+                    "the thread is busy with another message",
+                ));
+            }
+        }
+        let Some(registration) = self.registrations().remove(&req.model) else {
+            return Err(Status::failed_precondition(format!(
+                "{}: no `{REGISTRATION}` MCP registration for model {}",
+                ErrorCode::McpConfigMissing,
+                req.model
+            )));
+        };
+        let cancel = CancellationToken::new();
+        // Checked again under the lock that inserts: one execution per id.
+        let raced = {
+            let mut threads = self.threads.lock().map_err(|_| Status::internal("lock"))?;
+            if threads.by_message.contains_key(&req.message_id) {
+                true
+            } else {
+                threads
+                    .by_message
+                    .insert(req.message_id.clone(), req.thread_id.clone());
+                threads.by_id.insert(
+                    req.thread_id.clone(),
+                    Track {
+                        message_id: req.message_id.clone(),
+                        busy: true,
+                        outcome: None,
+                        events: vec![],
+                        cancel: cancel.clone(),
+                    },
+                );
+                false
+            }
+        };
+        if raced {
+            return Ok(Response::new(apb::SubmitMessageResponse {
+                submitted: false,
+                thread: Some(self.thread(&req.thread_id)),
+            }));
+        }
+        tracing::info!(thread_id = %req.thread_id, message_id = %req.message_id, "message submitted");
+        let engine = self.engine(&registration.url, &req.connect_token);
+        let deadline = req
+            .deadline_time
+            .and_then(|t| chrono::DateTime::from_timestamp(t.seconds, t.nanos.max(0) as u32))
+            .map(|d| (d - chrono::Utc::now()).to_std().unwrap_or_default())
+            .unwrap_or(Duration::from_secs(1800));
+        let engine_request = EngineRequest {
+            prompt: req.prompt.clone(),
+            model: req.model.clone(),
+            automation_id: String::new(),
+            guidance: (!req.guidance.is_empty()).then(|| req.guidance.clone()),
+            deadline: tokio::time::Instant::now() + deadline,
+            resume_from: None,
+        };
+        let span = tracing::info_span!("automesh.agent.thread", thread_id = %req.thread_id);
+        automesh_rpc::propagation::continue_trace(
+            &span,
+            Some(req.traceparent.as_str()).filter(|t| !t.is_empty()),
+        );
+        let threads = self.threads.clone();
+        let changed = self.changed.clone();
+        let thread_id = req.thread_id.clone();
+        let run_id = req.message_id.clone();
+        tokio::spawn(
+            async move {
+                let (tx, mut rx) = mpsc::channel(64);
+                let forward = {
+                    let threads = threads.clone();
+                    let changed = changed.clone();
+                    let thread_id = thread_id.clone();
+                    async move {
+                        let mut n = 0;
+                        while let Some(e) = rx.recv().await {
+                            n += 1;
+                            if let Some(mut event) = run_event(&run_id, n, &e)
+                                && let Ok(mut t) = threads.lock()
+                                && let Some(track) = t.by_id.get_mut(&thread_id)
+                            {
+                                event.sequence = track.events.len() as i64 + 1;
+                                track.events.push(event);
+                            }
+                            changed.notify_waiters();
+                        }
+                    }
+                };
+                let (outcome, ()) = tokio::join!(engine.run(engine_request, tx, cancel), forward);
+                if let Ok(mut t) = threads.lock()
+                    && let Some(track) = t.by_id.get_mut(&thread_id)
+                {
+                    track.busy = false;
+                    track.outcome = Some(finished_parts(&outcome));
+                }
+                changed.notify_waiters();
+                tracing::info!("thread idle");
+            }
+            .instrument(span),
+        );
+        Ok(Response::new(apb::SubmitMessageResponse {
+            submitted: true,
+            thread: Some(self.thread(&req.thread_id)),
+        }))
+    }
+
+    type ObserveThreadStream = ObserveStream;
+
+    async fn observe_thread(
+        &self,
+        request: Request<apb::ObserveThreadRequest>,
+    ) -> Result<Response<Self::ObserveThreadStream>, Status> {
+        let req = request.into_inner();
+        if self.thread(&req.thread_id).status == apb::ThreadStatus::Unknown as i32 {
+            return Err(Status::not_found("unknown thread"));
+        }
+        let agent = self.clone();
+        let (tx, rx) = mpsc::channel(64);
+        tokio::spawn(async move {
+            let mut after = req.after_sequence;
+            let mut last: Option<apb::Thread> = None;
+            loop {
+                let changed = agent.changed.notified();
+                tokio::pin!(changed);
+                changed.as_mut().enable();
+                let snapshot = agent.threads.lock().ok().and_then(|t| {
+                    t.by_id.get(&req.thread_id).map(|track| {
+                        let events: Vec<pb::RunEvent> = track
+                            .events
+                            .iter()
+                            .filter(|e| e.sequence > after)
+                            .cloned()
+                            .collect();
+                        (events, track.thread(&req.thread_id))
+                    })
+                });
+                let Some((events, thread)) = snapshot else {
+                    return;
+                };
+                for e in events {
+                    after = e.sequence;
+                    let update = apb::observe_thread_response::Update::Event(e);
+                    if tx
+                        .send(Ok(apb::ObserveThreadResponse {
+                            update: Some(update),
+                        }))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+                if last.as_ref() != Some(&thread) {
+                    last = Some(thread.clone());
+                    let idle = thread.status == apb::ThreadStatus::Idle as i32;
+                    let update = apb::observe_thread_response::Update::Thread(thread);
+                    if tx
+                        .send(Ok(apb::ObserveThreadResponse {
+                            update: Some(update),
+                        }))
+                        .await
+                        .is_err()
+                        || idle
+                    {
+                        return;
+                    }
+                }
+                tokio::select! {
+                    () = changed => {}
+                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    () = tx.closed() => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn cancel_thread(
+        &self,
+        request: Request<apb::CancelThreadRequest>,
+    ) -> Result<Response<apb::CancelThreadResponse>, Status> {
+        let req = request.into_inner();
+        if let Ok(t) = self.threads.lock()
+            && let Some(track) = t.by_id.get(&req.thread_id)
+        {
+            track.cancel.cancel();
+        }
+        Ok(Response::new(apb::CancelThreadResponse {
+            thread: Some(self.thread(&req.thread_id)),
+        }))
+    }
+
+    async fn get_thread(
+        &self,
+        request: Request<apb::GetThreadRequest>,
+    ) -> Result<Response<apb::GetThreadResponse>, Status> {
+        Ok(Response::new(apb::GetThreadResponse {
+            thread: Some(self.thread(&request.into_inner().thread_id)),
+        }))
+    }
+
+    async fn get_mcp_registration(
+        &self,
+        request: Request<apb::GetMcpRegistrationRequest>,
+    ) -> Result<Response<apb::GetMcpRegistrationResponse>, Status> {
+        let model = request.into_inner().model;
+        match self.registrations().remove(&model) {
+            Some(r) => Ok(Response::new(apb::GetMcpRegistrationResponse {
+                registration: Some(r),
+            })),
+            None => Err(Status::not_found("no registration for the model")),
+        }
+    }
+
+    async fn put_mcp_registration(
+        &self,
+        request: Request<apb::PutMcpRegistrationRequest>,
+    ) -> Result<Response<apb::PutMcpRegistrationResponse>, Status> {
+        let r = request
+            .into_inner()
+            .registration
+            .ok_or_else(|| Status::invalid_argument("registration is required"))?;
+        if r.model.is_empty() || r.url.is_empty() || r.name != REGISTRATION {
+            return Err(Status::invalid_argument(format!(
+                "a registration needs a model, a url and the name `{REGISTRATION}`"
+            )));
+        }
+        let mut all: HashMap<String, (String, String)> = self
+            .registrations()
+            .into_iter()
+            .map(|(m, r)| (m, (r.name, r.url)))
+            .collect();
+        all.insert(r.model.clone(), (r.name.clone(), r.url.clone()));
+        let path = registrations_path(&self.settings);
+        let tmp = path.with_extension("json.tmp");
+        let text =
+            serde_json::to_string_pretty(&all).map_err(|e| Status::internal(e.to_string()))?;
+        std::fs::write(&tmp, text)
+            .and_then(|()| std::fs::rename(&tmp, &path))
+            .map_err(|e| Status::internal(format!("cannot persist the registration: {e}")))?;
+        tracing::info!(model = %r.model, "MCP registration written");
+        Ok(Response::new(apb::PutMcpRegistrationResponse {
+            registration: Some(r),
+        }))
+    }
+}
+
+/// Serves the agent on `listener` until `shutdown`.
+pub async fn serve(
+    settings: Settings,
+    credential: DualCredential,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&settings.state_dir)?;
+    let mut server = GrpcServer::new(ServerSettings::default())?;
+    server.add_service(WorkerAgentServiceServer::with_interceptor(
+        Agent::new(settings),
+        credential,
+    ));
+    server
+        .serve(listener, shutdown, Box::new(|| Box::pin(async { true })))
+        .await?;
+    Ok(())
+}
+
+/// `automesh worker-agent`: started inside a cloud worker by its driver.
+/// Prints `listening on http://<addr>` once it serves.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    #[arg(long, env = "AUTOMESH_AGENT_LISTEN", default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// The collaborator token every call must present (Bearer).
+    #[arg(
+        long,
+        env = "AUTOMESH_AGENT_COLLABORATOR_TOKEN",
+        hide_env_values = true
+    )]
+    pub collaborator_token: Secret,
+    /// The internal host credential every call must present.
+    #[arg(long, env = "AUTOMESH_AGENT_HOST_CREDENTIAL", hide_env_values = true)]
+    pub host_credential: Secret,
+    /// The OpenAI-compatible provider's base URL.
+    #[arg(long, env = "AUTOMESH_PROVIDER_URL")]
+    pub provider_url: String,
+    #[arg(
+        long,
+        env = "AUTOMESH_PROVIDER_API_KEY",
+        hide_env_values = true,
+        default_value = ""
+    )]
+    pub provider_key: Secret,
+    /// Where the agent keeps its MCP registrations.
+    #[arg(long, env = "AUTOMESH_AGENT_STATE_DIR", default_value = ".")]
+    pub state_dir: PathBuf,
+    #[arg(long, default_value_t = 32)]
+    pub max_steps: u32,
+}
+
+impl Args {
+    pub async fn execute(self) -> anyhow::Result<()> {
+        let _telemetry = automesh_rpc::telemetry::init("automesh-worker-agent")?;
+        let listener = TcpListener::bind(self.listen).await?;
+        println!("listening on http://{}", listener.local_addr()?);
+        let shutdown = CancellationToken::new();
+        let signal = shutdown.clone();
+        tokio::spawn(async move {
+            let _ = tokio::signal::ctrl_c().await;
+            signal.cancel();
+        });
+        serve(
+            Settings {
+                provider_url: self.provider_url,
+                provider_key: self.provider_key,
+                state_dir: self.state_dir,
+                max_steps: self.max_steps,
+                request_timeout: Duration::from_secs(120),
+            },
+            DualCredential::new(
+                self.collaborator_token.expose(),
+                self.host_credential.expose(),
+            ),
+            listener,
+            shutdown,
+        )
+        .await
+    }
+}

@@ -1,0 +1,476 @@
+//! The cloud path end to end on PostgreSQL: scheduler → coordinator →
+//! cloud-worker-lifecycle (the cloud executor, local-process driver) → the
+//! real worker agent binary as a child process → the native engine against
+//! a fake OpenAI-compatible provider and a fake Connect MCP server (both
+//! speak the real protocols on loopback).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use automesh_cloud_worker_lifecycle::cloud::{Cloud, CloudSettings, ConnectSettings};
+use automesh_cloud_worker_lifecycle::driver::LocalProcessDriver;
+use automesh_domain::automation::NewAutomation;
+use automesh_domain::{
+    AutomationState, ErrorCode, Principal, RunState, Schedule, Surface, WorkerState,
+};
+use automesh_e2e_tests::{CloudOptions, Mesh, MeshOptions};
+use automesh_store::Backend;
+use automesh_testkit::{FakeMcp, FakeProvider, Reply, mcp, provider, text_completion};
+use chrono::Utc;
+use tokio_util::sync::CancellationToken;
+
+const PROVIDER_KEY: &str = "sk-cloud-provider-key-never-stored";
+const MCP_TOKEN: &str = "cloud-connect-token-never-stored";
+
+struct Env {
+    mesh: Mesh,
+    provider: FakeProvider,
+    mcp_url: String,
+    workers: PathBuf,
+    _mcp: CancellationToken,
+}
+
+fn owner() -> Principal {
+    Principal::new("acme", "carol")
+}
+
+async fn env(
+    script: impl Fn(usize, &serde_json::Value) -> Reply + Send + Sync + 'static,
+    tune: impl FnOnce(&mut CloudSettings, &mut Vec<String>),
+) -> Env {
+    let (provider_url, fake) = provider(script).await;
+    let (mcp_url, mcp_stop) = mcp(
+        FakeMcp::with_tools(&["search_capabilities", "execute_capability"]),
+        MCP_TOKEN,
+    )
+    .await;
+    let workers = std::env::temp_dir().join(format!(
+        "automesh-workers-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
+    let mut settings = CloudSettings {
+        readiness_cap: Duration::from_secs(30),
+        idle_after: Duration::from_secs(3),
+        idle_check: Duration::from_millis(300),
+        connect: Some(ConnectSettings {
+            url: mcp_url.clone(),
+            token: MCP_TOKEN.to_owned().into(),
+        }),
+    };
+    let mut command = vec![env!("CARGO_BIN_EXE_automesh-worker-agent").to_owned()];
+    tune(&mut settings, &mut command);
+    let driver =
+        LocalProcessDriver::new(command, workers.clone(), provider_url, PROVIDER_KEY.into());
+    let mesh = Mesh::start_with(
+        Backend::Postgres,
+        MeshOptions {
+            cloud: Some(CloudOptions {
+                driver: Arc::new(driver),
+                settings,
+            }),
+            run_deadline: Duration::from_secs(60),
+            ..MeshOptions::default()
+        },
+    )
+    .await
+    .expect("mesh");
+    mesh.store()
+        .register_worker(&owner(), "local-process", Utc::now())
+        .await
+        .expect("worker");
+    Env {
+        mesh,
+        provider: fake,
+        mcp_url,
+        workers,
+        _mcp: mcp_stop,
+    }
+}
+
+impl Env {
+    /// A cloud automation of carol's, due once at `at`.
+    async fn automation(&self, id: &str, at: chrono::DateTime<Utc>) {
+        let o = owner();
+        self.mesh
+            .store()
+            .create_automation(
+                &NewAutomation {
+                    id: id.into(),
+                    org_id: o.org_id.clone(),
+                    owner_id: o.user_id.clone(),
+                    name: "cloud".into(),
+                    prompt: "summarise my inbox".into(),
+                    model: "fake/echo".into(),
+                    surface: Surface::Web,
+                    schedule: Schedule::Once { at },
+                },
+                Some(at),
+                Utc::now(),
+            )
+            .await
+            .expect("automation");
+    }
+
+    async fn run_of(&self, automation_id: &str, at: chrono::DateTime<Utc>) -> automesh_domain::Run {
+        let run_id = automesh_domain::ids::scheduled_run_id(automation_id, at);
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(90);
+        loop {
+            if let Ok(run) = self.mesh.store().get_run_unscoped(&run_id).await
+                && run.state.is_terminal()
+            {
+                return run;
+            }
+            assert!(tokio::time::Instant::now() < give_up, "the run did not end");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn worker_state(&self) -> WorkerState {
+        self.mesh
+            .store()
+            .get_worker(&owner())
+            .await
+            .expect("read")
+            .expect("worker")
+            .state
+    }
+
+    async fn until_worker(&self, want: WorkerState) {
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(30);
+        while self.worker_state().await != want {
+            assert!(
+                tokio::time::Instant::now() < give_up,
+                "worker never became {want:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Every text column of the tables a run touches, as one string.
+    async fn dump(&self) -> String {
+        let mut all = String::new();
+        for table in [
+            "automations",
+            "runs",
+            "run_events",
+            "receipts",
+            "cloud_workers",
+            "cloud_dispatch",
+        ] {
+            let rows: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT CAST(t AS TEXT) FROM {table} t"
+            )))
+            .fetch_all(self.mesh.store().pool())
+            .await
+            .expect("dump");
+            all.push_str(&rows.join("\n"));
+        }
+        all
+    }
+
+    fn secrets(&self) -> Vec<String> {
+        let c = &self.mesh.credential;
+        let worker = |w: &str| c.derive(&format!("collaborator:{w}"));
+        vec![
+            PROVIDER_KEY.to_owned(),
+            MCP_TOKEN.to_owned(),
+            c.derive("worker-host"),
+            worker("any"),
+        ]
+    }
+
+    /// Waits (bounded) until the automation needs attention for `code`.
+    async fn needs_attention(&self, automation_id: &str, code: ErrorCode) {
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let a = self
+                .mesh
+                .store()
+                .get_automation(&owner(), automation_id)
+                .await
+                .expect("automation");
+            if a.state == AutomationState::NeedsAttention {
+                assert_eq!(a.attention_reason, Some(code));
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < give_up,
+                "never needed attention: {a:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn stop(self) {
+        let _ = std::fs::remove_dir_all(&self.workers);
+        self.mesh.stop().await.expect("stop");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_worker_is_woken_for_a_due_run_and_stopped_again_when_idle() {
+    let env = env(
+        |_, _| Reply::Json(text_completion("inbox summarised")),
+        |_, _| {},
+    )
+    .await;
+    assert_eq!(env.worker_state().await, WorkerState::Stopped);
+    let at = Utc::now() + chrono::Duration::seconds(2);
+    env.automation("journey", at).await;
+    let run = env.run_of("journey", at).await;
+    assert_eq!(run.state, RunState::Succeeded, "{run:?}");
+    let receipt = env
+        .mesh
+        .store()
+        .get_receipt(&run.id)
+        .await
+        .expect("get")
+        .expect("receipt");
+    assert!(receipt.wake_micros > 0, "wake timing recorded: {receipt:?}");
+    assert!(
+        receipt.admission_micros > 0,
+        "admission timing recorded: {receipt:?}"
+    );
+    assert_eq!(receipt.engine.as_deref(), Some("native-v1"));
+    assert_eq!(env.provider.calls(), 1);
+    let events = env
+        .mesh
+        .store()
+        .list_events(&run.id, 0, 100)
+        .await
+        .expect("events");
+    assert!(
+        events.iter().any(|e| matches!(
+            &e.payload,
+            automesh_domain::RunEventPayload::AssistantText { text } if text == "inbox summarised"
+        )),
+        "{events:?}"
+    );
+    // The worker was woken, and after the idle period it is stopped again.
+    env.until_worker(WorkerState::Stopped).await;
+    // No credential reached the database.
+    let dump = env.dump().await;
+    for secret in env.secrets() {
+        assert!(!dump.contains(&secret), "a credential reached the database");
+    }
+    env.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_never_becomes_ready_ends_readiness_timeout_and_needs_attention() {
+    let env = env(
+        |_, _| Reply::Json(text_completion("never")),
+        |settings, command| {
+            settings.readiness_cap = Duration::from_secs(2);
+            // A real process that never listens.
+            *command = vec!["/bin/sh".into(), "-c".into(), "sleep 600".into()];
+        },
+    )
+    .await;
+    let at = Utc::now() + chrono::Duration::seconds(1);
+    env.automation("never-ready", at).await;
+    let run = env.run_of("never-ready", at).await;
+    assert_eq!(
+        (run.state, run.error_code),
+        (RunState::Failed, Some(ErrorCode::ReadinessTimeout)),
+        "{run:?}"
+    );
+    env.needs_attention("never-ready", run.error_code.expect("code"))
+        .await;
+    assert_eq!(env.provider.calls(), 0);
+    env.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_owner_has_no_worker_ends_runtime_missing() {
+    let env = env(|_, _| Reply::Json(text_completion("never")), |_, _| {}).await;
+    let at = Utc::now() + chrono::Duration::seconds(1);
+    env.automation("no-worker", at).await;
+    sqlx::query("DELETE FROM cloud_workers")
+        .execute(env.mesh.store().pool())
+        .await
+        .expect("delete");
+    let run = env.run_of("no-worker", at).await;
+    assert_eq!(
+        (run.state, run.error_code),
+        (RunState::Failed, Some(ErrorCode::RuntimeMissing)),
+        "{run:?}"
+    );
+    env.needs_attention("no-worker", run.error_code.expect("code"))
+        .await;
+    env.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_coordinator_killed_after_submission_is_replaced_and_the_prompt_is_sent_once() {
+    let mut env = env(
+        |_, _| Reply::Delayed(Duration::from_secs(3), text_completion("done once")),
+        |_, _| {},
+    )
+    .await;
+    let at = Utc::now() + chrono::Duration::seconds(1);
+    env.automation("reattach", at).await;
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(60);
+    while env.provider.calls() == 0 {
+        assert!(tokio::time::Instant::now() < give_up, "never submitted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Kill the coordinator mid-run; another one takes the run over.
+    env.mesh.coordinators[0].abort();
+    env.mesh.add_coordinator().await.expect("coordinator");
+    let run = env.run_of("reattach", at).await;
+    assert_eq!(run.state, RunState::Succeeded, "{run:?}");
+    assert_eq!(
+        env.provider.calls(),
+        1,
+        "the provider saw the prompt exactly once"
+    );
+    env.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drifted_mcp_registration_is_repaired_before_admission() {
+    let env = env(
+        |_, _| Reply::Json(text_completion("ok")),
+        |s, _| {
+            s.idle_after = Duration::from_secs(600);
+        },
+    )
+    .await;
+    let at = Utc::now() + chrono::Duration::seconds(1);
+    env.automation("first", at).await;
+    assert_eq!(env.run_of("first", at).await.state, RunState::Succeeded);
+    let worker = env
+        .mesh
+        .store()
+        .get_worker(&owner())
+        .await
+        .expect("read")
+        .expect("worker");
+    let file = env.workers.join(&worker.id).join("mcp-registrations.json");
+    let written = std::fs::read_to_string(&file).expect("registration persisted");
+    assert!(written.contains(&env.mcp_url), "{written}");
+    // Someone alters it on the worker.
+    std::fs::write(
+        &file,
+        r#"{"fake/echo": ["openwork-cloud", "http://127.0.0.1:9/elsewhere"]}"#,
+    )
+    .expect("alter");
+    let at = Utc::now() + chrono::Duration::seconds(1);
+    env.automation("second", at).await;
+    assert_eq!(env.run_of("second", at).await.state, RunState::Succeeded);
+    let repaired = std::fs::read_to_string(&file).expect("registration");
+    assert!(
+        repaired.contains(&env.mcp_url) && !repaired.contains("elsewhere"),
+        "{repaired}"
+    );
+    env.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_connect_configuration_a_run_ends_mcp_config_missing_and_never_calls_the_model() {
+    let env = env(
+        |_, _| Reply::Json(text_completion("never")),
+        |s, _| s.connect = None,
+    )
+    .await;
+    let at = Utc::now() + chrono::Duration::seconds(1);
+    env.automation("no-connect", at).await;
+    let run = env.run_of("no-connect", at).await;
+    assert_eq!(
+        (run.state, run.error_code),
+        (RunState::Failed, Some(ErrorCode::McpConfigMissing)),
+        "{run:?}"
+    );
+    assert_eq!(env.provider.calls(), 0);
+    env.needs_attention("no-connect", run.error_code.expect("code"))
+        .await;
+    env.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_stop_racing_an_admission_never_stops_a_worker_the_admission_holds() {
+    let env = env(|_, _| Reply::Json(text_completion("ok")), |_, _| {}).await;
+    let store = env.mesh.store().clone();
+    let worker = store
+        .get_worker(&owner())
+        .await
+        .expect("read")
+        .expect("worker");
+    let cloud = Cloud::new(
+        store.clone(),
+        Arc::new(LocalProcessDriver::new(
+            vec![],
+            env.workers.clone(),
+            String::new(),
+            String::new(),
+        )),
+        CloudSettings {
+            // Far shorter than the time since the worker was last used (0),
+            // far longer than the race itself.
+            idle_after: Duration::from_secs(1),
+            ..CloudSettings::default()
+        },
+        env.mesh.credential.clone(),
+    );
+    let mut held = 0;
+    let mut stopped = 0;
+    for i in 0..60 {
+        // A ready worker, unused for a while.
+        sqlx::query(
+            "UPDATE cloud_workers SET state = 'ready', endpoint = 'http://127.0.0.1:9', last_active_at = 0",
+        )
+        .execute(store.pool())
+        .await
+        .expect("ready");
+        let run_id = format!("race-{i}");
+        let admission = {
+            let store = store.clone();
+            let worker_id = worker.id.clone();
+            async move {
+                store
+                    .reserve_cloud_run(
+                        &automesh_store::cloud::Reservation {
+                            run_id: &run_id,
+                            org_id: "acme",
+                            owner_id: "carol",
+                            worker_id: &worker_id,
+                            workspace_id: "ws",
+                            thread_id: "thr",
+                            message_id: "msg",
+                            spec: b"",
+                        },
+                        Utc::now(),
+                    )
+                    .await
+                    .expect("reserve");
+                store
+                    .touch_worker(&worker_id, Utc::now())
+                    .await
+                    .expect("touch")
+            }
+        };
+        let (touched, pass) = tokio::join!(admission, cloud.idle_pass());
+        pass.expect("idle pass");
+        let state = env.worker_state().await;
+        if touched {
+            held += 1;
+            assert_eq!(
+                state,
+                WorkerState::Ready,
+                "iteration {i}: a worker an admission holds was stopped"
+            );
+        } else {
+            stopped += 1;
+            // The admission saw it stopping and will wake it again.
+            assert_ne!(state, WorkerState::Ready, "iteration {i}");
+        }
+        sqlx::query("UPDATE cloud_dispatch SET phase = 'finished'")
+            .execute(store.pool())
+            .await
+            .expect("finish");
+    }
+    eprintln!("race outcomes: admission held the worker {held}×, idle stop won {stopped}×");
+    env.stop().await;
+}
