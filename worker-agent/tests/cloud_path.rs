@@ -25,6 +25,7 @@ const MCP_TOKEN: &str = "cloud-connect-token-never-stored";
 
 struct Env {
     mesh: Mesh,
+    driver: Arc<LocalProcessDriver>,
     provider: FakeProvider,
     mcp_url: String,
     workers: PathBuf,
@@ -60,13 +61,17 @@ async fn env(
     };
     let mut command = vec![env!("CARGO_BIN_EXE_automesh-worker-agent").to_owned()];
     tune(&mut settings, &mut command);
-    let driver =
-        LocalProcessDriver::new(command, workers.clone(), provider_url, PROVIDER_KEY.into());
+    let driver = Arc::new(LocalProcessDriver::new(
+        command,
+        workers.clone(),
+        provider_url,
+        PROVIDER_KEY.into(),
+    ));
     let mesh = Mesh::start_with(
         Backend::Postgres,
         MeshOptions {
             cloud: Some(CloudOptions {
-                driver: Arc::new(driver),
+                driver: driver.clone(),
                 settings,
             }),
             run_deadline: Duration::from_secs(60),
@@ -81,6 +86,7 @@ async fn env(
         .expect("worker");
     Env {
         mesh,
+        driver,
         provider: fake,
         mcp_url,
         workers,
@@ -249,10 +255,45 @@ async fn a_stopped_worker_is_woken_for_a_due_run_and_stopped_again_when_idle() {
     );
     // The worker was woken, and after the idle period it is stopped again.
     env.until_worker(WorkerState::Stopped).await;
-    // No credential reached the database.
+    // No credential reached the database, the services' logs (captured in
+    // this process) or the worker agent's log.
     let dump = env.dump().await;
-    for secret in env.secrets() {
+    let logs = automesh_rpc::telemetry::captured_logs();
+    let worker = env
+        .mesh
+        .store()
+        .get_worker(&owner())
+        .await
+        .expect("read")
+        .expect("worker");
+    let agent_log = std::fs::read_to_string(
+        env.workers
+            .join(&worker.id)
+            .join(automesh_cloud_worker_lifecycle::driver::AGENT_LOG),
+    )
+    .expect("agent log");
+    assert!(
+        agent_log.contains("thread idle"),
+        "the agent logged: {agent_log}"
+    );
+    assert!(
+        logs.contains("cloud run reserved"),
+        "the services' logs were captured"
+    );
+    let collaborator = env
+        .mesh
+        .credential
+        .derive(&format!("collaborator:{}", worker.id));
+    for secret in env.secrets().into_iter().chain([collaborator]) {
         assert!(!dump.contains(&secret), "a credential reached the database");
+        assert!(
+            !logs.contains(&secret),
+            "a credential reached the services' logs"
+        );
+        assert!(
+            !agent_log.contains(&secret),
+            "a credential reached the agent's log"
+        );
     }
     env.stop().await;
 }
@@ -472,5 +513,29 @@ async fn idle_stop_racing_an_admission_never_stops_a_worker_the_admission_holds(
             .expect("finish");
     }
     eprintln!("race outcomes: admission held the worker {held}×, idle stop won {stopped}×");
+    env.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_runs_waking_one_worker_start_it_once() {
+    let env = env(
+        |_, _| Reply::Json(text_completion("ok")),
+        |s, _| {
+            s.idle_after = Duration::from_secs(600);
+        },
+    )
+    .await;
+    let at = Utc::now() + chrono::Duration::seconds(2);
+    for id in ["wake-a", "wake-b", "wake-c"] {
+        env.automation(id, at).await;
+    }
+    for id in ["wake-a", "wake-b", "wake-c"] {
+        assert_eq!(env.run_of(id, at).await.state, RunState::Succeeded);
+    }
+    assert_eq!(
+        env.driver.starts(),
+        1,
+        "three wakes coalesced into one start"
+    );
     env.stop().await;
 }

@@ -105,9 +105,41 @@ fn span_filter() -> EnvFilter {
     EnvFilter::new("info,h2=off,hyper=off,hyper_util=off,tower=off,sqlx=warn")
 }
 
+/// What tests' log lines are captured into (bounded), so a test can scan
+/// every log line the services in its process wrote.
+static CAPTURED: std::sync::Mutex<Vec<u8>> = std::sync::Mutex::new(Vec::new());
+const CAPTURE_LIMIT: usize = 64 * 1024 * 1024;
+
+struct Capture;
+
+impl std::io::Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if let Ok(mut c) = CAPTURED.lock()
+            && c.len() + buf.len() <= CAPTURE_LIMIT
+        {
+            c.extend_from_slice(buf);
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Every log line captured in this process since `init_for_tests` (debug
+/// and above for automesh, info for the rest; transport crates excluded).
+pub fn captured_logs() -> String {
+    CAPTURED
+        .lock()
+        .map(|c| String::from_utf8_lossy(&c).into_owned())
+        .unwrap_or_default()
+}
+
 /// For tests: the propagator, an in-process tracer provider (no export),
-/// and a subscriber that writes through the test harness. Idempotent, so
-/// every test may call it.
+/// a subscriber that writes through the test harness, and a capture of
+/// every log line for [`captured_logs`]. Idempotent, so every test may call
+/// it.
 pub fn init_for_tests() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -124,6 +156,14 @@ pub fn init_for_tests() {
                 tracing_subscriber::fmt::layer()
                     .with_test_writer()
                     .with_filter(filter),
+            )
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_ansi(false)
+                    .with_writer(|| Capture)
+                    .with_filter(EnvFilter::new(
+                        "info,automesh=debug,h2=off,hyper=off,hyper_util=off,tower=off,sqlx=warn",
+                    )),
             )
             .try_init();
     });

@@ -60,6 +60,17 @@ pub trait WorkerDriver: Send + Sync + std::fmt::Debug {
     async fn stop(&self, worker_id: &str) -> Result<(), DriverError>;
 }
 
+/// The file in a worker's directory its agent's output goes to.
+pub const AGENT_LOG: &str = "agent.log";
+
+fn log_file(dir: &std::path::Path) -> Stdio {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(AGENT_LOG))
+        .map_or_else(|_| Stdio::null(), Stdio::from)
+}
+
 /// Runs worker agents as child processes of this service.
 #[derive(Debug)]
 pub struct LocalProcessDriver {
@@ -72,6 +83,7 @@ pub struct LocalProcessDriver {
     pub provider_url: String,
     pub provider_key: String,
     children: Mutex<HashMap<String, tokio::process::Child>>,
+    starts: std::sync::atomic::AtomicUsize,
 }
 
 impl LocalProcessDriver {
@@ -87,7 +99,13 @@ impl LocalProcessDriver {
             provider_url,
             provider_key,
             children: Mutex::default(),
+            starts: Default::default(),
         }
+    }
+
+    /// How many worker processes this driver has started.
+    pub fn starts(&self) -> usize {
+        self.starts.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     fn workdir(&self, worker_id: &str) -> Result<PathBuf, DriverError> {
@@ -130,6 +148,8 @@ impl WorkerDriver for LocalProcessDriver {
             ));
         };
         let dir = self.workdir(&launch.worker_id)?;
+        self.starts
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let mut command = tokio::process::Command::new(program);
         command
             .args(args)
@@ -153,7 +173,7 @@ impl WorkerDriver for LocalProcessDriver {
             .env("AUTOMESH_PROVIDER_API_KEY", &self.provider_key)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(log_file(&dir))
             .kill_on_drop(true);
         let mut child = command.spawn().map_err(|e| {
             let code = if e.kind() == std::io::ErrorKind::NotFound {
@@ -166,14 +186,25 @@ impl WorkerDriver for LocalProcessDriver {
         let stdout = child.stdout.take();
         let (tx, mut rx) = tokio::sync::mpsc::channel::<String>(1);
         if let Some(stdout) = stdout {
+            let log = dir.join(AGENT_LOG);
             tokio::spawn(async move {
+                use tokio::io::AsyncWriteExt;
                 let mut lines = tokio::io::BufReader::new(stdout).lines();
                 let mut tx = Some(tx);
+                let mut file = tokio::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&log)
+                    .await
+                    .ok();
                 while let Ok(Some(line)) = lines.next_line().await {
                     if let Some(url) = line.strip_prefix("listening on ")
                         && let Some(t) = tx.take()
                     {
                         let _ = t.send(url.trim().to_owned()).await;
+                    }
+                    if let Some(f) = file.as_mut() {
+                        let _ = f.write_all(format!("{line}\n").as_bytes()).await;
                     }
                 }
             });
