@@ -4,6 +4,7 @@
 //! started by a pluggable driver (`driver.rs`).
 
 pub mod cloud;
+pub mod docker;
 pub mod driver;
 
 use std::net::SocketAddr;
@@ -74,6 +75,16 @@ pub struct Config {
         default_value = ""
     )]
     pub connect_token: automesh_rpc::auth::Secret,
+    /// Docker driver: the Engine API socket.
+    #[arg(
+        long,
+        env = "AUTOMESH_DOCKER_SOCKET",
+        default_value = "/var/run/docker.sock"
+    )]
+    pub docker_socket: std::path::PathBuf,
+    /// Docker driver: the worker image (its entrypoint runs `automesh`).
+    #[arg(long, env = "AUTOMESH_WORKER_IMAGE", default_value = "automesh:latest")]
+    pub worker_image: String,
     /// Cap on a worker becoming ready (terminal readiness_timeout).
     #[arg(long, default_value = "120s", value_parser = automesh_rpc::runtime::parse_duration)]
     pub readiness_cap: std::time::Duration,
@@ -98,12 +109,21 @@ impl Config {
         } else {
             self.agent_command.clone()
         };
-        let driver = driver::LocalProcessDriver::new(
-            command,
-            self.workers_dir.clone(),
-            self.provider_url.clone(),
-            self.provider_key.expose().to_owned(),
-        );
+        let driver: std::sync::Arc<dyn driver::WorkerDriver> = match self.driver.as_str() {
+            "local-process" => std::sync::Arc::new(driver::LocalProcessDriver::new(
+                command,
+                self.workers_dir.clone(),
+                self.provider_url.clone(),
+                self.provider_key.expose().to_owned(),
+            )),
+            "docker" => std::sync::Arc::new(docker::DockerDriver {
+                socket: self.docker_socket.clone(),
+                image: self.worker_image.clone(),
+                provider_url: self.provider_url.clone(),
+                provider_key: self.provider_key.expose().to_owned(),
+            }),
+            other => anyhow::bail!("unknown worker driver {other:?} (local-process or docker)"),
+        };
         let settings = cloud::CloudSettings {
             readiness_cap: self.readiness_cap,
             idle_after: self.idle_after,
@@ -113,7 +133,7 @@ impl Config {
             }),
             ..Default::default()
         };
-        Ok((std::sync::Arc::new(driver), settings))
+        Ok((driver, settings))
     }
 }
 
