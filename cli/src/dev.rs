@@ -47,6 +47,17 @@ pub struct DevArgs {
     /// for a user who has no cloud worker.
     #[arg(long)]
     pub no_dev_worker: bool,
+    /// The model provider cloud workers use (OpenAI-compatible).
+    #[arg(long, env = "AUTOMESH_WORKER_PROVIDER_URL", default_value = "https://api.openai.com/v1")]
+    pub worker_provider_url: String,
+    #[arg(long, env = "AUTOMESH_WORKER_PROVIDER_API_KEY", hide_env_values = true, default_value = "")]
+    pub worker_provider_key: automesh_rpc::auth::Secret,
+    /// The Connect (MCP) endpoint of the user's tools for cloud runs; without
+    /// it cloud runs end `mcp_config_missing` (and need attention).
+    #[arg(long, env = "AUTOMESH_CONNECT_URL")]
+    pub connect_url: Option<String>,
+    #[arg(long, env = "AUTOMESH_CONNECT_TOKEN", hide_env_values = true, default_value = "")]
+    pub connect_token: automesh_rpc::auth::Secret,
 }
 
 /// Reads a secret from `path`, creating it (mode 0600) on first use.
@@ -143,14 +154,18 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     {
         let (s, c, sd) = (store.clone(), credential.clone(), shutdown.clone());
         let desktop_executor = upstreams.runner_gateway_addr.clone();
+        let cloud_executor = upstreams.lifecycle_addr.clone();
         tasks.spawn(async move {
             (
                 "run-coordinator",
                 async {
                     // Desktop runs go to the runner gateway (the desktop
-                    // executor); the cloud executor arrives with the cloud path.
-                    let executors =
-                        automesh_run_coordinator::executors(Some(&desktop_executor), None, &c)?;
+                    // executor), cloud runs to the lifecycle service.
+                    let executors = automesh_run_coordinator::executors(
+                        Some(&desktop_executor),
+                        Some(&cloud_executor),
+                        &c,
+                    )?;
                     automesh_run_coordinator::serve(
                         s,
                         automesh_run_coordinator::driver::Settings::default(),
@@ -167,12 +182,32 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     }
     {
         let (s, c, sd) = (store.clone(), credential.clone(), shutdown.clone());
+        // The local-process driver runs this binary's `worker-agent`.
+        let driver = automesh_cloud_worker_lifecycle::driver::LocalProcessDriver::new(
+            vec![
+                std::env::current_exe()?.to_string_lossy().into_owned(),
+                "worker-agent".into(),
+            ],
+            args.data_dir.join("workers"),
+            args.worker_provider_url.clone(),
+            args.worker_provider_key.expose().to_owned(),
+        );
+        let settings = automesh_cloud_worker_lifecycle::cloud::CloudSettings {
+            connect: args.connect_url.clone().map(|url| {
+                automesh_cloud_worker_lifecycle::cloud::ConnectSettings {
+                    url,
+                    token: args.connect_token.clone(),
+                }
+            }),
+            ..Default::default()
+        };
         tasks.spawn(async move {
             (
                 "cloud-worker-lifecycle",
-                automesh_cloud_worker_lifecycle::serve(
+                automesh_cloud_worker_lifecycle::serve_with(
                     s,
-                    "local-process".into(),
+                    std::sync::Arc::new(driver),
+                    settings,
                     c,
                     lifecycle_l,
                     sd,
