@@ -48,15 +48,29 @@ pub struct DevArgs {
     #[arg(long)]
     pub no_dev_worker: bool,
     /// The model provider cloud workers use (OpenAI-compatible).
-    #[arg(long, env = "AUTOMESH_WORKER_PROVIDER_URL", default_value = "https://api.openai.com/v1")]
+    #[arg(
+        long,
+        env = "AUTOMESH_WORKER_PROVIDER_URL",
+        default_value = "https://api.openai.com/v1"
+    )]
     pub worker_provider_url: String,
-    #[arg(long, env = "AUTOMESH_WORKER_PROVIDER_API_KEY", hide_env_values = true, default_value = "")]
+    #[arg(
+        long,
+        env = "AUTOMESH_WORKER_PROVIDER_API_KEY",
+        hide_env_values = true,
+        default_value = ""
+    )]
     pub worker_provider_key: automesh_rpc::auth::Secret,
     /// The Connect (MCP) endpoint of the user's tools for cloud runs; without
     /// it cloud runs end `mcp_config_missing` (and need attention).
     #[arg(long, env = "AUTOMESH_CONNECT_URL")]
     pub connect_url: Option<String>,
-    #[arg(long, env = "AUTOMESH_CONNECT_TOKEN", hide_env_values = true, default_value = "")]
+    #[arg(
+        long,
+        env = "AUTOMESH_CONNECT_TOKEN",
+        hide_env_values = true,
+        default_value = ""
+    )]
     pub connect_token: automesh_rpc::auth::Secret,
 }
 

@@ -539,3 +539,61 @@ async fn concurrent_runs_waking_one_worker_start_it_once() {
     );
     env.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_cannot_run_ends_runtime_failed_and_needs_attention() {
+    let env = env(
+        |_, _| Reply::Json(text_completion("never")),
+        |_, command| *command = vec!["/bin/false".into()],
+    )
+    .await;
+    let at = Utc::now() + chrono::Duration::seconds(1);
+    env.automation("crashes", at).await;
+    let run = env.run_of("crashes", at).await;
+    assert_eq!(
+        (run.state, run.error_code),
+        (RunState::Failed, Some(ErrorCode::RuntimeFailed)),
+        "{run:?}"
+    );
+    env.needs_attention("crashes", ErrorCode::RuntimeFailed)
+        .await;
+    assert_eq!(env.worker_state().await, WorkerState::Failed);
+    env.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_a_cloud_run_stops_the_thread_and_ends_once_it_is_idle() {
+    let env = env(
+        |_, _| Reply::Delayed(Duration::from_secs(30), text_completion("too late")),
+        |_, _| {},
+    )
+    .await;
+    let at = Utc::now() + chrono::Duration::seconds(1);
+    env.automation("cancel-me", at).await;
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(60);
+    while env.provider.calls() == 0 {
+        assert!(tokio::time::Instant::now() < give_up, "never submitted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let run_id = automesh_domain::ids::scheduled_run_id("cancel-me", at);
+    env.mesh
+        .store()
+        .request_cancel(&run_id, Utc::now())
+        .await
+        .expect("cancel");
+    let run = env.run_of("cancel-me", at).await;
+    assert_eq!(
+        (run.state, run.error_code),
+        (RunState::Cancelled, None),
+        "{run:?}"
+    );
+    let d = env
+        .mesh
+        .store()
+        .cloud_run(&run_id)
+        .await
+        .expect("read")
+        .expect("dispatch");
+    assert_eq!(d.phase, "finished", "the thread was observed idle");
+    env.stop().await;
+}
