@@ -47,31 +47,8 @@ pub struct DevArgs {
     /// for a user who has no cloud worker.
     #[arg(long)]
     pub no_dev_worker: bool,
-    /// The model provider cloud workers use (OpenAI-compatible).
-    #[arg(
-        long,
-        env = "AUTOMESH_WORKER_PROVIDER_URL",
-        default_value = "https://api.openai.com/v1"
-    )]
-    pub worker_provider_url: String,
-    #[arg(
-        long,
-        env = "AUTOMESH_WORKER_PROVIDER_API_KEY",
-        hide_env_values = true,
-        default_value = ""
-    )]
-    pub worker_provider_key: automesh_rpc::auth::Secret,
-    /// The Connect (MCP) endpoint of the user's tools for cloud runs; without
-    /// it cloud runs end `mcp_config_missing` (and need attention).
-    #[arg(long, env = "AUTOMESH_CONNECT_URL")]
-    pub connect_url: Option<String>,
-    #[arg(
-        long,
-        env = "AUTOMESH_CONNECT_TOKEN",
-        hide_env_values = true,
-        default_value = ""
-    )]
-    pub connect_token: automesh_rpc::auth::Secret,
+    #[command(flatten)]
+    pub worker: automesh_cloud_worker_lifecycle::WorkerEnv,
 }
 
 /// Reads a secret from `path`, creating it (mode 0600) on first use.
@@ -197,22 +174,15 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     {
         let (s, c, sd) = (store.clone(), credential.clone(), shutdown.clone());
         // The local-process driver runs this binary's `worker-agent`.
-        let driver = automesh_cloud_worker_lifecycle::driver::LocalProcessDriver::new(
+        let driver = args.worker.local_driver(
             vec![
                 std::env::current_exe()?.to_string_lossy().into_owned(),
                 "worker-agent".into(),
             ],
             args.data_dir.join("workers"),
-            args.worker_provider_url.clone(),
-            args.worker_provider_key.expose().to_owned(),
         );
         let settings = automesh_cloud_worker_lifecycle::cloud::CloudSettings {
-            connect: args.connect_url.clone().map(|url| {
-                automesh_cloud_worker_lifecycle::cloud::ConnectSettings {
-                    url,
-                    token: args.connect_token.clone(),
-                }
-            }),
+            connect: args.worker.connect(),
             ..Default::default()
         };
         tasks.spawn(async move {

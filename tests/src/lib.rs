@@ -2,6 +2,7 @@
 //! real gRPC on loopback, against a fresh SQLite or PostgreSQL database, with
 //! clients that authenticate like the web backend does.
 
+pub mod bench;
 pub mod executor;
 
 use std::net::SocketAddr;
@@ -291,6 +292,63 @@ impl Mesh {
 
     pub fn runs(&self, token: Option<&str>) -> RunsClient<AuthedChannel> {
         RunsClient::new(self.channel(token))
+    }
+
+    /// Creates a daily desktop automation of `user` through the public API
+    /// and runs it now; returns the run.
+    pub async fn desktop_run_now(&self, org: &str, user: &str) -> automesh_proto::v1::Run {
+        use automesh_proto::v1 as pb;
+        let token = self.token(org, user);
+        let mut api = self.automations(Some(&token));
+        let a = api
+            .create_automation(pb::CreateAutomationRequest {
+                automation: Some(pb::Automation {
+                    name: "desk".into(),
+                    prompt: "tidy my downloads".into(),
+                    model: "fake/echo".into(),
+                    schedule: Some(pb::Schedule {
+                        kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
+                            time_of_day: Some(pb::TimeOfDay {
+                                hours: 9,
+                                minutes: 0,
+                            }),
+                            time_zone: "UTC".into(),
+                        })),
+                    }),
+                    ..Default::default()
+                }),
+                surface: pb::Surface::Desktop as i32,
+            })
+            .await
+            .expect("create")
+            .into_inner()
+            .automation
+            .expect("automation");
+        api.run_automation_now(pb::RunAutomationNowRequest {
+            id: a.id,
+            idempotency_key: "k".into(),
+        })
+        .await
+        .expect("run now")
+        .into_inner()
+        .run
+        .expect("run")
+    }
+
+    /// Waits (bounded by `within`) until the run is terminal.
+    pub async fn until_terminal(&self, run_id: &str, within: Duration) -> automesh_domain::Run {
+        let give_up = tokio::time::Instant::now() + within;
+        loop {
+            let run = self.store().get_run_unscoped(run_id).await.expect("run");
+            if run.state.is_terminal() {
+                return run;
+            }
+            assert!(
+                tokio::time::Instant::now() < give_up,
+                "run did not end within {within:?}: {run:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Stops every service, waits for them to drain, and removes the database.

@@ -156,56 +156,11 @@ async fn runner_token(mesh: &Mesh, org: &str, user: &str) -> String {
 }
 
 async fn desktop_run(mesh: &Mesh, org: &str, user: &str) -> pb::Run {
-    let token = mesh.token(org, user);
-    let mut api = mesh.automations(Some(&token));
-    let a = api
-        .create_automation(pb::CreateAutomationRequest {
-            automation: Some(pb::Automation {
-                name: "desk".into(),
-                prompt: "tidy my downloads".into(),
-                model: "fake/echo".into(),
-                schedule: Some(pb::Schedule {
-                    kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
-                        time_of_day: Some(pb::TimeOfDay {
-                            hours: 9,
-                            minutes: 0,
-                        }),
-                        time_zone: "UTC".into(),
-                    })),
-                }),
-                ..Default::default()
-            }),
-            surface: pb::Surface::Desktop as i32,
-        })
-        .await
-        .expect("create")
-        .into_inner()
-        .automation
-        .expect("automation");
-    api.run_automation_now(pb::RunAutomationNowRequest {
-        id: a.id,
-        idempotency_key: "k".into(),
-    })
-    .await
-    .expect("run now")
-    .into_inner()
-    .run
-    .expect("run")
+    mesh.desktop_run_now(org, user).await
 }
 
 async fn terminal(mesh: &Mesh, run_id: &str) -> automesh_domain::Run {
-    let give_up = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let run = mesh.store().get_run_unscoped(run_id).await.expect("run");
-        if run.state.is_terminal() {
-            return run;
-        }
-        assert!(
-            tokio::time::Instant::now() < give_up,
-            "run did not end: {run:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    mesh.until_terminal(run_id, Duration::from_secs(30)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -135,62 +135,13 @@ impl Desk {
     }
 
     async fn run_now(&self) -> pb::Run {
-        let mut api = self
-            .mesh
-            .automations(Some(&self.mesh.token("acme", "alice")));
-        let a = api
-            .create_automation(pb::CreateAutomationRequest {
-                automation: Some(pb::Automation {
-                    name: "desk".into(),
-                    prompt: "tidy my downloads".into(),
-                    model: "fake/echo".into(),
-                    schedule: Some(pb::Schedule {
-                        kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
-                            time_of_day: Some(pb::TimeOfDay {
-                                hours: 9,
-                                minutes: 0,
-                            }),
-                            time_zone: "UTC".into(),
-                        })),
-                    }),
-                    ..Default::default()
-                }),
-                surface: pb::Surface::Desktop as i32,
-            })
-            .await
-            .expect("create")
-            .into_inner()
-            .automation
-            .expect("automation");
-        api.run_automation_now(pb::RunAutomationNowRequest {
-            id: a.id,
-            idempotency_key: "k".into(),
-        })
-        .await
-        .expect("run now")
-        .into_inner()
-        .run
-        .expect("run")
+        self.mesh.desktop_run_now("acme", "alice").await
     }
 
     async fn terminal(&self, run_id: &str) -> automesh_domain::Run {
-        let give_up = tokio::time::Instant::now() + Duration::from_secs(60);
-        loop {
-            let run = self
-                .mesh
-                .store()
-                .get_run_unscoped(run_id)
-                .await
-                .expect("run");
-            if run.state.is_terminal() {
-                return run;
-            }
-            assert!(
-                tokio::time::Instant::now() < give_up,
-                "run did not end: {run:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        self.mesh
+            .until_terminal(run_id, Duration::from_secs(60))
+            .await
     }
 
     async fn stop(self) {

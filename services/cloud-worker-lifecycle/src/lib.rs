@@ -50,31 +50,8 @@ pub struct Config {
         default_value = ".automesh/workers"
     )]
     pub workers_dir: std::path::PathBuf,
-    /// The model provider workers use.
-    #[arg(
-        long,
-        env = "AUTOMESH_WORKER_PROVIDER_URL",
-        default_value = "https://api.openai.com/v1"
-    )]
-    pub provider_url: String,
-    #[arg(
-        long,
-        env = "AUTOMESH_WORKER_PROVIDER_API_KEY",
-        hide_env_values = true,
-        default_value = ""
-    )]
-    pub provider_key: automesh_rpc::auth::Secret,
-    /// The Connect (MCP) endpoint of the users' tools; without it cloud runs
-    /// end `mcp_config_missing`.
-    #[arg(long, env = "AUTOMESH_CONNECT_URL")]
-    pub connect_url: Option<String>,
-    #[arg(
-        long,
-        env = "AUTOMESH_CONNECT_TOKEN",
-        hide_env_values = true,
-        default_value = ""
-    )]
-    pub connect_token: automesh_rpc::auth::Secret,
+    #[command(flatten)]
+    pub worker: WorkerEnv,
     /// Docker driver: the Engine API socket.
     #[arg(
         long,
@@ -91,6 +68,61 @@ pub struct Config {
     /// Workers unused this long are stopped.
     #[arg(long, default_value = "15m", value_parser = automesh_rpc::runtime::parse_duration)]
     pub idle_after: std::time::Duration,
+}
+
+/// What cloud workers are given: their model provider, and the Connect
+/// (MCP) endpoint of the users' tools.
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkerEnv {
+    /// The model provider (OpenAI-compatible) cloud workers use.
+    #[arg(
+        long = "worker-provider-url",
+        env = "AUTOMESH_WORKER_PROVIDER_URL",
+        default_value = "https://api.openai.com/v1"
+    )]
+    pub provider_url: String,
+    #[arg(
+        long = "worker-provider-key",
+        env = "AUTOMESH_WORKER_PROVIDER_API_KEY",
+        hide_env_values = true,
+        default_value = ""
+    )]
+    pub provider_key: automesh_rpc::auth::Secret,
+    /// The Connect (MCP) endpoint of the users' tools; without it cloud runs
+    /// end `mcp_config_missing` (and need attention).
+    #[arg(long, env = "AUTOMESH_CONNECT_URL")]
+    pub connect_url: Option<String>,
+    #[arg(
+        long,
+        env = "AUTOMESH_CONNECT_TOKEN",
+        hide_env_values = true,
+        default_value = ""
+    )]
+    pub connect_token: automesh_rpc::auth::Secret,
+}
+
+impl WorkerEnv {
+    /// The Connect configuration, if any.
+    pub fn connect(&self) -> Option<cloud::ConnectSettings> {
+        self.connect_url.clone().map(|url| cloud::ConnectSettings {
+            url,
+            token: self.connect_token.clone(),
+        })
+    }
+
+    /// A local-process driver running `command` for workers under `root`.
+    pub fn local_driver(
+        &self,
+        command: Vec<String>,
+        root: std::path::PathBuf,
+    ) -> driver::LocalProcessDriver {
+        driver::LocalProcessDriver::new(
+            command,
+            root,
+            self.provider_url.clone(),
+            self.provider_key.expose().to_owned(),
+        )
+    }
 }
 
 impl Config {
@@ -110,27 +142,21 @@ impl Config {
             self.agent_command.clone()
         };
         let driver: std::sync::Arc<dyn driver::WorkerDriver> = match self.driver.as_str() {
-            "local-process" => std::sync::Arc::new(driver::LocalProcessDriver::new(
-                command,
-                self.workers_dir.clone(),
-                self.provider_url.clone(),
-                self.provider_key.expose().to_owned(),
-            )),
+            "local-process" => {
+                std::sync::Arc::new(self.worker.local_driver(command, self.workers_dir.clone()))
+            }
             "docker" => std::sync::Arc::new(docker::DockerDriver {
                 socket: self.docker_socket.clone(),
                 image: self.worker_image.clone(),
-                provider_url: self.provider_url.clone(),
-                provider_key: self.provider_key.expose().to_owned(),
+                provider_url: self.worker.provider_url.clone(),
+                provider_key: self.worker.provider_key.expose().to_owned(),
             }),
             other => anyhow::bail!("unknown worker driver {other:?} (local-process or docker)"),
         };
         let settings = cloud::CloudSettings {
             readiness_cap: self.readiness_cap,
             idle_after: self.idle_after,
-            connect: self.connect_url.clone().map(|url| cloud::ConnectSettings {
-                url,
-                token: self.connect_token.clone(),
-            }),
+            connect: self.worker.connect(),
             ..Default::default()
         };
         Ok((driver, settings))
