@@ -717,6 +717,11 @@ impl ExecutorService for Cloud {
                 let Ok(Some(d)) = cloud.store.cloud_run(&req.run_id).await else {
                     return;
                 };
+                if d.phase != "finished" {
+                    // Revives a driver that stopped (a store error, a dead
+                    // replica); a live one elsewhere keeps its lease.
+                    cloud.drive(&req.run_id);
+                }
                 // Events come from the worker's thread while it runs.
                 if (d.phase == "running" || d.phase == "finished")
                     && let Ok(Some(endpoint)) = cloud.store.worker_endpoint(&d.worker_id).await
