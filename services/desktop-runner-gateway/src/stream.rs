@@ -294,7 +294,11 @@ async fn reconcile(
                     .desktop_run_idle(&a.run_id, runner_id, Utc::now())
                     .await?;
             }
-        } else if !holds && !offer(store, runner_id, &session.tx, a).await? {
+        } else if !holds
+            && !offer(store, runner_id, &session.tx, a).await?
+            && session.tx.is_closed()
+        {
+            // The stream is gone; what was not offered waits for the next.
             return Ok(());
         }
     }
