@@ -190,7 +190,6 @@ impl Mesh {
             )),
             None => tasks.spawn(automesh_cloud_worker_lifecycle::serve(
                 store.clone(),
-                "local-process".into(),
                 credential.clone(),
                 ll,
                 shutdown.clone(),

@@ -43,7 +43,7 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 /// The header carrying the internal host credential.
-pub const HOST_HEADER: &str = "x-automesh-host-credential";
+pub use automesh_rpc::auth::HOST_CREDENTIAL_HEADER as HOST_HEADER;
 /// The registration name the mesh manages.
 pub const REGISTRATION: &str = "openwork-cloud";
 

@@ -445,7 +445,7 @@ async fn idle_stop_racing_an_admission_never_stops_a_worker_the_admission_holds(
             vec![],
             env.workers.clone(),
             String::new(),
-            String::new(),
+            "".into(),
         )),
         CloudSettings {
             // Far shorter than the time since the worker was last used (0),

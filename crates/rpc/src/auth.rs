@@ -8,6 +8,10 @@ use tonic::metadata::MetadataValue;
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
 
+/// The header a cloud worker's agent reads the internal host credential
+/// from (beside `authorization: Bearer <collaborator token>`).
+pub const HOST_CREDENTIAL_HEADER: &str = "x-automesh-host-credential";
+
 /// The secret shared by the services of one mesh. Its `Debug` never prints it.
 #[derive(Clone)]
 pub struct InternalCredential(Arc<str>);
@@ -111,6 +115,12 @@ impl std::str::FromStr for Secret {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Ok(Secret(s.to_owned()))
+    }
+}
+
+impl From<&str> for Secret {
+    fn from(s: &str) -> Self {
+        Secret(s.to_owned())
     }
 }
 

@@ -82,14 +82,12 @@ impl Interceptor for AgentAuth {
     fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
         req.metadata_mut()
             .insert("authorization", self.bearer.clone());
-        req.metadata_mut()
-            .insert(automesh_worker_agent_header(), self.host.clone());
+        req.metadata_mut().insert(
+            automesh_rpc::auth::HOST_CREDENTIAL_HEADER,
+            self.host.clone(),
+        );
         Ok(req)
     }
-}
-
-fn automesh_worker_agent_header() -> &'static str {
-    "x-automesh-host-credential"
 }
 
 type Agent = WorkerAgentServiceClient<InterceptedService<Channel, AgentAuth>>;
@@ -471,9 +469,17 @@ impl Cloud {
     async fn watch(&self, run_id: &str) -> Result<(), automesh_store::StoreError> {
         let mut cancel_sent = false;
         let mut silent_since: Option<tokio::time::Instant> = None;
+        // One client per endpoint, not per look; the lease is renewed and the
+        // worker touched every third of the lease, not on every look.
+        let mut agent: Option<(String, Agent)> = None;
+        let mut renewed: Option<tokio::time::Instant> = None;
         loop {
-            if !self.hold(run_id).await? {
-                return Ok(());
+            let renew = renewed.is_none_or(|at| at.elapsed() >= DRIVE_LEASE / 3);
+            if renew {
+                if !self.hold(run_id).await? {
+                    return Ok(());
+                }
+                renewed = Some(tokio::time::Instant::now());
             }
             let Some(d) = self.store.cloud_run(run_id).await? else {
                 return Ok(());
@@ -481,10 +487,15 @@ impl Cloud {
             if d.phase == "finished" {
                 return Ok(());
             }
-            let _ = self.store.touch_worker(&d.worker_id, Utc::now()).await;
+            if renew {
+                let _ = self.store.touch_worker(&d.worker_id, Utc::now()).await;
+            }
             let endpoint = self.store.worker_endpoint(&d.worker_id).await?;
-            let thread = match endpoint.as_deref().map(|e| self.agent(e, &d.worker_id)) {
-                Some(Ok(mut agent)) => {
+            if agent.as_ref().map(|(e, _)| Some(e)) != Some(endpoint.as_ref()) {
+                agent = endpoint.and_then(|e| self.agent(&e, &d.worker_id).ok().map(|a| (e, a)));
+            }
+            let thread = match agent.as_mut() {
+                Some((_, agent)) => {
                     if d.cancel_requested && !cancel_sent {
                         cancel_sent = agent
                             .cancel_thread(apb::CancelThreadRequest {
@@ -501,7 +512,7 @@ impl Cloud {
                         .ok()
                         .and_then(|r| r.into_inner().thread)
                 }
-                _ => None,
+                None => None,
             };
             match thread {
                 Some(t) if t.status == apb::ThreadStatus::Idle as i32 => {

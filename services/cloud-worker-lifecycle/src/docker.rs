@@ -28,7 +28,8 @@ pub struct DockerDriver {
     pub socket: PathBuf,
     pub image: String,
     pub provider_url: String,
-    pub provider_key: String,
+    /// Redacted in `Debug`.
+    pub provider_key: automesh_rpc::auth::Secret,
 }
 
 fn container_name(worker_id: &str) -> String {
@@ -105,7 +106,7 @@ impl DockerDriver {
                 format!("AUTOMESH_AGENT_COLLABORATOR_TOKEN={}", launch.collaborator_token),
                 format!("AUTOMESH_AGENT_HOST_CREDENTIAL={}", launch.host_credential),
                 format!("AUTOMESH_PROVIDER_URL={}", self.provider_url),
-                format!("AUTOMESH_PROVIDER_API_KEY={}", self.provider_key),
+                format!("AUTOMESH_PROVIDER_API_KEY={}", self.provider_key.expose()),
             ],
             "Labels": {"automesh.worker": launch.worker_id},
             "ExposedPorts": {port.clone(): {}},

@@ -81,7 +81,8 @@ pub struct LocalProcessDriver {
     pub root: PathBuf,
     /// The model provider the agents use.
     pub provider_url: String,
-    pub provider_key: String,
+    /// Redacted in `Debug`.
+    pub provider_key: automesh_rpc::auth::Secret,
     children: Mutex<HashMap<String, tokio::process::Child>>,
     starts: std::sync::atomic::AtomicUsize,
 }
@@ -91,7 +92,7 @@ impl LocalProcessDriver {
         command: Vec<String>,
         root: PathBuf,
         provider_url: String,
-        provider_key: String,
+        provider_key: automesh_rpc::auth::Secret,
     ) -> Self {
         Self {
             command,
@@ -170,7 +171,7 @@ impl WorkerDriver for LocalProcessDriver {
             )
             .env("AUTOMESH_AGENT_HOST_CREDENTIAL", &launch.host_credential)
             .env("AUTOMESH_PROVIDER_URL", &self.provider_url)
-            .env("AUTOMESH_PROVIDER_API_KEY", &self.provider_key)
+            .env("AUTOMESH_PROVIDER_API_KEY", self.provider_key.expose())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(log_file(&dir))

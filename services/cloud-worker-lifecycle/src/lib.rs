@@ -120,7 +120,7 @@ impl WorkerEnv {
             command,
             root,
             self.provider_url.clone(),
-            self.provider_key.expose().to_owned(),
+            self.provider_key.clone(),
         )
     }
 }
@@ -149,7 +149,7 @@ impl Config {
                 socket: self.docker_socket.clone(),
                 image: self.worker_image.clone(),
                 provider_url: self.worker.provider_url.clone(),
-                provider_key: self.worker.provider_key.expose().to_owned(),
+                provider_key: self.worker.provider_key.clone(),
             }),
             other => anyhow::bail!("unknown worker driver {other:?} (local-process or docker)"),
         };
@@ -252,12 +252,12 @@ pub async fn run(
     serve_with(store, driver, settings, credential, listener, shutdown).await
 }
 
-/// Serves over an existing store with the default settings of a
-/// local-process driver running `agent_command` (used by `dev` mode and
-/// tests).
+/// Serves over an existing store with the default settings and a
+/// local-process driver that has no agent to run: workers can be recorded
+/// and looked up, and a cloud run ends `runtime_missing` (tests that do not
+/// exercise the cloud path).
 pub async fn serve(
     store: Store,
-    driver: String,
     credential: InternalCredential,
     listener: TcpListener,
     shutdown: CancellationToken,
@@ -266,9 +266,8 @@ pub async fn serve(
         vec![],
         std::env::temp_dir().join("automesh-workers"),
         String::new(),
-        String::new(),
+        automesh_rpc::auth::Secret::from(""),
     );
-    let _ = driver;
     serve_with(
         store,
         std::sync::Arc::new(local),

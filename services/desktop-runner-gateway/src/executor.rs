@@ -98,6 +98,9 @@ impl Dispatch {
         // Revocations are looked for with a margin, so a clock step or a
         // slow commit cannot hide one; ending a stream twice is harmless.
         let mut revoked_after = Utc::now() - REVOCATION_MARGIN;
+        // Runner reports wake this loop many times a second; revocations
+        // are looked for once per poll interval, not on every wake.
+        let mut revocations_checked: Option<tokio::time::Instant> = None;
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
@@ -115,7 +118,8 @@ impl Dispatch {
                     }
                 }
             }
-            if !sessions.is_empty() {
+            if !sessions.is_empty() && revocations_checked.is_none_or(|at| at.elapsed() >= POLL) {
+                revocations_checked = Some(tokio::time::Instant::now());
                 let checked = Utc::now();
                 match store.runners_revoked_since(revoked_after).await {
                     Ok(ids) => {
