@@ -6,7 +6,6 @@ use automesh_proto::scheduler::v1::scheduler_service_client::SchedulerServiceCli
 use automesh_proto::worker::v1::cloud_worker_lifecycle_service_client::CloudWorkerLifecycleServiceClient;
 use automesh_rpc::client::ChannelError;
 use automesh_rpc::{InternalChannel, InternalCredential, internal_channel};
-use tonic::transport::Channel;
 use tonic_health::pb::health_client::HealthClient;
 
 /// One lazily connected channel per internal service.
@@ -16,10 +15,11 @@ pub struct Upstreams {
     pub coordinator: RunCoordinatorServiceClient<InternalChannel>,
     pub lifecycle: CloudWorkerLifecycleServiceClient<InternalChannel>,
     pub runner_tokens: RunnerTokenServiceClient<InternalChannel>,
-    health: Vec<(&'static str, HealthClient<Channel>)>,
+    health: Vec<(&'static str, HealthClient<automesh_rpc::client::Replicas>)>,
 }
 
-/// Where the internal services listen.
+/// Where the internal services listen. Each may name several replicas,
+/// comma separated; calls move to the next when one fails.
 #[derive(Debug, Clone, clap::Args)]
 pub struct UpstreamAddrs {
     #[arg(
@@ -56,7 +56,7 @@ impl Upstreams {
         let health = |name, addr: &str| -> Result<_, ChannelError> {
             Ok((
                 name,
-                HealthClient::new(automesh_rpc::client::channel(addr)?),
+                HealthClient::new(automesh_rpc::client::replicas(addr)?),
             ))
         };
         Ok(Self {

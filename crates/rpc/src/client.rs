@@ -1,7 +1,19 @@
 //! Client channels between services. Every outbound call carries the
 //! internal credential and the caller's W3C trace context.
+//!
+//! A service address may name several replicas (`http://a:1,http://b:2`):
+//! calls go to one of them until it fails at the transport (refused, reset,
+//! no answer in time), then to the next, so a dead or stalled replica costs
+//! one failed call, which every caller already retries.
 
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
+
+use tower::{Service, ServiceExt};
 
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
@@ -34,18 +46,23 @@ impl Interceptor for Outbound {
 }
 
 /// A channel to another service of the mesh.
-pub type InternalChannel = InterceptedService<Channel, Outbound>;
+pub type InternalChannel = InterceptedService<Replicas, Outbound>;
 
 /// Why a channel could not be made.
 #[derive(Debug, thiserror::Error)]
-#[error("invalid service address {addr:?}: {source}")]
-pub struct ChannelError {
-    addr: String,
-    #[source]
-    source: tonic::transport::Error,
+pub enum ChannelError {
+    #[error("invalid service address {addr:?}: {source}")]
+    Invalid {
+        addr: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("no service address given")]
+    Empty,
 }
 
-/// Bounds on every outbound call: connecting, and a whole unary call.
+/// Bounds on every outbound call: connecting, and a whole unary call (for
+/// a stream: until its response headers).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -53,7 +70,7 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// start in any order. Calls fail with UNAVAILABLE until the peer answers.
 pub fn channel(addr: &str) -> Result<Channel, ChannelError> {
     let endpoint = Endpoint::from_shared(addr.to_owned())
-        .map_err(|source| ChannelError {
+        .map_err(|source| ChannelError::Invalid {
             addr: addr.to_owned(),
             source,
         })?
@@ -64,14 +81,158 @@ pub fn channel(addr: &str) -> Result<Channel, ChannelError> {
     Ok(endpoint.connect_lazy())
 }
 
-/// A channel to another service, carrying the internal credential. Unary
-/// calls are bounded by [`CALL_TIMEOUT`]; streams set their own bounds.
+/// A channel to another service, carrying the internal credential. `addrs`
+/// is one address or a comma-separated list of replicas (see [`Replicas`]).
+/// Unary calls are bounded by [`CALL_TIMEOUT`]; streams set their own bounds.
 pub fn internal_channel(
-    addr: &str,
+    addrs: &str,
     credential: &InternalCredential,
 ) -> Result<InternalChannel, ChannelError> {
     Ok(InterceptedService::new(
-        channel(addr)?,
+        replicas(addrs)?,
         Outbound::new(Some(credential.clone())),
     ))
+}
+
+/// Lazily connected channels to the replicas `addrs` names (comma
+/// separated), each bounded by [`CALL_TIMEOUT`] until its response.
+pub fn replicas(addrs: &str) -> Result<Replicas, ChannelError> {
+    let channels = addrs
+        .split(',')
+        .map(str::trim)
+        .filter(|a| !a.is_empty())
+        .map(|addr| {
+            Ok(Endpoint::from_shared(addr.to_owned())
+                .map_err(|source| ChannelError::Invalid {
+                    addr: addr.to_owned(),
+                    source,
+                })?
+                .connect_timeout(CONNECT_TIMEOUT)
+                .timeout(CALL_TIMEOUT)
+                .tcp_nodelay(true)
+                .http2_keep_alive_interval(Duration::from_secs(20))
+                .keep_alive_timeout(Duration::from_secs(10))
+                .connect_lazy())
+        })
+        .collect::<Result<Vec<_>, ChannelError>>()?;
+    if channels.is_empty() {
+        return Err(ChannelError::Empty);
+    }
+    Ok(Replicas {
+        channels: channels.into(),
+        current: Arc::default(),
+    })
+}
+
+/// Channels to the replicas of one service. Each call goes to the current
+/// replica; a call that fails at the transport moves every later call to
+/// the next one. gRPC statuses (the replica answered) never move it.
+#[derive(Debug, Clone)]
+pub struct Replicas {
+    channels: Arc<[Channel]>,
+    current: Arc<AtomicUsize>,
+}
+
+impl Replicas {
+    /// How many replicas this names.
+    pub fn len(&self) -> usize {
+        self.channels.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.channels.is_empty()
+    }
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl Service<http::Request<tonic::body::Body>> for Replicas {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = tonic::transport::Error;
+    type Future = BoxFuture<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // Each call readies its own replica's channel.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+        let n = self.channels.len();
+        let i = self.current.load(Ordering::Relaxed) % n;
+        let mut channel = self.channels[i].clone();
+        let current = self.current.clone();
+        Box::pin(async move {
+            let result = match channel.ready().await {
+                Ok(ready) => ready.call(request).await,
+                Err(e) => Err(e),
+            };
+            if result.is_err() && n > 1 {
+                // Only the first caller to see this replica fail moves on.
+                if current
+                    .compare_exchange(i, (i + 1) % n, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    tracing::warn!(replica = i, "replica failed at the transport; using the next");
+                }
+            }
+            result
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+
+    /// A port nothing listens on (bound, then released).
+    fn closed_port() -> u16 {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr").port()
+    }
+
+    #[tokio::test]
+    async fn calls_move_to_the_next_replica_when_one_is_down() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let live = listener.local_addr().expect("addr");
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let server = crate::GrpcServer::new(crate::ServerSettings::default()).expect("server");
+        let serving = tokio::spawn(server.serve(
+            listener,
+            shutdown.clone(),
+            Box::new(|| Box::pin(async { true })),
+        ));
+        let addrs = format!("http://127.0.0.1:{},http://{live}", closed_port());
+        let replicas = replicas(&addrs).expect("replicas");
+        assert_eq!(replicas.len(), 2);
+        let mut client = HealthClient::new(replicas);
+        let check = || HealthCheckRequest {
+            service: String::new(),
+        };
+        let first = client.check(check()).await;
+        assert_eq!(
+            first.expect_err("the dead replica is tried first").code(),
+            tonic::Code::Unavailable
+        );
+        for _ in 0..3 {
+            client
+                .check(check())
+                .await
+                .expect("the live replica answers every later call");
+        }
+        shutdown.cancel();
+        serving.await.expect("join").expect("served");
+    }
+
+    #[test]
+    fn an_empty_address_list_is_refused() {
+        assert!(matches!(replicas(" , "), Err(ChannelError::Empty)));
+        assert!(matches!(
+            replicas("not a uri"),
+            Err(ChannelError::Invalid { .. })
+        ));
+    }
 }

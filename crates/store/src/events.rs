@@ -3,9 +3,10 @@
 
 use std::collections::HashSet;
 
-use automesh_domain::{RunEvent, RunEventPayload};
+use automesh_domain::{ErrorCode, RunEvent, RunEventPayload, RunState};
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
+use sqlx::{Any, Transaction};
 
 use crate::rows::{instant, int, micros, text};
 use crate::{Result, Store, StoreError};
@@ -54,52 +55,7 @@ impl Store {
         now: DateTime<Utc>,
     ) -> Result<Vec<RunEvent>> {
         let mut tx = self.begin_write().await?;
-        let mut seq: i64 = sqlx::query_scalar(LOCK_RUN)
-            .bind(run_id)
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or(StoreError::NotFound)?;
-        let mut seen = HashSet::new();
-        let mut appended = Vec::new();
-        for event in events {
-            if !seen.insert(event.event_id.as_str()) {
-                continue;
-            }
-            let existing: Option<i64> = sqlx::query_scalar(FIND_BY_EVENT_ID)
-                .bind(run_id)
-                .bind(&event.event_id)
-                .fetch_optional(&mut *tx)
-                .await?;
-            if existing.is_some() {
-                continue;
-            }
-            seq += 1;
-            let payload = serde_json::to_string(&event.payload)
-                .map_err(|e| StoreError::Corrupt(format!("event payload: {e}")))?;
-            sqlx::query(INSERT)
-                .bind(run_id)
-                .bind(seq)
-                .bind(&event.event_id)
-                .bind(event.payload.kind())
-                .bind(payload)
-                .bind(micros(now))
-                .execute(&mut *tx)
-                .await?;
-            appended.push(RunEvent {
-                run_id: run_id.to_owned(),
-                sequence: seq,
-                event_id: event.event_id.clone(),
-                created_at: now,
-                payload: event.payload.clone(),
-            });
-        }
-        if !appended.is_empty() {
-            sqlx::query(SET_LAST_SEQ)
-                .bind(run_id)
-                .bind(seq)
-                .execute(&mut *tx)
-                .await?;
-        }
+        let appended = append_in(&mut tx, run_id, events, now).await?;
         tx.commit().await?;
         Ok(appended)
     }
@@ -114,4 +70,79 @@ impl Store {
             .await?;
         rows.iter().map(decode).collect()
     }
+}
+
+/// The id of the status event a run's move to `state` is recorded under:
+/// one per state, however often it is recorded.
+pub fn status_event_id(state: RunState) -> String {
+    format!("coordinator:status:{state}")
+}
+
+/// The status event of a run's move to `state`.
+pub fn status_event(state: RunState, code: Option<ErrorCode>, message: Option<&str>) -> NewEvent {
+    NewEvent {
+        event_id: status_event_id(state),
+        payload: RunEventPayload::StatusChange {
+            state: state.as_str().to_owned(),
+            error_code: code.map(|c| c.as_str().to_owned()),
+            message: message.map(str::to_owned),
+        },
+    }
+}
+
+/// [`Store::append_events`] inside the caller's transaction, so events can
+/// commit with the state change they describe.
+pub(crate) async fn append_in(
+    tx: &mut Transaction<'static, Any>,
+    run_id: &str,
+    events: &[NewEvent],
+    now: DateTime<Utc>,
+) -> Result<Vec<RunEvent>> {
+    let mut seq: i64 = sqlx::query_scalar(LOCK_RUN)
+        .bind(run_id)
+        .fetch_optional(&mut **tx)
+        .await?
+        .ok_or(StoreError::NotFound)?;
+    let mut seen = HashSet::new();
+    let mut appended = Vec::new();
+    for event in events {
+        if !seen.insert(event.event_id.as_str()) {
+            continue;
+        }
+        let existing: Option<i64> = sqlx::query_scalar(FIND_BY_EVENT_ID)
+            .bind(run_id)
+            .bind(&event.event_id)
+            .fetch_optional(&mut **tx)
+            .await?;
+        if existing.is_some() {
+            continue;
+        }
+        seq += 1;
+        let payload = serde_json::to_string(&event.payload)
+            .map_err(|e| StoreError::Corrupt(format!("event payload: {e}")))?;
+        sqlx::query(INSERT)
+            .bind(run_id)
+            .bind(seq)
+            .bind(&event.event_id)
+            .bind(event.payload.kind())
+            .bind(payload)
+            .bind(micros(now))
+            .execute(&mut **tx)
+            .await?;
+        appended.push(RunEvent {
+            run_id: run_id.to_owned(),
+            sequence: seq,
+            event_id: event.event_id.clone(),
+            created_at: now,
+            payload: event.payload.clone(),
+        });
+    }
+    if !appended.is_empty() {
+        sqlx::query(SET_LAST_SEQ)
+            .bind(run_id)
+            .bind(seq)
+            .execute(&mut **tx)
+            .await?;
+    }
+    Ok(appended)
 }

@@ -1,10 +1,13 @@
 //! Queries of receipts, the durable terminal record of a run. A run becomes
-//! terminal and gets its receipt in one transaction.
+//! terminal, gets its receipt and its terminal status event in one
+//! transaction: a process that dies after the commit leaves nothing to
+//! finish, and one that dies before it leaves the run live, to be taken over.
 
 use automesh_domain::{ErrorCode, Receipt, Run, RunState, Usage};
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
+use crate::events::{append_in, status_event};
 use crate::rows::{instant, int, micros, opt_parsed, opt_text, parsed, text};
 use crate::{Result, Store, StoreError};
 
@@ -144,7 +147,7 @@ pub(crate) async fn insert(
     r: &Receipt,
 ) -> Result<()> {
     let terminal: RunState = r.outcome;
-    sqlx::query(INSERT)
+    let done = sqlx::query(INSERT)
         .bind(&r.run_id)
         .bind(terminal.as_str())
         .bind(r.error_code.map(|c| c.as_str()))
@@ -165,5 +168,10 @@ pub(crate) async fn insert(
         .bind(micros(r.created_at))
         .execute(&mut **tx)
         .await?;
+    if done.rows_affected() == 1 {
+        // The run's end, in its event log, commits with its receipt.
+        let event = status_event(terminal, r.error_code, r.error_message.as_deref());
+        append_in(tx, &r.run_id, &[event], r.created_at).await?;
+    }
     Ok(())
 }

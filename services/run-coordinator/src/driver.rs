@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use automesh_domain::{
-    AutomationState, ErrorCode, Placement, Receipt, Run, RunEventPayload, RunState, Usage,
+    AutomationState, ErrorCode, Placement, Receipt, Run, RunState, Usage,
 };
 use automesh_proto::executor::v1 as epb;
 use automesh_proto::executor::v1::executor_service_client::ExecutorServiceClient;
@@ -774,14 +774,7 @@ async fn record_status(
     code: Option<ErrorCode>,
     message: Option<&str>,
 ) -> Result<(), StoreError> {
-    let event = NewEvent {
-        event_id: format!("coordinator:status:{state}"),
-        payload: RunEventPayload::StatusChange {
-            state: state.as_str().to_owned(),
-            error_code: code.map(|c| c.as_str().to_owned()),
-            message: message.map(str::to_owned),
-        },
-    };
+    let event = automesh_store::events::status_event(state, code, message);
     ctx.store
         .append_events(&run.id, &[event], Utc::now())
         .await
@@ -792,8 +785,8 @@ fn micros_between(from: Option<DateTime<Utc>>, to: DateTime<Utc>) -> i64 {
     from.map_or(0, |f| (to - f).num_microseconds().unwrap_or(0).max(0))
 }
 
-/// Records the end: the terminal state and the receipt in one transaction,
-/// a status event, and what the outcome means for the automation.
+/// Records the end: the terminal state, the receipt and the terminal status
+/// event in one transaction, then what the outcome means for the automation.
 async fn finish(ctx: &Context, run: &Run, ending: Ending) -> Result<(), StoreError> {
     let now = Utc::now();
     let current = ctx.store.get_run_unscoped(&run.id).await?;
@@ -823,14 +816,6 @@ async fn finish(ctx: &Context, run: &Run, ending: Ending) -> Result<(), StoreErr
         Err(StoreError::IllegalTransition { .. }) => return Ok(()),
         Err(e) => return Err(e),
     }
-    record_status(
-        ctx,
-        run,
-        ending.state,
-        ending.code,
-        ending.message.as_deref(),
-    )
-    .await?;
     tracing::info!(state = %ending.state, error_code = ?ending.code.map(|c| c.as_str()), "run ended");
     update_attention(ctx, run, &ending, now).await
 }

@@ -368,6 +368,78 @@ pub async fn finish_run_writes_exactly_one_receipt(store: &Store) {
     assert!(store.get_receipt("nope").await.expect("get").is_none());
 }
 
+/// The terminal state, the receipt and the terminal status event commit
+/// together: a process killed right after the commit leaves a run whose log
+/// shows its end, and one whose event write fails leaves the run live.
+pub async fn a_run_ends_with_its_receipt_and_status_event_or_not_at_all(store: &Store) {
+    let a = create(store, &alice(), "a1", t(0)).await;
+    for id in ["r1", "r2"] {
+        store
+            .create_run(&new_run(&a, id), t(1))
+            .await
+            .expect("create");
+    }
+    store
+        .append_events("r1", &[text_event("e1", "working")], t(2))
+        .await
+        .expect("append");
+    let mut failed = receipt("r1", RunState::Failed);
+    failed.error_code = Some(ErrorCode::ProviderUnavailable);
+    failed.error_message = Some("the provider kept failing".into());
+    store.finish_run(&failed, t(3)).await.expect("finish");
+    let events = store.list_events("r1", 0, 100).await.expect("events");
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(
+        events[1].payload,
+        RunEventPayload::StatusChange {
+            state: "failed".into(),
+            error_code: Some("provider_unavailable".into()),
+            message: Some("the provider kept failing".into()),
+        }
+    );
+    // Recording the same end again adds nothing.
+    store
+        .append_events(
+            "r1",
+            &[automesh_store::events::status_event(
+                RunState::Failed,
+                Some(ErrorCode::ProviderUnavailable),
+                None,
+            )],
+            t(4),
+        )
+        .await
+        .expect("append");
+    assert_eq!(store.list_events("r1", 0, 100).await.expect("events").len(), 2);
+
+    // A status event that cannot be written takes the whole end with it.
+    let refuse = match store.backend() {
+        automesh_store::Backend::Postgres => vec![
+            "CREATE FUNCTION refuse_r2() RETURNS trigger AS $$ BEGIN \
+             IF NEW.run_id = 'r2' THEN RAISE EXCEPTION 'refused by the test'; END IF; \
+             RETURN NEW; END $$ LANGUAGE plpgsql",
+            "CREATE TRIGGER refuse_r2 BEFORE INSERT ON run_events \
+             FOR EACH ROW EXECUTE FUNCTION refuse_r2()",
+        ],
+        automesh_store::Backend::Sqlite => vec![
+            "CREATE TRIGGER refuse_r2 BEFORE INSERT ON run_events WHEN NEW.run_id = 'r2' \
+             BEGIN SELECT RAISE(ABORT, 'refused by the test'); END",
+        ],
+    };
+    for sql in refuse {
+        sqlx::query(sql).execute(store.pool()).await.expect("trigger");
+    }
+    assert!(
+        store
+            .finish_run(&receipt("r2", RunState::Succeeded), t(5))
+            .await
+            .is_err()
+    );
+    let r2 = store.get_run_unscoped("r2").await.expect("get");
+    assert!(!r2.state.is_terminal(), "{r2:?}");
+    assert!(store.get_receipt("r2").await.expect("get").is_none());
+}
+
 pub async fn events_are_ordered_and_deduplicated(store: &Store) {
     let a = create(store, &alice(), "a1", t(0)).await;
     store

@@ -20,6 +20,7 @@ macro_rules! conformance_suite {
             run_transitions_are_guarded,
             terminal_runs_are_final_in_the_schema,
             finish_run_writes_exactly_one_receipt,
+            a_run_ends_with_its_receipt_and_status_event_or_not_at_all,
             events_are_ordered_and_deduplicated,
             concurrent_event_appenders_get_contiguous_sequences,
             runs_are_scoped_and_listed,
