@@ -18,7 +18,6 @@
 //!   `CancelAssignment`, reporting `IdleObserved` once the engine stopped.
 
 pub mod cli;
-pub mod record;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -39,7 +38,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::record::Record;
+/// The runner's journal of accepted runs, with their `RunFinished`.
+type Record = automesh_engine::journal::Record<automesh_proto::runner::v1::RunFinished>;
 
 /// Messages queued towards the gateway before senders wait.
 const OUTBOUND: usize = 256;

@@ -7,6 +7,7 @@
 pub mod adapter;
 pub mod connect;
 pub mod error;
+pub mod journal;
 pub mod native;
 pub mod opencode;
 pub mod provider;

@@ -1,12 +1,13 @@
-//! The runner's local record of the runs it accepted: one append-only file
-//! per run (`<dir>/<run id>.jsonl`), each line synced before the runner acts
-//! on it. A run is recorded as accepted *before* the runner tells the
-//! gateway or starts its engine, so a restart, a crash or a laptop waking
-//! from sleep finds it and never runs it a second time; its events and its
-//! result are recorded too, so they can be sent again after a reconnect
-//! (the gateway deduplicates by event id).
+//! The local journal of the runs an executor accepted — the desktop
+//! runner's and the worker agent's: one append-only file per run
+//! (`<dir>/<key>.jsonl`), each line synced before the executor acts on it.
+//! A run is journaled as accepted *before* it is acknowledged or its engine
+//! starts, so a restart, a crash or a laptop waking from sleep finds it and
+//! never runs it a second time; its events and its result are journaled
+//! too, so they can be reported again after a reconnect or a restart
+//! (receivers deduplicate by event id).
 //!
-//! A torn last line (a crash mid-write) is ignored; the runner then only
+//! A torn last line (a crash mid-write) is ignored; the executor then only
 //! lacks that one event, never a run.
 
 use std::collections::HashMap;
@@ -14,9 +15,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use automesh_proto::runner::v1 as rpb;
 use automesh_proto::v1 as pb;
-use prost::Message as _;
 use serde::{Deserialize, Serialize};
 
 /// How long a finished run's record is kept when the gateway never says it
@@ -25,7 +24,7 @@ const KEEP_FINISHED: chrono::Duration = chrono::Duration::days(7);
 
 #[derive(Debug, thiserror::Error)]
 pub enum RecordError {
-    #[error("runner record {path}: {source}")]
+    #[error("run journal {path}: {source}")]
     Io {
         path: PathBuf,
         source: std::io::Error,
@@ -38,32 +37,49 @@ enum Line {
     Accepted {
         run_id: String,
         at: String,
+        /// What the executor keeps beside the id (the agent: its thread).
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        note: String,
     },
     /// A hex-encoded `automesh.v1.RunEvent`.
     Event {
         body: String,
     },
-    /// A hex-encoded `automesh.runner.v1.RunFinished`.
+    /// The hex-encoded result message (the runner: `RunFinished`; the
+    /// agent: its `Thread`).
     Finished {
         body: String,
         at: String,
     },
 }
 
-/// What the record holds of one run.
-#[derive(Debug, Clone, Default)]
-pub struct RunRecord {
+/// What the journal holds of one run; `F` is the executor's result message.
+#[derive(Debug, Clone)]
+pub struct RunRecord<F> {
     pub run_id: String,
+    pub note: String,
     pub events: Vec<pb::RunEvent>,
-    pub finished: Option<rpb::RunFinished>,
+    pub finished: Option<F>,
     pub finished_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
-/// The record directory.
+impl<F> Default for RunRecord<F> {
+    fn default() -> Self {
+        Self {
+            run_id: String::new(),
+            note: String::new(),
+            events: vec![],
+            finished: None,
+            finished_at: None,
+        }
+    }
+}
+
+/// The journal directory, with results of type `F`.
 #[derive(Debug)]
-pub struct Record {
+pub struct Record<F> {
     dir: PathBuf,
-    runs: Mutex<HashMap<String, RunRecord>>,
+    runs: Mutex<HashMap<String, RunRecord<F>>>,
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> RecordError + '_ {
@@ -81,9 +97,9 @@ fn valid_run_id(run_id: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
 }
 
-impl Record {
-    /// Opens (creating) the record in `dir` and loads what it holds.
-    pub fn open(dir: &Path) -> Result<Record, RecordError> {
+impl<F: prost::Message + Default + Clone> Record<F> {
+    /// Opens (creating) the journal in `dir` and loads what it holds.
+    pub fn open(dir: &Path) -> Result<Record<F>, RecordError> {
         std::fs::create_dir_all(dir).map_err(io(dir))?;
         let mut runs = HashMap::new();
         for entry in std::fs::read_dir(dir).map_err(io(dir))? {
@@ -100,11 +116,14 @@ impl Record {
             let mut run = RunRecord::default();
             for line in text.lines() {
                 match serde_json::from_str::<Line>(line) {
-                    Ok(Line::Accepted { run_id, .. }) => run.run_id = run_id,
+                    Ok(Line::Accepted { run_id, note, .. }) => {
+                        run.run_id = run_id;
+                        run.note = note;
+                    }
                     Ok(Line::Event { body }) => {
                         if let Some(e) = hex::decode(&body)
                             .ok()
-                            .and_then(|b| pb::RunEvent::decode(b.as_slice()).ok())
+                            .and_then(|b| <pb::RunEvent as prost::Message>::decode(b.as_slice()).ok())
                         {
                             run.events.push(e);
                         }
@@ -112,11 +131,11 @@ impl Record {
                     Ok(Line::Finished { body, at }) => {
                         run.finished = hex::decode(&body)
                             .ok()
-                            .and_then(|b| rpb::RunFinished::decode(b.as_slice()).ok());
+                            .and_then(|b| F::decode(b.as_slice()).ok());
                         run.finished_at = at.parse().ok();
                     }
                     Err(_) => {
-                        tracing::warn!(path = %path.display(), "ignoring a torn line of the runner record");
+                        tracing::warn!(path = %path.display(), "ignoring a torn line of the run journal");
                     }
                 }
             }
@@ -150,6 +169,11 @@ impl Record {
     /// Records the run as accepted; false when it already was (it must not
     /// run again). Synced to disk before it returns.
     pub fn accept(&self, run_id: &str) -> Result<bool, RecordError> {
+        self.accept_with(run_id, "")
+    }
+
+    /// [`Record::accept`], keeping `note` beside the id.
+    pub fn accept_with(&self, run_id: &str, note: &str) -> Result<bool, RecordError> {
         if !valid_run_id(run_id) {
             return Err(RecordError::Io {
                 path: self.dir.clone(),
@@ -165,12 +189,14 @@ impl Record {
             &Line::Accepted {
                 run_id: run_id.to_owned(),
                 at: chrono::Utc::now().to_rfc3339(),
+                note: note.to_owned(),
             },
         )?;
         runs.insert(
             run_id.to_owned(),
             RunRecord {
                 run_id: run_id.to_owned(),
+                note: note.to_owned(),
                 ..RunRecord::default()
             },
         );
@@ -183,7 +209,7 @@ impl Record {
         self.append(
             run_id,
             &Line::Event {
-                body: hex::encode(event.encode_to_vec()),
+                body: hex::encode(prost::Message::encode_to_vec(event)),
             },
         )?;
         if let Some(r) = runs.get_mut(run_id) {
@@ -193,7 +219,7 @@ impl Record {
     }
 
     /// Records the run's result.
-    pub fn finish(&self, run_id: &str, finished: &rpb::RunFinished) -> Result<(), RecordError> {
+    pub fn finish(&self, run_id: &str, finished: &F) -> Result<(), RecordError> {
         let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
         let now = chrono::Utc::now();
         self.append(
@@ -220,7 +246,7 @@ impl Record {
     }
 
     /// One run's record.
-    pub fn get(&self, run_id: &str) -> Option<RunRecord> {
+    pub fn get(&self, run_id: &str) -> Option<RunRecord<F>> {
         self.runs
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -229,7 +255,7 @@ impl Record {
     }
 
     /// Every run recorded, after dropping finished ones past retention.
-    pub fn all(&self) -> Vec<RunRecord> {
+    pub fn all(&self) -> Vec<RunRecord<F>> {
         let cutoff = chrono::Utc::now() - KEEP_FINISHED;
         let stale: Vec<String> = {
             let runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
@@ -253,6 +279,9 @@ impl Record {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use automesh_proto::runner::v1 as rpb;
+
+    type Record = super::Record<rpb::RunFinished>;
 
     fn dir(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!(
