@@ -13,6 +13,14 @@
 //! - Every call needs both credentials — the collaborator token
 //!   (`authorization: Bearer …`) and the internal host credential
 //!   (`x-automesh-host-credential`) — and is refused if either is missing.
+//! - A message is journaled (`<state dir>/threads/`, synced) before its
+//!   engine starts, so an agent started after a crash knows every message a
+//!   previous one accepted: it reports those it finished, and those it did
+//!   not as failed `runtime_interrupted` — never runs one twice.
+//! - One agent per state directory (an exclusive lock on `agent.lock`; its
+//!   pid in `agent.pid`), and none outlives its lifecycle without a bound:
+//!   an agent that hears no call for its orphan bound exits, as it does on
+//!   SIGTERM, SIGINT or `Shutdown`.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -52,6 +60,29 @@ pub const REGISTRATION: &str = "openwork-cloud";
 pub struct DualCredential {
     collaborator: Arc<str>,
     host: Arc<str>,
+    contact: Contact,
+}
+
+/// When an authenticated call last arrived.
+#[derive(Clone, Default)]
+struct Contact(Arc<Mutex<Option<std::time::Instant>>>);
+
+impl Contact {
+    fn touch(&self) {
+        if let Ok(mut c) = self.0.lock() {
+            *c = Some(std::time::Instant::now());
+        }
+    }
+
+    /// Time since the last call (or since `since`, before any call).
+    fn silent_for(&self, since: std::time::Instant) -> Duration {
+        self.0
+            .lock()
+            .ok()
+            .and_then(|c| *c)
+            .unwrap_or(since)
+            .elapsed()
+    }
 }
 
 impl std::fmt::Debug for DualCredential {
@@ -65,6 +96,7 @@ impl DualCredential {
         Self {
             collaborator: Arc::from(format!("Bearer {collaborator}")),
             host: Arc::from(host),
+            contact: Contact::default(),
         }
     }
 }
@@ -86,6 +118,7 @@ impl Interceptor for DualCredential {
                 "missing or invalid host credential",
             ));
         }
+        self.contact.touch();
         Ok(req)
     }
 }
@@ -98,6 +131,29 @@ pub struct Settings {
     pub state_dir: PathBuf,
     pub max_steps: u32,
     pub request_timeout: Duration,
+    /// The agent exits after this long without an authenticated call
+    /// (`None`: never; only for tests that hold the agent in-process).
+    pub orphan_after: Option<Duration>,
+}
+
+/// The agent's journal of accepted messages (keyed by message id, the
+/// thread id beside it), with each finished message's `Thread`.
+type Journal = automesh_engine::journal::Record<apb::Thread>;
+
+/// What a message a previous agent accepted, but never finished, reports.
+fn interrupted(thread_id: &str, message_id: &str) -> apb::Thread {
+    apb::Thread {
+        thread_id: thread_id.to_owned(),
+        message_id: message_id.to_owned(),
+        status: apb::ThreadStatus::Idle as i32,
+        outcome: pb::RunState::Failed as i32,
+        error_code: ErrorCode::RuntimeInterrupted.as_str().to_owned(),
+        error_message: "the worker agent stopped while the message executed; it is not run \
+                        again, because its agent may already have acted"
+            .into(),
+        engine: "native-v1".into(),
+        ..Default::default()
+    }
 }
 
 struct Track {
@@ -106,10 +162,15 @@ struct Track {
     outcome: Option<(pb::RunState, String, String, pb::Usage)>,
     events: Vec<pb::RunEvent>,
     cancel: CancellationToken,
+    /// Set for a message a previous agent journaled: what it reports.
+    journaled: Option<apb::Thread>,
 }
 
 impl Track {
     fn thread(&self, thread_id: &str) -> apb::Thread {
+        if let Some(t) = &self.journaled {
+            return t.clone();
+        }
         let (outcome, error_code, error_message, usage) = match &self.outcome {
             Some((s, c, m, u)) => (*s as i32, c.clone(), m.clone(), Some(*u)),
             None => (0, String::new(), String::new(), None),
@@ -153,6 +214,11 @@ pub struct Agent {
     settings: Settings,
     threads: Arc<Mutex<Threads>>,
     changed: Arc<Notify>,
+    journal: Arc<Journal>,
+    /// Unique to this process.
+    id: Arc<str>,
+    /// Cancelled to stop the agent (`Shutdown`, orphan bound, signal).
+    stop: CancellationToken,
 }
 
 impl std::fmt::Debug for Agent {
@@ -168,12 +234,46 @@ fn registrations_path(settings: &Settings) -> PathBuf {
 }
 
 impl Agent {
-    pub fn new(settings: Settings) -> Self {
-        Self {
-            settings,
-            threads: Arc::default(),
-            changed: Arc::default(),
+    /// An agent over the journal in `settings.state_dir`: every message a
+    /// previous agent accepted is known, finished or interrupted.
+    pub fn new(settings: Settings, stop: CancellationToken) -> anyhow::Result<Self> {
+        let journal = Journal::open(&settings.state_dir.join("threads"))?;
+        let mut threads = Threads::default();
+        for record in journal.all() {
+            let thread_id = record.note.clone();
+            let message_id = record.run_id.clone();
+            let thread = match record.finished {
+                Some(t) => t,
+                None => {
+                    let t = interrupted(&thread_id, &message_id);
+                    tracing::warn!(%thread_id, %message_id, "a message a previous agent accepted never finished; it is reported interrupted");
+                    journal.finish(&message_id, &t)?;
+                    t
+                }
+            };
+            threads
+                .by_message
+                .insert(message_id.clone(), thread_id.clone());
+            threads.by_id.insert(
+                thread_id,
+                Track {
+                    message_id,
+                    busy: false,
+                    outcome: None,
+                    events: vec![],
+                    cancel: CancellationToken::new(),
+                    journaled: Some(thread),
+                },
+            );
         }
+        Ok(Self {
+            settings,
+            threads: Arc::new(Mutex::new(threads)),
+            changed: Arc::default(),
+            journal: Arc::new(journal),
+            id: Arc::from(uuid::Uuid::new_v4().simple().to_string()),
+            stop,
+        })
     }
 
     fn registrations(&self) -> HashMap<String, apb::McpRegistration> {
@@ -271,13 +371,28 @@ impl WorkerAgentService for Agent {
                 req.model
             )));
         };
-        let cancel = CancellationToken::new();
+        // Stopping the agent stops its engines.
+        let cancel = self.stop.child_token();
         // Checked again under the lock that inserts: one execution per id.
         let raced = {
             let mut threads = self.threads.lock().map_err(|_| Status::internal("lock"))?;
             if threads.by_message.contains_key(&req.message_id) {
                 true
             } else {
+                // Journaled (synced) before anything runs: an agent started
+                // after a crash knows this message and never runs it again.
+                match self.journal.accept_with(&req.message_id, &req.thread_id) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        return Err(Status::internal(
+                            "the journal holds a message the agent does not",
+                        ));
+                    }
+                    Err(error) => {
+                        tracing::error!(%error, "cannot journal the message; refusing it");
+                        return Err(Status::internal("the agent cannot journal the message"));
+                    }
+                }
                 threads
                     .by_message
                     .insert(req.message_id.clone(), req.thread_id.clone());
@@ -289,6 +404,7 @@ impl WorkerAgentService for Agent {
                         outcome: None,
                         events: vec![],
                         cancel: cancel.clone(),
+                        journaled: None,
                     },
                 );
                 false
@@ -322,6 +438,8 @@ impl WorkerAgentService for Agent {
         );
         let threads = self.threads.clone();
         let changed = self.changed.clone();
+        let journal = self.journal.clone();
+        let stop = self.stop.clone();
         let thread_id = req.thread_id.clone();
         let run_id = req.message_id.clone();
         tokio::spawn(
@@ -331,6 +449,7 @@ impl WorkerAgentService for Agent {
                     let threads = threads.clone();
                     let changed = changed.clone();
                     let thread_id = thread_id.clone();
+                    let run_id = run_id.clone();
                     async move {
                         let mut n = 0;
                         while let Some(e) = rx.recv().await {
@@ -347,11 +466,22 @@ impl WorkerAgentService for Agent {
                     }
                 };
                 let (outcome, ()) = tokio::join!(engine.run(engine_request, tx, cancel), forward);
-                if let Ok(mut t) = threads.lock()
-                    && let Some(track) = t.by_id.get_mut(&thread_id)
-                {
+                if stop.is_cancelled() {
+                    // Stopped with the agent, not finished: the journal keeps
+                    // it unfinished, so the next agent reports it interrupted.
+                    tracing::warn!("thread stopped with the agent");
+                    return;
+                }
+                let finished = threads.lock().ok().and_then(|mut t| {
+                    let track = t.by_id.get_mut(&thread_id)?;
                     track.busy = false;
                     track.outcome = Some(finished_parts(&outcome));
+                    Some(track.thread(&thread_id))
+                });
+                if let Some(thread) = finished
+                    && let Err(error) = journal.finish(&run_id, &thread)
+                {
+                    tracing::error!(%error, "cannot journal the thread's outcome");
                 }
                 changed.notify_waiters();
                 tracing::info!("thread idle");
@@ -505,9 +635,80 @@ impl WorkerAgentService for Agent {
             registration: Some(r),
         }))
     }
+
+    async fn keep_alive(
+        &self,
+        _request: Request<apb::KeepAliveRequest>,
+    ) -> Result<Response<apb::KeepAliveResponse>, Status> {
+        let busy = self
+            .threads
+            .lock()
+            .map(|t| t.by_id.values().filter(|t| t.busy).count())
+            .unwrap_or_default();
+        Ok(Response::new(apb::KeepAliveResponse {
+            agent_id: self.id.to_string(),
+            pid: i64::from(std::process::id()),
+            busy_threads: i32::try_from(busy).unwrap_or(i32::MAX),
+        }))
+    }
+
+    async fn shutdown(
+        &self,
+        request: Request<apb::ShutdownRequest>,
+    ) -> Result<Response<apb::ShutdownResponse>, Status> {
+        let reason = request.into_inner().reason;
+        tracing::info!(%reason, "shutdown requested by the lifecycle");
+        let stop = self.stop.clone();
+        // After this answer has gone out.
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            stop.cancel();
+        });
+        Ok(Response::new(apb::ShutdownResponse {}))
+    }
 }
 
-/// Serves the agent on `listener` until `shutdown`.
+/// Holds the agent's state directory for this process: an exclusive lock on
+/// `agent.lock` (released when the process ends, however it ends) and the
+/// process id in `agent.pid`, so its lifecycle can stop it from any replica.
+#[derive(Debug)]
+pub struct StateDir {
+    _lock: std::fs::File,
+}
+
+/// The lock file of an agent's state directory.
+pub const LOCK_FILE: &str = "agent.lock";
+/// The file an agent writes its process id to.
+pub use automesh_rpc::process::PID_FILE;
+
+impl StateDir {
+    /// Takes the state directory, or fails naming it when another live
+    /// agent holds it.
+    pub fn take(dir: &std::path::Path) -> anyhow::Result<StateDir> {
+        std::fs::create_dir_all(dir)?;
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join(LOCK_FILE))?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => anyhow::bail!(
+                "another worker agent holds {}; one agent per worker",
+                dir.display()
+            ),
+            Err(std::fs::TryLockError::Error(e)) => return Err(e.into()),
+        }
+        let pid = dir.join(PID_FILE);
+        let tmp = dir.join(format!("{PID_FILE}.tmp"));
+        std::fs::write(&tmp, format!("{}\n", std::process::id()))?;
+        std::fs::rename(&tmp, &pid)?;
+        Ok(StateDir { _lock: lock })
+    }
+}
+
+/// Serves the agent on `listener` until `shutdown`, a `Shutdown` call, or
+/// (with `settings.orphan_after`) a silence that long from its lifecycle.
 pub async fn serve(
     settings: Settings,
     credential: DualCredential,
@@ -515,14 +716,39 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     std::fs::create_dir_all(&settings.state_dir)?;
+    let orphan_after = settings.orphan_after;
+    let agent = Agent::new(settings, shutdown.child_token())?;
+    let stop = agent.stop.clone();
+    if let Some(bound) = orphan_after {
+        let contact = credential.contact.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            loop {
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_secs(1).min(bound)) => {}
+                    () = stop.cancelled() => return,
+                }
+                let silent = contact.silent_for(started);
+                if silent >= bound {
+                    tracing::warn!(
+                        silent_ms = silent.as_millis() as u64,
+                        "no call from the lifecycle within the orphan bound; the agent exits"
+                    );
+                    stop.cancel();
+                    return;
+                }
+            }
+        });
+    }
     let mut server = GrpcServer::new(ServerSettings::default())?;
     server.add_service(WorkerAgentServiceServer::with_interceptor(
-        Agent::new(settings),
-        credential,
+        agent, credential,
     ));
     server
-        .serve(listener, shutdown, Box::new(|| Box::pin(async { true })))
+        .serve(listener, stop, Box::new(|| Box::pin(async { true })))
         .await?;
+    tracing::info!("worker agent stopped");
     Ok(())
 }
 
@@ -557,19 +783,31 @@ pub struct Args {
     pub state_dir: PathBuf,
     #[arg(long, default_value_t = 32)]
     pub max_steps: u32,
+    /// Exit after this long without a call from the lifecycle service.
+    #[arg(
+        long,
+        env = "AUTOMESH_AGENT_ORPHAN_AFTER",
+        default_value = "60s",
+        value_parser = automesh_rpc::runtime::parse_duration
+    )]
+    pub orphan_after: Duration,
 }
 
 impl Args {
     pub async fn execute(self) -> anyhow::Result<()> {
         let _telemetry = automesh_rpc::telemetry::init("automesh-worker-agent")?;
+        let _state = StateDir::take(&self.state_dir)?;
         let listener = TcpListener::bind(self.listen).await?;
-        println!("listening on http://{}", listener.local_addr()?);
-        let shutdown = CancellationToken::new();
-        let signal = shutdown.clone();
-        tokio::spawn(async move {
-            let _ = tokio::signal::ctrl_c().await;
-            signal.cancel();
-        });
+        // The one line the driver reads; the agent writes nothing else to
+        // stdout (its logs go to stderr), so a reader that is gone costs it
+        // nothing.
+        {
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "listening on http://{}", listener.local_addr()?);
+            let _ = out.flush();
+        }
+        let shutdown = automesh_rpc::runtime::shutdown_on_signal();
         serve(
             Settings {
                 provider_url: self.provider_url,
@@ -577,6 +815,7 @@ impl Args {
                 state_dir: self.state_dir,
                 max_steps: self.max_steps,
                 request_timeout: Duration::from_secs(120),
+                orphan_after: Some(self.orphan_after),
             },
             DualCredential::new(
                 self.collaborator_token.expose(),

@@ -56,6 +56,7 @@ async fn agent(
             state_dir: dir.clone(),
             max_steps: 8,
             request_timeout: Duration::from_secs(60),
+            orphan_after: None,
         },
         DualCredential::new(COLLABORATOR, HOST),
         listener,

@@ -58,15 +58,15 @@ async fn env(
             url: mcp_url.clone(),
             token: MCP_TOKEN.to_owned().into(),
         }),
+        lease: Duration::from_secs(3),
+        keepalive_every: Duration::from_secs(1),
     };
     let mut command = vec![env!("CARGO_BIN_EXE_automesh-worker-agent").to_owned()];
     tune(&mut settings, &mut command);
-    let driver = Arc::new(LocalProcessDriver::new(
-        command,
-        workers.clone(),
-        provider_url,
-        PROVIDER_KEY.into(),
-    ));
+    let driver = Arc::new(
+        LocalProcessDriver::new(command, workers.clone(), provider_url, PROVIDER_KEY.into())
+            .with_orphan_after(Duration::from_secs(10)),
+    );
     let mesh = Mesh::start_with(
         Backend::Postgres,
         MeshOptions {
@@ -594,6 +594,10 @@ async fn cancelling_a_cloud_run_stops_the_thread_and_ends_once_it_is_idle() {
         .await
         .expect("read")
         .expect("dispatch");
-    assert_eq!(d.phase, "finished", "the thread was observed idle");
+    assert_eq!(
+        d.phase,
+        automesh_store::cloud::CloudPhase::Finished,
+        "the thread was observed idle"
+    );
     env.stop().await;
 }

@@ -234,6 +234,7 @@ async fn a_cloud_run_wakes_a_container_worker_and_idle_stop_stops_it() {
                         url: mcp_url,
                         token: "docker-connect-token".to_owned().into(),
                     }),
+                    ..CloudSettings::default()
                 },
             }),
             ..MeshOptions::default()

@@ -42,15 +42,10 @@ enum Line {
         note: String,
     },
     /// A hex-encoded `automesh.v1.RunEvent`.
-    Event {
-        body: String,
-    },
+    Event { body: String },
     /// The hex-encoded result message (the runner: `RunFinished`; the
     /// agent: its `Thread`).
-    Finished {
-        body: String,
-        at: String,
-    },
+    Finished { body: String, at: String },
 }
 
 /// What the journal holds of one run; `F` is the executor's result message.
@@ -121,10 +116,9 @@ impl<F: prost::Message + Default + Clone> Record<F> {
                         run.note = note;
                     }
                     Ok(Line::Event { body }) => {
-                        if let Some(e) = hex::decode(&body)
-                            .ok()
-                            .and_then(|b| <pb::RunEvent as prost::Message>::decode(b.as_slice()).ok())
-                        {
+                        if let Some(e) = hex::decode(&body).ok().and_then(|b| {
+                            <pb::RunEvent as prost::Message>::decode(b.as_slice()).ok()
+                        }) {
                             run.events.push(e);
                         }
                     }

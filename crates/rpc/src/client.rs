@@ -172,7 +172,10 @@ impl Service<http::Request<tonic::body::Body>> for Replicas {
                     .compare_exchange(i, (i + 1) % n, Ordering::Relaxed, Ordering::Relaxed)
                     .is_ok()
                 {
-                    tracing::warn!(replica = i, "replica failed at the transport; using the next");
+                    tracing::warn!(
+                        replica = i,
+                        "replica failed at the transport; using the next"
+                    );
                 }
             }
             result

@@ -7,6 +7,7 @@
 pub mod auth;
 pub mod client;
 pub mod convert;
+pub mod process;
 pub mod propagation;
 pub mod runtime;
 pub mod server;

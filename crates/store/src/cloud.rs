@@ -1,14 +1,16 @@
 //! Cloud workers' lifecycle and cloud dispatch (SPEC §5).
 //!
 //! Worker states move only through guarded updates, so concurrent wakes of
-//! one worker coalesce into one start, and idle stop can never select a
-//! worker with a live run: the stop is one statement that requires the
+//! one worker coalesce into one start (held as a lease by the replica that
+//! starts it, so a start whose holder died is taken over once its lease
+//! lapses), a lost agent is marked lost once (by its agent id), and idle
+//! stop can never select a worker with a live run: the stop is one statement that requires the
 //! worker idle past the cutoff *and* no unfinished dispatch row, while an
 //! admission first writes its dispatch row and then touches the worker
 //! (`last_active_at`) with an update that refuses a stopping worker — the
 //! two updates serialise on the worker's row.
 
-use chrono::{DateTime, Duration, Utc};
+use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
 use crate::rows::{from_hex, int, micros, opt_text, text, to_hex};
@@ -17,27 +19,45 @@ use crate::{Result, Store, StoreError};
 /// What a wake found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Wake {
-    /// This caller moved the worker to `starting`: it must start it.
+    /// This caller moved the worker to `starting` and holds the start's
+    /// lease: it must start it (and renew the lease while it does).
     Start,
     /// Someone else is starting it.
     Starting,
-    /// It is ready at this endpoint.
-    Ready(String),
+    /// It is ready: this agent answers at this endpoint.
+    Ready { endpoint: String, agent_id: String },
     /// It is being stopped; wake again once it is stopped.
     Stopping,
 }
 
+/// A ready worker and the agent that answers for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadyWorker {
+    pub id: String,
+    pub endpoint: String,
+    pub agent_id: String,
+}
+
 const CLAIM_START: &str = "UPDATE cloud_workers SET state = 'starting', endpoint = NULL, \
-     updated_at = $2, last_active_at = $2 \
-     WHERE id = $1 AND (state IN ('stopped', 'failed') OR (state = 'starting' AND updated_at < $3))";
+     agent_id = NULL, starter = $3, start_until = $4, updated_at = $2, last_active_at = $2 \
+     WHERE id = $1 AND (state IN ('stopped', 'failed') OR (state = 'starting' AND start_until < $2))";
 
-const STATE: &str = "SELECT state, endpoint FROM cloud_workers WHERE id = $1";
+const RENEW_START: &str = "UPDATE cloud_workers SET start_until = $3 \
+     WHERE id = $1 AND state = 'starting' AND starter = $2";
 
-const READY: &str = "UPDATE cloud_workers SET state = 'ready', endpoint = $2, updated_at = $3, \
-     last_active_at = $3 WHERE id = $1 AND state = 'starting'";
+const STATE: &str = "SELECT state, endpoint, agent_id FROM cloud_workers WHERE id = $1";
 
-const FAILED: &str = "UPDATE cloud_workers SET state = 'failed', endpoint = NULL, updated_at = $2 \
-     WHERE id = $1 AND state IN ('starting', 'ready', 'stopping')";
+const READY: &str = "UPDATE cloud_workers SET state = 'ready', endpoint = $3, agent_id = $4, \
+     updated_at = $5, last_active_at = $5 WHERE id = $1 AND state = 'starting' AND starter = $2";
+
+const START_FAILED: &str = "UPDATE cloud_workers SET state = 'failed', endpoint = NULL, \
+     agent_id = NULL, updated_at = $3 WHERE id = $1 AND state = 'starting' AND starter = $2";
+
+const LOST: &str = "UPDATE cloud_workers SET state = 'failed', endpoint = NULL, agent_id = NULL, \
+     updated_at = $3 WHERE id = $1 AND state = 'ready' AND agent_id = $2";
+
+const FAILED: &str = "UPDATE cloud_workers SET state = 'failed', endpoint = NULL, agent_id = NULL, \
+     updated_at = $2 WHERE id = $1 AND state IN ('starting', 'ready', 'stopping')";
 
 const TOUCH: &str = "UPDATE cloud_workers SET last_active_at = $2 \
      WHERE id = $1 AND state IN ('ready', 'starting')";
@@ -45,12 +65,18 @@ const TOUCH: &str = "UPDATE cloud_workers SET last_active_at = $2 \
 const IDLE_CANDIDATES: &str = "SELECT id FROM cloud_workers \
      WHERE state = 'ready' AND last_active_at < $1 ORDER BY last_active_at LIMIT 100";
 
+const READY_WORKERS: &str = "SELECT id, endpoint, agent_id FROM cloud_workers \
+     WHERE state = 'ready' AND endpoint IS NOT NULL AND agent_id IS NOT NULL ORDER BY id LIMIT $1";
+
 const BEGIN_STOP: &str = "UPDATE cloud_workers SET state = 'stopping', updated_at = $3 \
      WHERE id = $1 AND state = 'ready' AND last_active_at < $2 \
      AND NOT EXISTS (SELECT 1 FROM cloud_dispatch d WHERE d.worker_id = $1 AND d.phase <> 'finished')";
 
-const STOPPED: &str = "UPDATE cloud_workers SET state = 'stopped', endpoint = NULL, updated_at = $2 \
-     WHERE id = $1 AND state = 'stopping'";
+const STOPPED: &str = "UPDATE cloud_workers SET state = 'stopped', endpoint = NULL, \
+     agent_id = NULL, updated_at = $2 WHERE id = $1 AND state = 'stopping'";
+
+const UNDRIVEN: &str = "SELECT run_id FROM cloud_dispatch \
+     WHERE phase <> 'finished' AND driver_until < $1 ORDER BY driver_until LIMIT $2";
 
 const DISPATCH_COLUMNS: &str = "run_id, org_id, owner_id, worker_id, workspace_id, thread_id, \
      message_id, spec, phase, outcome, cancel_requested, wake_micros, admission_micros, \
@@ -72,6 +98,40 @@ const FINISH: &str = "UPDATE cloud_dispatch SET phase = 'finished', outcome = $2
 const CANCEL: &str =
     "UPDATE cloud_dispatch SET cancel_requested = 1, updated_at = $2 WHERE run_id = $1";
 
+/// Where a cloud run's admission is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CloudPhase {
+    /// Reserved; its worker is being woken.
+    Waking,
+    /// Its worker is ready; the message is not submitted yet.
+    Admitted,
+    /// The message was submitted to the worker's agent.
+    Running,
+    /// The outcome is recorded.
+    Finished,
+}
+
+impl CloudPhase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CloudPhase::Waking => "waking",
+            CloudPhase::Admitted => "admitted",
+            CloudPhase::Running => "running",
+            CloudPhase::Finished => "finished",
+        }
+    }
+
+    fn parse(s: &str) -> Result<Self> {
+        match s {
+            "waking" => Ok(CloudPhase::Waking),
+            "admitted" => Ok(CloudPhase::Admitted),
+            "running" => Ok(CloudPhase::Running),
+            "finished" => Ok(CloudPhase::Finished),
+            other => Err(StoreError::Corrupt(format!("cloud phase {other:?}"))),
+        }
+    }
+}
+
 /// A cloud run's reserved identity and where its admission is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CloudDispatch {
@@ -83,8 +143,7 @@ pub struct CloudDispatch {
     pub thread_id: String,
     pub message_id: String,
     pub spec: Vec<u8>,
-    /// `waking`, `admitted`, `running` or `finished`.
-    pub phase: String,
+    pub phase: CloudPhase,
     pub outcome: Option<Vec<u8>>,
     pub cancel_requested: bool,
     pub wake_micros: i64,
@@ -101,7 +160,7 @@ fn decode(row: &AnyRow) -> Result<CloudDispatch> {
         thread_id: text(row, "thread_id")?,
         message_id: text(row, "message_id")?,
         spec: from_hex(&text(row, "spec")?)?,
-        phase: text(row, "phase")?,
+        phase: CloudPhase::parse(&text(row, "phase")?)?,
         outcome: opt_text(row, "outcome")?
             .map(|h| from_hex(&h))
             .transpose()?,
@@ -125,19 +184,21 @@ pub struct Reservation<'a> {
 }
 
 impl Store {
-    /// Tries to move a worker towards running: see [`Wake`]. A worker stuck
-    /// `starting` longer than `stale_after` (its starter died) can be
-    /// claimed again.
+    /// Tries to move a worker towards running: see [`Wake`]. A start is
+    /// claimed by `starter` until `until`; a start whose holder stopped
+    /// renewing it (it died) can be claimed again once that has passed.
     pub async fn wake_worker(
         &self,
         worker_id: &str,
-        stale_after: Duration,
+        starter: &str,
+        until: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> Result<Wake> {
         let done = sqlx::query(CLAIM_START)
             .bind(worker_id)
             .bind(micros(now))
-            .bind(micros(now - stale_after))
+            .bind(starter)
+            .bind(micros(until))
             .execute(self.pool())
             .await?;
         if done.rows_affected() == 1 {
@@ -149,44 +210,108 @@ impl Store {
             .await?
             .ok_or(StoreError::NotFound)?;
         Ok(match text(&row, "state")?.as_str() {
-            "ready" => match opt_text(&row, "endpoint")? {
-                Some(e) => Wake::Ready(e),
-                None => Wake::Starting,
+            "ready" => match (opt_text(&row, "endpoint")?, opt_text(&row, "agent_id")?) {
+                (Some(endpoint), Some(agent_id)) => Wake::Ready { endpoint, agent_id },
+                _ => Wake::Starting,
             },
             "stopping" => Wake::Stopping,
             _ => Wake::Starting,
         })
     }
 
-    /// The endpoint of a ready worker.
-    pub async fn worker_endpoint(&self, worker_id: &str) -> Result<Option<String>> {
+    /// Renews `starter`'s claim on a worker's start; false once it lost it.
+    pub async fn renew_worker_start(
+        &self,
+        worker_id: &str,
+        starter: &str,
+        until: DateTime<Utc>,
+    ) -> Result<bool> {
+        let done = sqlx::query(RENEW_START)
+            .bind(worker_id)
+            .bind(starter)
+            .bind(micros(until))
+            .execute(self.pool())
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// The endpoint of a ready worker and the agent that answers there.
+    pub async fn worker_endpoint(&self, worker_id: &str) -> Result<Option<ReadyWorker>> {
         let row = sqlx::query(STATE)
             .bind(worker_id)
             .fetch_optional(self.pool())
             .await?;
         match row {
-            Some(row) if text(&row, "state")? == "ready" => opt_text(&row, "endpoint"),
+            Some(row) if text(&row, "state")? == "ready" => Ok(
+                match (opt_text(&row, "endpoint")?, opt_text(&row, "agent_id")?) {
+                    (Some(endpoint), Some(agent_id)) => Some(ReadyWorker {
+                        id: worker_id.to_owned(),
+                        endpoint,
+                        agent_id,
+                    }),
+                    _ => None,
+                },
+            ),
             _ => Ok(None),
         }
     }
 
-    /// The worker this caller started is ready at `endpoint`.
+    /// The worker `starter` started is ready: `agent_id` answers at
+    /// `endpoint`. False when the start was taken over meanwhile.
     pub async fn worker_ready(
         &self,
         worker_id: &str,
+        starter: &str,
         endpoint: &str,
+        agent_id: &str,
         now: DateTime<Utc>,
     ) -> Result<bool> {
         let done = sqlx::query(READY)
             .bind(worker_id)
+            .bind(starter)
             .bind(endpoint)
+            .bind(agent_id)
             .bind(micros(now))
             .execute(self.pool())
             .await?;
         Ok(done.rows_affected() == 1)
     }
 
-    /// The worker failed (to start, or while running).
+    /// The start `starter` holds failed.
+    pub async fn worker_start_failed(
+        &self,
+        worker_id: &str,
+        starter: &str,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        let done = sqlx::query(START_FAILED)
+            .bind(worker_id)
+            .bind(starter)
+            .bind(micros(now))
+            .execute(self.pool())
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// The agent `agent_id` of a ready worker stopped answering: the worker
+    /// must be woken afresh. True for the one caller that marked it; false
+    /// when another did, or the worker has a different agent by now.
+    pub async fn worker_lost(
+        &self,
+        worker_id: &str,
+        agent_id: &str,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        let done = sqlx::query(LOST)
+            .bind(worker_id)
+            .bind(agent_id)
+            .bind(micros(now))
+            .execute(self.pool())
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// The worker failed (while it was being stopped, say).
     pub async fn worker_failed(&self, worker_id: &str, now: DateTime<Utc>) -> Result<bool> {
         let done = sqlx::query(FAILED)
             .bind(worker_id)
@@ -194,6 +319,33 @@ impl Store {
             .execute(self.pool())
             .await?;
         Ok(done.rows_affected() == 1)
+    }
+
+    /// Up to `limit` ready workers with their agents.
+    pub async fn ready_workers(&self, limit: u32) -> Result<Vec<ReadyWorker>> {
+        let rows = sqlx::query(READY_WORKERS)
+            .bind(i64::from(limit))
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter()
+            .map(|row| {
+                Ok(ReadyWorker {
+                    id: text(row, "id")?,
+                    endpoint: text(row, "endpoint")?,
+                    agent_id: text(row, "agent_id")?,
+                })
+            })
+            .collect()
+    }
+
+    /// Up to `limit` unfinished cloud runs whose driver stopped renewing its
+    /// lease before `now` (its replica died): any replica resumes them.
+    pub async fn undriven_cloud_runs(&self, now: DateTime<Utc>, limit: u32) -> Result<Vec<String>> {
+        Ok(sqlx::query_scalar(UNDRIVEN)
+            .bind(micros(now))
+            .bind(i64::from(limit))
+            .fetch_all(self.pool())
+            .await?)
     }
 
     /// Marks the worker in use now; false unless it is ready or starting
@@ -296,14 +448,14 @@ impl Store {
     pub async fn set_cloud_phase(
         &self,
         run_id: &str,
-        phase: &str,
+        phase: CloudPhase,
         wake_micros: i64,
         admission_micros: i64,
         now: DateTime<Utc>,
     ) -> Result<bool> {
         let done = sqlx::query(SET_PHASE)
             .bind(run_id)
-            .bind(phase)
+            .bind(phase.as_str())
             .bind(wake_micros)
             .bind(admission_micros)
             .bind(micros(now))

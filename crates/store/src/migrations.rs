@@ -33,6 +33,12 @@ const MIGRATIONS: &[(i64, &str, &str, &str)] = &[
         include_str!("../../../migrations/postgres/0004_cloud_dispatch.sql"),
         include_str!("../../../migrations/sqlite/0004_cloud_dispatch.sql"),
     ),
+    (
+        5,
+        "worker claims",
+        include_str!("../../../migrations/postgres/0005_worker_claims.sql"),
+        include_str!("../../../migrations/sqlite/0005_worker_claims.sql"),
+    ),
 ];
 
 pub(crate) fn migrator(backend: Backend) -> Migrator {

@@ -3,8 +3,15 @@
 //! `LocalProcessDriver` (the default; `dev` mode and the tests) runs the
 //! worker agent as a child process with a scrubbed environment — nothing of
 //! the service's own environment leaks in, only what the agent needs — in
-//! its own 0700 working directory, on its own loopback port. Stopping kills
-//! it.
+//! its own 0700 working directory, on its own loopback port.
+//!
+//! Any replica on the host can stop any worker's agent, not only the one
+//! that started it: the agent writes its pid into its directory
+//! (`agent.pid`), and a pid is trusted only while that process works in
+//! that directory. Stopping is SIGTERM, then SIGKILL after a grace period.
+//! Starting first stops a previous agent of the worker, so a worker never
+//! has two. An agent left behind by a replica that died exits by itself
+//! after its orphan bound (no call from any lifecycle for that long).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -71,6 +78,9 @@ fn log_file(dir: &std::path::Path) -> Stdio {
         .map_or_else(|_| Stdio::null(), Stdio::from)
 }
 
+/// How long a stopped agent gets to exit on SIGTERM before SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
 /// Runs worker agents as child processes of this service.
 #[derive(Debug)]
 pub struct LocalProcessDriver {
@@ -83,7 +93,10 @@ pub struct LocalProcessDriver {
     pub provider_url: String,
     /// Redacted in `Debug`.
     pub provider_key: automesh_rpc::auth::Secret,
-    children: Mutex<HashMap<String, tokio::process::Child>>,
+    /// An agent that hears from no lifecycle for this long exits.
+    pub orphan_after: Duration,
+    /// The pid of each worker's agent this process started.
+    children: Mutex<HashMap<String, u32>>,
     starts: std::sync::atomic::AtomicUsize,
 }
 
@@ -99,9 +112,16 @@ impl LocalProcessDriver {
             root,
             provider_url,
             provider_key,
+            orphan_after: Duration::from_secs(60),
             children: Mutex::default(),
             starts: Default::default(),
         }
+    }
+
+    /// The same, with agents that exit after `bound` without a call.
+    pub fn with_orphan_after(mut self, bound: Duration) -> Self {
+        self.orphan_after = bound;
+        self
     }
 
     /// How many worker processes this driver has started.
@@ -131,7 +151,40 @@ impl LocalProcessDriver {
             std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
                 .map_err(failed)?;
         }
-        Ok(dir)
+        std::fs::canonicalize(&dir).map_err(failed)
+    }
+
+    /// The pid of the worker's agent, if one lives: the one this process
+    /// started, or the one whose pid file its directory holds (started by
+    /// another replica, or by a process that died), trusted only while that
+    /// process works in the worker's directory.
+    fn agent_pid(&self, worker_id: &str, dir: &std::path::Path) -> Option<u32> {
+        let own = self
+            .children
+            .lock()
+            .ok()
+            .and_then(|c| c.get(worker_id).copied());
+        let recorded = std::fs::read_to_string(dir.join(automesh_rpc::process::PID_FILE))
+            .ok()
+            .and_then(|t| t.trim().parse::<u32>().ok());
+        [own, recorded].into_iter().flatten().find(|pid| {
+            automesh_rpc::process::alive(*pid) && automesh_rpc::process::works_in(*pid, dir)
+        })
+    }
+
+    /// Stops the worker's agent, whoever started it; true once none lives.
+    async fn stop_agent(&self, worker_id: &str, dir: &std::path::Path) -> bool {
+        let Some(pid) = self.agent_pid(worker_id, dir) else {
+            return true;
+        };
+        tracing::info!(worker_id, pid, "stopping the worker agent");
+        let stopped = automesh_rpc::process::terminate(pid, STOP_GRACE).await;
+        if let Ok(mut c) = self.children.lock()
+            && c.get(worker_id) == Some(&pid)
+        {
+            c.remove(worker_id);
+        }
+        stopped
     }
 }
 
@@ -149,6 +202,14 @@ impl WorkerDriver for LocalProcessDriver {
             ));
         };
         let dir = self.workdir(&launch.worker_id)?;
+        // One agent per worker: a previous one (hung, or left behind by a
+        // replica that died) goes first.
+        if !self.stop_agent(&launch.worker_id, &dir).await {
+            return Err(DriverError::new(
+                ErrorCode::RuntimeFailed,
+                "a previous agent of the worker could not be stopped",
+            ));
+        }
         self.starts
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let mut command = tokio::process::Command::new(program);
@@ -166,6 +227,10 @@ impl WorkerDriver for LocalProcessDriver {
             )
             .env("AUTOMESH_AGENT_STATE_DIR", &dir)
             .env(
+                "AUTOMESH_AGENT_ORPHAN_AFTER",
+                format!("{}ms", self.orphan_after.as_millis()),
+            )
+            .env(
                 "AUTOMESH_AGENT_COLLABORATOR_TOKEN",
                 &launch.collaborator_token,
             )
@@ -174,8 +239,7 @@ impl WorkerDriver for LocalProcessDriver {
             .env("AUTOMESH_PROVIDER_API_KEY", self.provider_key.expose())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(log_file(&dir))
-            .kill_on_drop(true);
+            .stderr(log_file(&dir));
         let mut child = command.spawn().map_err(|e| {
             let code = if e.kind() == std::io::ErrorKind::NotFound {
                 ErrorCode::RuntimeMissing
@@ -184,68 +248,65 @@ impl WorkerDriver for LocalProcessDriver {
             };
             DriverError::new(code, format!("cannot start the worker agent: {e}"))
         })?;
+        let pid = child.id().unwrap_or_default();
         let stdout = child.stdout.take();
         let (tx, mut rx) = tokio::sync::mpsc::channel::<String>(1);
         if let Some(stdout) = stdout {
-            let log = dir.join(AGENT_LOG);
             tokio::spawn(async move {
-                use tokio::io::AsyncWriteExt;
+                // Only the first line matters; the agent writes nothing else.
                 let mut lines = tokio::io::BufReader::new(stdout).lines();
-                let mut tx = Some(tx);
-                let mut file = tokio::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(&log)
-                    .await
-                    .ok();
                 while let Ok(Some(line)) = lines.next_line().await {
-                    if let Some(url) = line.strip_prefix("listening on ")
-                        && let Some(t) = tx.take()
-                    {
-                        let _ = t.send(url.trim().to_owned()).await;
-                    }
-                    if let Some(f) = file.as_mut() {
-                        let _ = f.write_all(format!("{line}\n").as_bytes()).await;
+                    if let Some(url) = line.strip_prefix("listening on ") {
+                        let _ = tx.send(url.trim().to_owned()).await;
+                        break;
                     }
                 }
             });
         }
-        let endpoint = tokio::time::timeout(within, rx.recv()).await;
+        // Reaped as soon as it exits, however it is stopped; it is not
+        // killed when this process ends (other replicas adopt it, and its
+        // orphan bound ends it otherwise).
+        let (exited_tx, exited) = tokio::sync::oneshot::channel();
+        let worker_id = launch.worker_id.clone();
+        tokio::spawn(async move {
+            let status = child.wait().await;
+            tracing::info!(worker_id, pid, status = ?status.ok(), "worker agent exited");
+            let _ = exited_tx.send(());
+        });
+        let endpoint = tokio::select! {
+            url = rx.recv() => url,
+            _ = exited => None,
+            () = tokio::time::sleep(within) => {
+                automesh_rpc::process::terminate(pid, STOP_GRACE).await;
+                return Err(DriverError::new(
+                    ErrorCode::ReadinessTimeout,
+                    format!("the worker did not become ready within {within:?}"),
+                ));
+            }
+        };
         match endpoint {
-            Ok(Some(url)) => {
-                if let Ok(mut children) = self.children.lock()
-                    && let Some(mut old) = children.insert(launch.worker_id.clone(), child)
-                {
-                    let _ = old.start_kill();
+            Some(url) => {
+                if let Ok(mut children) = self.children.lock() {
+                    children.insert(launch.worker_id.clone(), pid);
                 }
                 Ok(url)
             }
-            Ok(None) => {
-                let status = child.wait().await.ok();
-                Err(DriverError::new(
-                    ErrorCode::RuntimeFailed,
-                    format!("the worker agent exited before it listened ({status:?})"),
-                ))
-            }
-            Err(_) => {
-                let _ = child.start_kill();
-                Err(DriverError::new(
-                    ErrorCode::ReadinessTimeout,
-                    format!("the worker did not become ready within {within:?}"),
-                ))
-            }
+            None => Err(DriverError::new(
+                ErrorCode::RuntimeFailed,
+                "the worker agent exited before it listened (see its agent.log)",
+            )),
         }
     }
 
     async fn stop(&self, worker_id: &str) -> Result<(), DriverError> {
-        let child = self
-            .children
-            .lock()
-            .ok()
-            .and_then(|mut c| c.remove(worker_id));
-        if let Some(mut child) = child {
-            let _ = child.kill().await;
+        let dir = self.workdir(worker_id)?;
+        if self.stop_agent(worker_id, &dir).await {
+            Ok(())
+        } else {
+            Err(DriverError::new(
+                ErrorCode::RuntimeFailed,
+                "the worker agent did not stop",
+            ))
         }
-        Ok(())
     }
 }

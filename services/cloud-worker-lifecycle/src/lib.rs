@@ -66,8 +66,20 @@ pub struct Config {
     #[arg(long, default_value = "120s", value_parser = automesh_rpc::runtime::parse_duration)]
     pub readiness_cap: std::time::Duration,
     /// Workers unused this long are stopped.
-    #[arg(long, default_value = "15m", value_parser = automesh_rpc::runtime::parse_duration)]
+    #[arg(long, env = "AUTOMESH_WORKER_IDLE_AFTER", default_value = "15m", value_parser = automesh_rpc::runtime::parse_duration)]
     pub idle_after: std::time::Duration,
+    /// How often idle workers are looked for.
+    #[arg(long, env = "AUTOMESH_WORKER_IDLE_CHECK", default_value = "30s", value_parser = automesh_rpc::runtime::parse_duration)]
+    pub idle_check: std::time::Duration,
+    /// How long a replica holds a cloud run's drive or a worker's start
+    /// without renewing it; a replica that dies hands both over this fast.
+    #[arg(long, env = "AUTOMESH_CLOUD_LEASE", default_value = "15s", value_parser = automesh_rpc::runtime::parse_duration)]
+    pub lease: std::time::Duration,
+    /// Local-process driver: an agent that hears from no lifecycle replica
+    /// this long exits (replicas keep ready workers' agents alive every
+    /// quarter of it).
+    #[arg(long, env = "AUTOMESH_AGENT_ORPHAN_AFTER", default_value = "60s", value_parser = automesh_rpc::runtime::parse_duration)]
+    pub agent_orphan_after: std::time::Duration,
 }
 
 /// What cloud workers are given: their model provider, and the Connect
@@ -142,9 +154,11 @@ impl Config {
             self.agent_command.clone()
         };
         let driver: std::sync::Arc<dyn driver::WorkerDriver> = match self.driver.as_str() {
-            "local-process" => {
-                std::sync::Arc::new(self.worker.local_driver(command, self.workers_dir.clone()))
-            }
+            "local-process" => std::sync::Arc::new(
+                self.worker
+                    .local_driver(command, self.workers_dir.clone())
+                    .with_orphan_after(self.agent_orphan_after),
+            ),
             "docker" => std::sync::Arc::new(docker::DockerDriver {
                 socket: self.docker_socket.clone(),
                 image: self.worker_image.clone(),
@@ -156,8 +170,10 @@ impl Config {
         let settings = cloud::CloudSettings {
             readiness_cap: self.readiness_cap,
             idle_after: self.idle_after,
+            idle_check: self.idle_check,
             connect: self.worker.connect(),
-            ..Default::default()
+            lease: self.lease,
+            keepalive_every: (self.agent_orphan_after / 4).min(std::time::Duration::from_secs(15)),
         };
         Ok((driver, settings))
     }
@@ -302,7 +318,7 @@ pub async fn serve_with(
         ),
     );
     let tasks = shutdown.child_token();
-    let idle = tokio::spawn(cloud.idle_stop(tasks.clone()));
+    let idle = tokio::spawn(cloud.housekeeping(tasks.clone()));
     let served = server
         .serve(listener, shutdown, store.readiness_probe())
         .await;

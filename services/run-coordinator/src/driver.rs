@@ -12,9 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use automesh_domain::{
-    AutomationState, ErrorCode, Placement, Receipt, Run, RunState, Usage,
-};
+use automesh_domain::{AutomationState, ErrorCode, Placement, Receipt, Run, RunState, Usage};
 use automesh_proto::executor::v1 as epb;
 use automesh_proto::executor::v1::executor_service_client::ExecutorServiceClient;
 use automesh_rpc::{InternalChannel, convert, propagation};

@@ -410,7 +410,10 @@ pub async fn a_run_ends_with_its_receipt_and_status_event_or_not_at_all(store: &
         )
         .await
         .expect("append");
-    assert_eq!(store.list_events("r1", 0, 100).await.expect("events").len(), 2);
+    assert_eq!(
+        store.list_events("r1", 0, 100).await.expect("events").len(),
+        2
+    );
 
     // A status event that cannot be written takes the whole end with it.
     let refuse = match store.backend() {
@@ -427,7 +430,10 @@ pub async fn a_run_ends_with_its_receipt_and_status_event_or_not_at_all(store: &
         ],
     };
     for sql in refuse {
-        sqlx::query(sql).execute(store.pool()).await.expect("trigger");
+        sqlx::query(sql)
+            .execute(store.pool())
+            .await
+            .expect("trigger");
     }
     assert!(
         store
