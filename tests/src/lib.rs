@@ -4,6 +4,7 @@
 
 pub mod bench;
 pub mod executor;
+pub mod processes;
 
 use std::net::SocketAddr;
 use std::time::Duration;

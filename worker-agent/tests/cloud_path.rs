@@ -601,3 +601,69 @@ async fn cancelling_a_cloud_run_stops_the_thread_and_ends_once_it_is_idle() {
     );
     env.stop().await;
 }
+
+/// A cloud run reads `running` while its agent executes it: from the
+/// moment the agent has the message, before the engine's events, and its
+/// receipt's execution time covers the execution.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cloud_run_is_running_while_its_agent_executes_it() {
+    let env = env(
+        |_, _| Reply::Delayed(Duration::from_secs(3), text_completion("slow answer")),
+        |_, _| {},
+    )
+    .await;
+    let at = Utc::now() + chrono::Duration::seconds(1);
+    env.automation("slow", at).await;
+    let run_id = automesh_domain::ids::scheduled_run_id("slow", at);
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(60);
+    // The engine spends 3 s in its provider call; within them the run must
+    // read `running` (today's bug: `admitted` until the end).
+    loop {
+        let now = env.mesh.store().get_run_unscoped(&run_id).await.ok();
+        match now.as_ref().map(|r| r.state) {
+            Some(RunState::Running) => break,
+            Some(s) if s.is_terminal() => panic!("the run ended without reading running: {now:?}"),
+            _ => {}
+        }
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "never running: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let run = env.run_of("slow", at).await;
+    assert_eq!(run.state, RunState::Succeeded, "{run:?}");
+    let events = env
+        .mesh
+        .store()
+        .list_events(&run.id, 0, 100)
+        .await
+        .expect("events");
+    let seq = |want: &dyn Fn(&automesh_domain::RunEventPayload) -> bool| {
+        events
+            .iter()
+            .find(|e| want(&e.payload))
+            .map(|e| e.sequence)
+            .unwrap_or_else(|| panic!("missing event in {events:?}"))
+    };
+    let running = seq(
+        &|p| matches!(p, automesh_domain::RunEventPayload::StatusChange { state, .. } if state == "running"),
+    );
+    let text = seq(&|p| matches!(p, automesh_domain::RunEventPayload::AssistantText { .. }));
+    assert!(
+        running < text,
+        "running before the engine's events: {events:?}"
+    );
+    let receipt = env
+        .mesh
+        .store()
+        .get_receipt(&run.id)
+        .await
+        .expect("get")
+        .expect("receipt");
+    assert!(
+        receipt.execution_micros >= 2_500_000,
+        "the execution time covers the 3 s the engine spent: {receipt:?}"
+    );
+    env.stop().await;
+}

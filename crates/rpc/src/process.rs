@@ -12,6 +12,28 @@ pub use rustix::process::Signal;
 /// (trusting the pid only while [`works_in`] holds).
 pub const PID_FILE: &str = "agent.pid";
 
+/// A crash point: when `AUTOMESH_FAILPOINTS` (comma separated) names
+/// `name`, this process kills itself here with SIGKILL — nothing after this
+/// point runs, nothing is flushed or cleaned up. Tests use it to lose a
+/// service process at an exact point (right after a commit, say); unset, it
+/// costs one comparison.
+pub fn failpoint(name: &str) {
+    static ARMED: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    let armed = ARMED.get_or_init(|| {
+        std::env::var("AUTOMESH_FAILPOINTS")
+            .unwrap_or_default()
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect()
+    });
+    if armed.iter().any(|a| a == name) {
+        eprintln!("failpoint {name}: this process dies here (SIGKILL)");
+        let _ = rustix::process::kill_process(rustix::process::getpid(), Signal::KILL);
+    }
+}
+
 /// Sends `signal` to `pid`; false when there is no such process.
 pub fn signal(pid: u32, signal: Signal) -> bool {
     let Some(pid) = i32::try_from(pid)
@@ -44,6 +66,20 @@ pub fn works_in(pid: u32, dir: &Path) -> bool {
     };
     let want = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
     cwd == want
+}
+
+/// Every live process working in `dir` (a worker's agent, and whatever
+/// started it — a wrapper that has not exec'd it yet, say).
+pub fn working_in(dir: &Path) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return vec![];
+    };
+    let me = std::process::id();
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| *pid != me && alive(*pid) && works_in(*pid, dir))
+        .collect()
 }
 
 /// Stops `pid`: SIGTERM, then SIGKILL if it still lives after `grace`.
@@ -88,6 +124,7 @@ mod tests {
         let pid = child.id();
         assert!(alive(pid));
         assert!(works_in(pid, &std::env::current_dir().expect("cwd")));
+        assert!(working_in(&std::env::current_dir().expect("cwd")).contains(&pid));
         assert!(!works_in(pid, Path::new("/nonexistent")));
         // Reaped concurrently, as a parent's reaper task would.
         let reaper = std::thread::spawn(move || child.wait());

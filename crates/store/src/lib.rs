@@ -72,6 +72,23 @@ impl Default for StoreOptions {
     }
 }
 
+impl StoreOptions {
+    /// The defaults, with the pool size from `AUTOMESH_DATABASE_POOL` when
+    /// it is set: how an operator fits every replica's pool inside the
+    /// server's connection limit.
+    pub fn from_env() -> Self {
+        let mut options = Self::default();
+        if let Some(n) = std::env::var("AUTOMESH_DATABASE_POOL")
+            .ok()
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .filter(|n| *n > 0)
+        {
+            options.max_connections = n;
+        }
+        options
+    }
+}
+
 /// A handle on the database; cheap to clone.
 #[derive(Clone)]
 pub struct Store {

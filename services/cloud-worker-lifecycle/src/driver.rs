@@ -154,11 +154,13 @@ impl LocalProcessDriver {
         std::fs::canonicalize(&dir).map_err(failed)
     }
 
-    /// The pid of the worker's agent, if one lives: the one this process
-    /// started, or the one whose pid file its directory holds (started by
-    /// another replica, or by a process that died), trusted only while that
-    /// process works in the worker's directory.
-    fn agent_pid(&self, worker_id: &str, dir: &std::path::Path) -> Option<u32> {
+    /// Stops the worker's agent, whoever started it — the one this process
+    /// started, the one whose pid file the directory holds (another
+    /// replica's, or one a dead process left), and anything else working in
+    /// the worker's directory (a wrapper about to exec an agent) — trusting
+    /// a pid only while that process works in the directory. True once none
+    /// lives.
+    async fn stop_agent(&self, worker_id: &str, dir: &std::path::Path) -> bool {
         let own = self
             .children
             .lock()
@@ -167,20 +169,24 @@ impl LocalProcessDriver {
         let recorded = std::fs::read_to_string(dir.join(automesh_rpc::process::PID_FILE))
             .ok()
             .and_then(|t| t.trim().parse::<u32>().ok());
-        [own, recorded].into_iter().flatten().find(|pid| {
-            automesh_rpc::process::alive(*pid) && automesh_rpc::process::works_in(*pid, dir)
-        })
-    }
-
-    /// Stops the worker's agent, whoever started it; true once none lives.
-    async fn stop_agent(&self, worker_id: &str, dir: &std::path::Path) -> bool {
-        let Some(pid) = self.agent_pid(worker_id, dir) else {
-            return true;
-        };
-        tracing::info!(worker_id, pid, "stopping the worker agent");
-        let stopped = automesh_rpc::process::terminate(pid, STOP_GRACE).await;
+        let mut pids: Vec<u32> = [own, recorded]
+            .into_iter()
+            .flatten()
+            .filter(|pid| {
+                automesh_rpc::process::alive(*pid) && automesh_rpc::process::works_in(*pid, dir)
+            })
+            .collect();
+        pids.extend(automesh_rpc::process::working_in(dir));
+        pids.sort_unstable();
+        pids.dedup();
+        let mut stopped = true;
+        for pid in pids {
+            tracing::info!(worker_id, pid, "stopping the worker agent");
+            stopped &= automesh_rpc::process::terminate(pid, STOP_GRACE).await;
+        }
         if let Ok(mut c) = self.children.lock()
-            && c.get(worker_id) == Some(&pid)
+            && own.is_some()
+            && c.get(worker_id) == own.as_ref()
         {
             c.remove(worker_id);
         }

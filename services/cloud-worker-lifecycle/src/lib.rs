@@ -63,7 +63,7 @@ pub struct Config {
     #[arg(long, env = "AUTOMESH_WORKER_IMAGE", default_value = "automesh:latest")]
     pub worker_image: String,
     /// Cap on a worker becoming ready (terminal readiness_timeout).
-    #[arg(long, default_value = "120s", value_parser = automesh_rpc::runtime::parse_duration)]
+    #[arg(long, env = "AUTOMESH_READINESS_CAP", default_value = "120s", value_parser = automesh_rpc::runtime::parse_duration)]
     pub readiness_cap: std::time::Duration,
     /// Workers unused this long are stopped.
     #[arg(long, env = "AUTOMESH_WORKER_IDLE_AFTER", default_value = "15m", value_parser = automesh_rpc::runtime::parse_duration)]
@@ -263,7 +263,7 @@ pub async fn run(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    let store = Store::connect_lazy(&config.database_url, StoreOptions::default())?;
+    let store = Store::connect_lazy(&config.database_url, StoreOptions::from_env())?;
     let (driver, settings) = config.cloud()?;
     serve_with(store, driver, settings, credential, listener, shutdown).await
 }

@@ -128,7 +128,7 @@ pub async fn run(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    let store = Store::connect_lazy(&config.database_url, StoreOptions::default())?;
+    let store = Store::connect_lazy(&config.database_url, StoreOptions::from_env())?;
     let settings = stream::StreamSettings {
         heartbeat_interval: config.heartbeat_interval,
         dead_after: config.dead_after,

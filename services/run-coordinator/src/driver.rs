@@ -809,7 +809,7 @@ async fn finish(ctx: &Context, run: &Run, ending: Ending) -> Result<(), StoreErr
         created_at: now,
     };
     match ctx.store.finish_run_as(&receipt, &ctx.owner, now).await {
-        Ok(_) => {}
+        Ok(_) => automesh_rpc::process::failpoint("coordinator.after_finish"),
         // Already terminal (another path ended it): nothing more to do.
         Err(StoreError::IllegalTransition { .. }) => return Ok(()),
         Err(e) => return Err(e),

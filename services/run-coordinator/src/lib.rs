@@ -77,7 +77,7 @@ pub async fn run(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    let store = Store::connect_lazy(&config.database_url, StoreOptions::default())?;
+    let store = Store::connect_lazy(&config.database_url, StoreOptions::from_env())?;
     let executors = executors(
         config.desktop_executor_addr.as_deref(),
         config.cloud_executor_addr.as_deref(),

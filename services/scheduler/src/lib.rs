@@ -66,7 +66,7 @@ pub async fn run(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    let store = Store::connect_lazy(&config.database_url, StoreOptions::default())?;
+    let store = Store::connect_lazy(&config.database_url, StoreOptions::from_env())?;
     serve(store, config.settings(), credential, listener, shutdown).await
 }
 

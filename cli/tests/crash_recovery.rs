@@ -1,0 +1,458 @@
+//! Crash recovery with real processes: the mesh runs as separate `automesh`
+//! processes, two replicas of each service, on PostgreSQL, and the tests
+//! kill them (and the worker agents they start) with SIGKILL at the points
+//! the outside testing found: a worker agent that crashed, idle stop from
+//! the replica that did not start the worker, a lifecycle replica lost
+//! mid-wake or with every replica gone, and a coordinator lost right after
+//! it committed a run's end.
+//!
+//! The model provider and the Connect endpoint are fakes speaking the real
+//! protocols (the outside world); everything of automesh is real.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use automesh_domain::{AutomationState, ErrorCode, Principal, RunEventPayload, RunState};
+use automesh_e2e_tests::processes::{Cluster, ClusterSpec, Kind, tail};
+use automesh_proto::v1 as pb;
+use automesh_testkit::{FakeMcp, FakeProvider, Reply, mcp, provider, text_completion};
+use chrono::Utc;
+use tokio_util::sync::CancellationToken;
+
+const MCP_TOKEN: &str = "crash-connect-token-never-logged";
+
+/// One cluster at a time: each is ten processes with their own pools.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+struct World {
+    cluster: Cluster,
+    provider: FakeProvider,
+    token: String,
+    _mcp: CancellationToken,
+}
+
+fn owner() -> Principal {
+    Principal::new("acme", "carol")
+}
+
+async fn world(
+    script: impl Fn(usize, &serde_json::Value) -> Reply + Send + Sync + 'static,
+    tune: impl FnOnce(ClusterSpec, &std::path::Path) -> ClusterSpec,
+) -> World {
+    let (provider_url, provider) = provider(script).await;
+    let (mcp_url, mcp_stop) = mcp(
+        FakeMcp::with_tools(&["search_capabilities", "execute_capability"]),
+        MCP_TOKEN,
+    )
+    .await;
+    let scratch =
+        std::env::temp_dir().join(format!("automesh-crash-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&scratch).expect("scratch");
+    let spec = tune(
+        ClusterSpec::new(2, &provider_url, &mcp_url, MCP_TOKEN),
+        &scratch,
+    );
+    let cluster = Cluster::start(std::path::Path::new(env!("CARGO_BIN_EXE_automesh")), spec)
+        .await
+        .expect("cluster");
+    cluster
+        .store()
+        .register_worker(&owner(), "local-process", Utc::now())
+        .await
+        .expect("worker");
+    let token = cluster.token("acme", "carol");
+    World {
+        cluster,
+        provider,
+        token,
+        _mcp: mcp_stop,
+    }
+}
+
+impl World {
+    /// A daily cloud automation of carol's, created through the gateway.
+    async fn cloud_automation(&self, name: &str) -> String {
+        self.cluster
+            .automations(&self.token)
+            .create_automation(pb::CreateAutomationRequest {
+                automation: Some(pb::Automation {
+                    name: name.into(),
+                    prompt: format!("{name}: summarise my inbox"),
+                    model: "fake/echo".into(),
+                    schedule: Some(pb::Schedule {
+                        kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
+                            time_of_day: Some(pb::TimeOfDay {
+                                hours: 3,
+                                minutes: 0,
+                            }),
+                            time_zone: "UTC".into(),
+                        })),
+                    }),
+                    ..Default::default()
+                }),
+                surface: pb::Surface::Web as i32,
+            })
+            .await
+            .expect("create")
+            .into_inner()
+            .automation
+            .expect("automation")
+            .id
+    }
+
+    async fn run_now(&self, automation_id: &str, key: &str) -> String {
+        self.cluster
+            .automations(&self.token)
+            .run_automation_now(pb::RunAutomationNowRequest {
+                id: automation_id.into(),
+                idempotency_key: key.into(),
+            })
+            .await
+            .expect("run now")
+            .into_inner()
+            .run
+            .expect("run")
+            .id
+    }
+
+    async fn until_terminal(&self, run_id: &str) -> automesh_domain::Run {
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Ok(run) = self.cluster.store().get_run_unscoped(run_id).await
+                && run.state.is_terminal()
+            {
+                return run;
+            }
+            assert!(
+                tokio::time::Instant::now() < give_up,
+                "run {run_id} did not end; coordinator logs:\n{}\n{}\nlifecycle logs:\n{}\n{}",
+                tail(&self.cluster.log(Kind::Coordinator, 0), 30),
+                tail(&self.cluster.log(Kind::Coordinator, 1), 30),
+                tail(&self.cluster.log(Kind::Lifecycle, 0), 30),
+                tail(&self.cluster.log(Kind::Lifecycle, 1), 30),
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn automation_state(&self, id: &str) -> AutomationState {
+        self.cluster
+            .store()
+            .get_automation(&owner(), id)
+            .await
+            .expect("automation")
+            .state
+    }
+
+    async fn worker_id(&self) -> String {
+        self.cluster
+            .store()
+            .get_worker(&owner())
+            .await
+            .expect("read")
+            .expect("worker")
+            .id
+    }
+
+    /// The pid of carol's worker's live agent, waiting (bounded) for one.
+    async fn agent_pid(&self) -> u32 {
+        let worker = self.worker_id().await;
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(pid) = self.cluster.live_agents().get(&worker) {
+                return *pid;
+            }
+            assert!(tokio::time::Instant::now() < give_up, "no live agent");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn worker_state(&self) -> String {
+        sqlx::query_scalar("SELECT state FROM cloud_workers")
+            .fetch_one(self.cluster.store().pool())
+            .await
+            .expect("state")
+    }
+
+    async fn until_worker(&self, want: &str) {
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(60);
+        while self.worker_state().await != want {
+            assert!(
+                tokio::time::Instant::now() < give_up,
+                "the worker never became {want}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn stop(self) {
+        self.cluster.stop(false).await.expect("stop");
+    }
+}
+
+fn kill(pid: u32) {
+    automesh_rpc::process::signal(pid, automesh_rpc::process::Signal::KILL);
+}
+
+/// Item 2: the agent of a ready worker dies; the owner's next runs find a
+/// fresh agent instead of failing `runtime_failed`, and nothing moves to
+/// needs-attention.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_agent_of_a_ready_worker_is_replaced_not_blamed_on_the_user() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let w = world(|_, _| Reply::Json(text_completion("done")), |s, _| s).await;
+    let a = w.cloud_automation("inbox").await;
+    let first = w.run_now(&a, "first").await;
+    assert_eq!(w.until_terminal(&first).await.state, RunState::Succeeded);
+    let dead = w.agent_pid().await;
+    kill(dead);
+    assert!(automesh_rpc::process::gone_within(dead, Duration::from_secs(5)).await);
+    for i in 0..3 {
+        let run = w.run_now(&a, &format!("after-{i}")).await;
+        let run = w.until_terminal(&run).await;
+        assert_eq!(
+            (run.state, run.error_code),
+            (RunState::Succeeded, None),
+            "{run:?}"
+        );
+    }
+    assert_ne!(w.agent_pid().await, dead, "a fresh agent serves the worker");
+    assert_eq!(w.automation_state(&a).await, AutomationState::Active);
+    assert_eq!(w.provider.calls(), 4, "one provider call per run");
+    w.stop().await;
+}
+
+/// Item 2: the agent dies under a running run. That run ends
+/// `runtime_interrupted` (its prompt is never sent again) without
+/// needs-attention, and the owner's next run succeeds on a fresh agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_killed_under_a_running_run_interrupts_only_that_run() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let w = world(
+        |n, _| {
+            if n == 0 {
+                Reply::Delayed(Duration::from_secs(20), text_completion("too late"))
+            } else {
+                Reply::Json(text_completion("done"))
+            }
+        },
+        |s, _| s,
+    )
+    .await;
+    let a = w.cloud_automation("inbox").await;
+    let run = w.run_now(&a, "first").await;
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(60);
+    while w.provider.calls() == 0 {
+        assert!(tokio::time::Instant::now() < give_up, "never submitted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    kill(w.agent_pid().await);
+    let ended = w.until_terminal(&run).await;
+    assert_eq!(
+        (ended.state, ended.error_code),
+        (RunState::Failed, Some(ErrorCode::RuntimeInterrupted)),
+        "{ended:?}"
+    );
+    assert_eq!(w.automation_state(&a).await, AutomationState::Active);
+    let next = w.run_now(&a, "next").await;
+    assert_eq!(w.until_terminal(&next).await.state, RunState::Succeeded);
+    assert_eq!(
+        w.provider.calls(),
+        2,
+        "the interrupted prompt was sent once, never again"
+    );
+    w.stop().await;
+}
+
+/// Item 3: with two lifecycle replicas, the one that did not start a worker
+/// stops it when idle — and the agent process is gone; waking it again
+/// starts exactly one agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_lifecycle_replica_stops_any_worker_and_no_agent_is_left() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let w = world(
+        |_, _| Reply::Json(text_completion("done")),
+        |s, _| {
+            s.set(Kind::Lifecycle, "AUTOMESH_WORKER_IDLE_AFTER", "3s")
+                // Replica 0 (which coordinators call first) never stops
+                // workers; replica 1 does.
+                .set_replica(Kind::Lifecycle, 0, "AUTOMESH_WORKER_IDLE_CHECK", "1h")
+        },
+    )
+    .await;
+    let a = w.cloud_automation("inbox").await;
+    let run = w.run_now(&a, "first").await;
+    assert_eq!(w.until_terminal(&run).await.state, RunState::Succeeded);
+    let agent = w.agent_pid().await;
+    w.until_worker("stopped").await;
+    assert!(
+        automesh_rpc::process::gone_within(agent, Duration::from_secs(10)).await,
+        "the idle worker's agent still runs"
+    );
+    assert!(w.cluster.live_agents().is_empty());
+    assert!(
+        w.cluster
+            .log(Kind::Lifecycle, 1)
+            .contains("stopping an idle worker"),
+        "replica 1 stopped it"
+    );
+    assert!(
+        w.cluster
+            .log(Kind::Lifecycle, 0)
+            .contains("starting the worker"),
+        "replica 0 started it"
+    );
+    // Woken again: one agent, not two.
+    let again = w.run_now(&a, "again").await;
+    assert_eq!(w.until_terminal(&again).await.state, RunState::Succeeded);
+    assert_eq!(w.cluster.live_agents().len(), 1);
+    w.stop().await;
+}
+
+/// Item 3: when every lifecycle replica is lost, the agents they started
+/// exit by themselves within their orphan bound — cleanly, without a panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_exit_cleanly_when_every_lifecycle_replica_is_gone() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut w = world(|_, _| Reply::Json(text_completion("done")), |s, _| s).await;
+    let a = w.cloud_automation("inbox").await;
+    let run = w.run_now(&a, "first").await;
+    assert_eq!(w.until_terminal(&run).await.state, RunState::Succeeded);
+    let agent = w.agent_pid().await;
+    w.cluster.kill(Kind::Lifecycle, 0);
+    w.cluster.kill(Kind::Lifecycle, 1);
+    // The orphan bound is 8 s; the wait is bounded well past it.
+    assert!(
+        automesh_rpc::process::gone_within(agent, Duration::from_secs(40)).await,
+        "an orphaned agent outlived its lifecycle"
+    );
+    let log = w.cluster.agent_log(&w.worker_id().await);
+    assert!(log.contains("orphan bound"), "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+    w.stop().await;
+}
+
+/// Item 4: the lifecycle replica waking a worker dies mid-wake. The other
+/// replica takes the start over once its lease lapses — not after the
+/// readiness cap (120 s, longer than the run's 90 s deadline) — and the run
+/// succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lifecycle_lost_during_a_wake_hands_the_start_over_at_lease_speed() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let bin = env!("CARGO_BIN_EXE_automesh");
+    let mut w = world(
+        |_, _| Reply::Json(text_completion("done")),
+        |s, scratch| {
+            // An agent that takes a while to start, so the wake is long.
+            let slow = scratch.join("slow-agent.sh");
+            std::fs::write(
+                &slow,
+                format!("#!/bin/sh\nsleep 4\nexec {bin} worker-agent \"$@\"\n"),
+            )
+            .expect("script");
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(&slow, std::fs::Permissions::from_mode(0o755))
+                    .expect("chmod");
+            }
+            s.set(
+                Kind::Lifecycle,
+                "AUTOMESH_WORKER_AGENT_COMMAND",
+                &slow.display().to_string(),
+            )
+        },
+    )
+    .await;
+    let a = w.cloud_automation("inbox").await;
+    let run = w.run_now(&a, "first").await;
+    w.until_worker("starting").await;
+    // Whichever replica holds the start dies.
+    let starter = if w
+        .cluster
+        .log(Kind::Lifecycle, 0)
+        .contains("starting the worker")
+    {
+        0
+    } else {
+        1
+    };
+    w.cluster.kill(Kind::Lifecycle, starter);
+    let ended = w.until_terminal(&run).await;
+    assert_eq!(
+        (ended.state, ended.error_code),
+        (RunState::Succeeded, None),
+        "{ended:?}"
+    );
+    assert!(
+        w.cluster
+            .log(Kind::Lifecycle, 1 - starter)
+            .contains("starting the worker"),
+        "the other replica took the start over"
+    );
+    assert_eq!(w.cluster.live_agents().len(), 1, "one agent for the worker");
+    w.stop().await;
+}
+
+/// Item 5: a coordinator dies (SIGKILL) right after it committed a run's
+/// end. The run's log still holds its terminal status event, because the
+/// end, the receipt and the event commit together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_coordinator_killed_right_after_a_run_ends_leaves_its_terminal_event() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut w = world(
+        |_, _| Reply::Json(text_completion("done")),
+        |s, _| {
+            s.set(
+                Kind::Coordinator,
+                "AUTOMESH_FAILPOINTS",
+                "coordinator.after_finish",
+            )
+        },
+    )
+    .await;
+    let a = w.cloud_automation("inbox").await;
+    let run = w.run_now(&a, "first").await;
+    let ended = w.until_terminal(&run).await;
+    assert_eq!(ended.state, RunState::Succeeded, "{ended:?}");
+    // The coordinator that ended it is dead.
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !(0..2).any(|i| {
+        w.cluster
+            .log(Kind::Coordinator, i)
+            .contains("failpoint coordinator.after_finish")
+    }) {
+        assert!(tokio::time::Instant::now() < give_up, "no coordinator died");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let events = w
+        .cluster
+        .store()
+        .list_events(&run, 0, 1000)
+        .await
+        .expect("events");
+    let ends: Vec<_> = events
+        .iter()
+        .filter(|e| {
+            matches!(&e.payload, RunEventPayload::StatusChange { state, .. } if state == "succeeded")
+        })
+        .collect();
+    assert_eq!(ends.len(), 1, "{events:?}");
+    assert_eq!(
+        events.last().map(|e| e.sequence),
+        ends.first().map(|e| e.sequence),
+        "the end is the last event"
+    );
+    assert!(
+        w.cluster
+            .store()
+            .get_receipt(&run)
+            .await
+            .expect("receipt")
+            .is_some()
+    );
+    for i in 0..2 {
+        w.cluster.kill(Kind::Coordinator, i);
+    }
+    w.stop().await;
+}
