@@ -53,29 +53,50 @@ impl std::fmt::Debug for Connect {
     }
 }
 
+/// Receipt messages are for people: they name what went wrong in words and
+/// never carry a URL or a type name. The detail goes to the log, its URLs
+/// removed (a URL may carry a key).
 fn init_error(e: ClientInitializeError) -> EngineError {
     if e.is_authorization_required() || e.to_string().contains("401") {
-        EngineError::new(
+        return EngineError::new(
             ErrorCode::ConnectUnauthorized,
             "the Connect endpoint refused the run's token",
-        )
-    } else {
-        EngineError::new(
-            ErrorCode::ToolError,
-            format!("cannot open the Connect endpoint: {e}"),
-        )
+        );
     }
+    tracing::warn!(detail = %crate::error::without_urls(&e.to_string()), "the Connect handshake failed");
+    let message = match &e {
+        ClientInitializeError::TransportError { .. }
+        | ClientInitializeError::ConnectionClosed(_) => "the Connect endpoint could not be reached",
+        ClientInitializeError::JsonRpcError(_) => "the Connect endpoint refused the handshake",
+        ClientInitializeError::NoCompatibleProtocolVersion { .. } => {
+            "the Connect endpoint speaks no MCP protocol version this engine does"
+        }
+        _ => "the Connect endpoint answered the handshake with something that is not MCP",
+    };
+    EngineError::new(ErrorCode::ToolError, message)
 }
 
 fn call_error(e: ServiceError) -> EngineError {
     if e.is_authorization_required() || e.to_string().contains("401") {
-        EngineError::new(
+        return EngineError::new(
             ErrorCode::ConnectTokenExpired,
             "the Connect endpoint stopped accepting the run's token",
-        )
-    } else {
-        EngineError::new(ErrorCode::ToolError, format!("Connect call failed: {e}"))
+        );
     }
+    tracing::warn!(detail = %crate::error::without_urls(&e.to_string()), "a Connect call failed");
+    let message = match &e {
+        // The server's own words about the call.
+        ServiceError::McpError(data) => format!(
+            "the Connect endpoint refused the call: {}",
+            crate::error::without_urls(&data.message)
+        ),
+        ServiceError::TransportSend(_) | ServiceError::TransportClosed => {
+            "the Connect endpoint could not be reached".into()
+        }
+        ServiceError::Timeout { .. } => "the Connect endpoint did not answer in time".into(),
+        _ => "the Connect endpoint answered with something that is not MCP".into(),
+    };
+    EngineError::new(ErrorCode::ToolError, message)
 }
 
 impl Connect {

@@ -167,7 +167,9 @@ impl Provider {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
             .build()
-            .map_err(|e| unavailable(format!("cannot build the HTTP client: {e}")))?;
+            .map_err(|e| {
+                unavailable(format!("cannot build the HTTP client: {}", e.without_url()))
+            })?;
         Ok(Self { http, config })
     }
 
@@ -267,7 +269,7 @@ impl Provider {
                     status: 0,
                     retry_after: None,
                 }
-                .log(&e)
+                .log(e)
             })?;
         let status = response.status();
         if status == reqwest::StatusCode::UNAUTHORIZED || status == reqwest::StatusCode::FORBIDDEN {
@@ -280,8 +282,7 @@ impl Provider {
                 .headers()
                 .get(reqwest::header::RETRY_AFTER)
                 .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .map(Duration::from_secs);
+                .and_then(|v| retry_after(v, std::time::SystemTime::now()));
             return Err(Failure::Retryable {
                 status: status.as_u16(),
                 retry_after,
@@ -295,10 +296,17 @@ impl Provider {
         if self.config.stream {
             read_stream(response).await.map_err(Failure::Fatal)
         } else {
-            let value: Value = response
-                .json()
-                .await
-                .map_err(|e| Failure::Fatal(malformed(format!("malformed response: {e}"))))?;
+            // Read, then parsed here: a decoding error of the HTTP client
+            // names the URL, and a URL may carry a key.
+            let body = response.bytes().await.map_err(|e| {
+                tracing::warn!(error = %e.without_url(), "the provider's answer broke off");
+                Failure::Fatal(malformed("the provider's answer broke off"))
+            })?;
+            let value: Value = serde_json::from_slice(&body).map_err(|e| {
+                Failure::Fatal(malformed(format!(
+                    "the provider's answer is not valid JSON ({e})"
+                )))
+            })?;
             parse_completion(&value).map_err(Failure::Fatal)
         }
     }
@@ -313,11 +321,23 @@ enum Failure {
 }
 
 impl Failure {
-    fn log(self, e: &reqwest::Error) -> Self {
-        // reqwest errors carry the URL, never headers: safe to log.
-        tracing::warn!(error = %e, "provider request failed");
+    fn log(self, e: reqwest::Error) -> Self {
+        // Without its URL (which may carry a key); never headers.
+        tracing::warn!(error = %e.without_url(), "provider request failed");
         self
     }
+}
+
+/// A `Retry-After` value (RFC 9110 §10.2.3): a number of seconds, or an
+/// HTTP date (IMF-fixdate, or the obsolete RFC 850 and asctime forms) —
+/// the wait until then, none for a date already past.
+pub fn retry_after(value: &str, now: std::time::SystemTime) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(secs) = value.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
 fn parse_completion(v: &Value) -> Result<ChatResponse, EngineError> {
@@ -373,7 +393,10 @@ async fn read_stream(response: reqwest::Response) -> Result<ChatResponse, Engine
     let mut usage = TokenUsage::default();
     let mut done = false;
     while let Some(chunk) = bytes.next().await {
-        let chunk = chunk.map_err(|e| malformed(format!("the stream broke: {e}")))?;
+        let chunk = chunk.map_err(|e| {
+            tracing::warn!(error = %e.without_url(), "the provider's stream broke off");
+            malformed("the provider's stream broke off")
+        })?;
         buffer.extend_from_slice(&chunk);
         if buffer.len() > MAX_LINE_BYTES {
             return Err(malformed("a stream line exceeds the size bound"));
@@ -392,7 +415,7 @@ async fn read_stream(response: reqwest::Response) -> Result<ChatResponse, Engine
                 continue;
             }
             let v: Value = serde_json::from_str(data)
-                .map_err(|e| malformed(format!("malformed stream event: {e}")))?;
+                .map_err(|e| malformed(format!("a stream event is not valid JSON ({e})")))?;
             if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
                 usage = serde_json::from_value(u.clone()).unwrap_or_default();
             }

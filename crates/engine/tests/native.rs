@@ -209,6 +209,28 @@ async fn an_mcp_401_fails_before_the_provider() {
     assert_eq!(p.calls(), 0);
 }
 
+/// An unreachable Connect endpoint ends the run with a message for people:
+/// no URL, no Rust type names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_connect_endpoint_is_named_in_words() {
+    let (purl, p) = provider(happy(false)).await;
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr");
+    let murl = format!("http://{closed}/mcp?key=never-in-a-receipt");
+    let (outcome, _) = go(run_config(&purl, &murl, false)).await;
+    let Ending::Failed(e) = &outcome.ending else {
+        panic!("expected a failure, got {outcome:?}");
+    };
+    assert_eq!(e.code, ErrorCode::ToolError);
+    assert_eq!(e.message, "the Connect endpoint could not be reached");
+    for never in ["http", "never-in-a-receipt", "::", "Transport", "rmcp"] {
+        assert!(!e.message.contains(never), "{never:?} in {:?}", e.message);
+    }
+    assert_eq!(p.calls(), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_token_expiring_mid_run_ends_the_run() {
     let (purl, _p) = provider(|_, _| {

@@ -189,6 +189,70 @@ async fn malformed_json_is_a_provider_error() {
         .await
         .expect_err("malformed");
     assert_eq!(err.code, ErrorCode::ProviderError);
+    // For people: no URL (a URL may carry a key), no type names.
+    for never in ["http", "127.0.0.1", "::", "reqwest"] {
+        assert!(
+            !err.message.contains(never),
+            "{never:?} in {:?}",
+            err.message
+        );
+    }
+    assert!(err.message.contains("not valid JSON"), "{}", err.message);
+}
+
+#[tokio::test]
+async fn retry_after_as_an_http_date_is_honoured() {
+    // RFC 9110: Retry-After is seconds or an HTTP date; this one is 3 s
+    // ahead (whole seconds, so at least 2 s of wait).
+    let at = std::time::SystemTime::now() + Duration::from_secs(3);
+    let date: &'static str = Box::leak(httpdate::fmt_http_date(at).into_boxed_str());
+    let (url, fake) = fake(move |n, _| {
+        if n == 0 {
+            Reply::Status(503, Some(date))
+        } else {
+            Reply::Json(text_completion("ok"))
+        }
+    })
+    .await;
+    let provider = Provider::new(config(&url, false)).expect("provider");
+    let started = std::time::Instant::now();
+    let r = provider
+        .complete(&request(), deadline(30))
+        .await
+        .expect("answer after retry");
+    assert_eq!(r.content.as_deref(), Some("ok"));
+    assert_eq!(fake.calls(), 2);
+    assert!(
+        started.elapsed() >= Duration::from_secs(2),
+        "the retry waited for the date, not the 0.25 s backoff: {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn retry_after_reads_seconds_and_all_three_http_date_forms() {
+    use automesh_engine::provider::retry_after;
+    // Sun, 06 Nov 1994 08:49:37 GMT, from RFC 9110 §5.6.7.
+    let now = std::time::UNIX_EPOCH + Duration::from_secs(784_111_777 - 10);
+    for form in [
+        "Sun, 06 Nov 1994 08:49:37 GMT",
+        "Sunday, 06-Nov-94 08:49:37 GMT",
+        "Sun Nov  6 08:49:37 1994",
+    ] {
+        assert_eq!(
+            retry_after(form, now),
+            Some(Duration::from_secs(10)),
+            "{form}"
+        );
+    }
+    assert_eq!(retry_after(" 7 ", now), Some(Duration::from_secs(7)));
+    let later = now + Duration::from_secs(60);
+    assert_eq!(
+        retry_after("Sun, 06 Nov 1994 08:49:37 GMT", later),
+        Some(Duration::ZERO),
+        "a date already past means no wait"
+    );
+    assert_eq!(retry_after("soon", now), None);
 }
 
 #[tokio::test]
