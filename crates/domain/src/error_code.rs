@@ -56,6 +56,7 @@ error_codes! {
     RunnerInterrupted => "runner_interrupted": "The desktop runner stopped while executing the run; it is not run again.",
     PermissionDenied => "permission_denied": "The agent asked for a permission the headless policy does not allow.",
     PermissionPending => "permission_pending": "A permission prompt was still unanswered when a bound was hit.",
+    QuestionUnanswered => "question_unanswered": "The agent asked the absent user a question a headless run cannot answer.",
     IdleTimeout => "idle_timeout": "The engine made no progress for longer than the idle bound.",
     DeadlineExceeded => "deadline_exceeded": "The run reached its deadline.",
     CancelUnobserved => "cancel_unobserved": "The executor was not observed idle within the cancellation bound.",

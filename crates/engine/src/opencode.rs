@@ -327,7 +327,6 @@ pub const IGNORED_EVENTS: &[&str] = &[
     "message.part.removed",
     "message.removed",
     "permission.replied",
-    "question.asked",
     "question.replied",
     "question.rejected",
 ];
@@ -676,6 +675,7 @@ impl<'a> Drive<'a> {
             "message.updated" => self.on_message(&p["info"]).await,
             "message.part.updated" => self.on_part(&p["part"]).await,
             "permission.asked" | "permission.updated" => self.on_permission(p, ty).await,
+            "question.asked" => self.on_question(p).await,
             "session.created" | "session.updated" => {}
             t if IGNORED_EVENTS.contains(&t) => {}
             t => tracing::debug!(event = t, "unknown OpenCode session event; ignored"),
@@ -846,6 +846,69 @@ impl<'a> Drive<'a> {
         }
     }
 
+    /// The agent asked the absent user a question (OpenCode's `question`
+    /// tool). Nobody can answer a headless run, so under the headless policy
+    /// it is dismissed at once — reported first, like a permission prompt —
+    /// and the run ends `question_unanswered`, naming the question, instead
+    /// of waiting for the idle watchdog with the question left pending.
+    async fn on_question(&mut self, p: &Value) {
+        let Some(id) = p["id"].as_str().map(str::to_owned) else {
+            return;
+        };
+        if !self.permissions.insert(id.clone()) {
+            return;
+        }
+        let asked: Vec<String> = p["questions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|q| {
+                let text = q["question"].as_str().unwrap_or("");
+                match q["header"].as_str().filter(|h| !h.is_empty()) {
+                    Some(h) => format!("{h}: {text}"),
+                    None => text.to_owned(),
+                }
+            })
+            .collect();
+        let described = format!("{asked:?}");
+        self.pending = Some(format!("question {described}"));
+        let prompt = |reply: &str| EngineEvent::Permission {
+            permission_id: id.clone(),
+            permission: "question".into(),
+            patterns: asked.clone(),
+            reply: reply.into(),
+        };
+        if !self.emit_unless_cancelled(prompt("")).await || self.cancel.is_cancelled() {
+            self.decide(Ending::Cancelled).await;
+            return;
+        }
+        let _ = self.emit_unless_cancelled(prompt("reject")).await;
+        match self
+            .call(
+                reqwest::Method::POST,
+                &format!("/question/{id}/reject"),
+                None,
+            )
+            .await
+        {
+            Ok((200..=299, _)) => self.pending = None,
+            Ok((s, v)) => {
+                tracing::warn!(status = s, answer = %v, "OpenCode refused dismissing the question")
+            }
+            Err(e) => tracing::warn!(error = %e.message, "dismissing the question failed"),
+        }
+        if self.ending.is_none() {
+            self.decide(Ending::Failed(EngineError::new(
+                ErrorCode::QuestionUnanswered,
+                format!(
+                    "the agent asked {described}, which nobody can answer in a headless run; \
+                     the question was dismissed"
+                ),
+            )))
+            .await;
+        }
+    }
+
     /// Decides how the run ends and aborts the session; the loop then waits
     /// (bounded) for it to be idle.
     async fn decide(&mut self, ending: Ending) {
@@ -884,6 +947,18 @@ impl<'a> Drive<'a> {
                     .is_some_and(|s| self.sessions.contains(s))
                 {
                     self.on_permission(&p, "permission.asked").await;
+                }
+            }
+        }
+        if let Ok((200, Value::Array(pending))) =
+            self.call(reqwest::Method::GET, "/question", None).await
+        {
+            for q in pending {
+                if q["sessionID"]
+                    .as_str()
+                    .is_some_and(|s| self.sessions.contains(s))
+                {
+                    self.on_question(&q).await;
                 }
             }
         }

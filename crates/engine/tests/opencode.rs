@@ -255,6 +255,68 @@ async fn a_permission_outside_the_allow_list_is_rejected_and_ends_the_run_naming
     assert_eq!(fake.calls(), calls);
 }
 
+/// The agent asks the absent user a question (the `question` tool). The
+/// question is dismissed under the headless policy and the run ends
+/// `question_unanswered`, naming it — long before the idle watchdog (20 s
+/// here, 120 s by default) — with nothing left pending in OpenCode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_question_to_the_absent_user_is_dismissed_and_ends_the_run_naming_it() {
+    let (url, fake) = provider(|_, req| {
+        let messages = req["messages"].as_array().cloned().unwrap_or_default();
+        let answer = if req["tools"].is_null() {
+            text_completion("Fake title")
+        } else if messages.last().is_some_and(|m| m["role"] == "tool") {
+            text_completion("I will wait for an answer")
+        } else {
+            tool_call_completion(
+                "call_q",
+                "question",
+                &serde_json::json!({"questions": [{
+                    "question": "Which folder should I tidy?",
+                    "header": "Folder",
+                    "options": [
+                        {"label": "Downloads", "description": "the downloads folder"},
+                        {"label": "Desktop", "description": "the desktop"}
+                    ]
+                }]})
+                .to_string(),
+            )
+        };
+        Reply::Sse(as_sse(&answer))
+    })
+    .await;
+    let s = start(&url).await;
+    let cfg = config(&s.server.base_url);
+    let (outcome, events) = run(&cfg, &allow_echo(), CancellationToken::new()).await;
+    let (code, message) = failed_with(&outcome).expect("failed");
+    assert_eq!(code, ErrorCode::QuestionUnanswered, "{message} {events:?}");
+    assert!(
+        message.contains("Which folder should I tidy?"),
+        "the question is named: {message}"
+    );
+    assert_eq!(
+        permissions(&events),
+        vec![
+            ("question".into(), String::new()),
+            ("question".into(), "reject".into())
+        ]
+    );
+    // Nothing is left pending on the server.
+    let pending: serde_json::Value = reqwest::Client::new()
+        .get(format!("{}/question", s.server.base_url))
+        .basic_auth("opencode", Some(PASSWORD))
+        .send()
+        .await
+        .expect("list questions")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(pending, serde_json::json!([]), "no question left pending");
+    let calls = fake.calls();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(fake.calls(), calls, "the model is not asked to go on");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_model_failing_forever_ends_the_run_provider_unavailable() {
     let (url, _fake) = provider(|_, _| Reply::Status(500, None)).await;
