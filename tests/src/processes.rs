@@ -423,10 +423,24 @@ impl Cluster {
     /// Starts a replica again on its port (after [`Cluster::kill`]) and
     /// waits until it serves.
     pub async fn restart(&mut self, kind: Kind, replica: usize) -> anyhow::Result<()> {
-        self.kill(kind, replica);
-        self.spawn(kind, replica)?;
+        self.respawn(kind, replica)?;
         self.wait_serving(kind, replica, Duration::from_secs(60))
             .await
+    }
+
+    /// Starts a replica again on its port without waiting for it (it may
+    /// need upstreams that are down themselves).
+    pub fn respawn(&mut self, kind: Kind, replica: usize) -> anyhow::Result<()> {
+        self.kill(kind, replica);
+        self.spawn(kind, replica)
+    }
+
+    /// Waits (bounded) until every replica of every service serves.
+    pub async fn wait_all_serving(&self, within: Duration) -> anyhow::Result<()> {
+        for (kind, replica) in self.procs.keys() {
+            self.wait_serving(*kind, *replica, within).await?;
+        }
+        Ok(())
     }
 
     /// Stalls one replica (SIGSTOP): its sockets stay open, it answers
@@ -447,14 +461,11 @@ impl Cluster {
     /// Cuts every database connection of the cluster's services (as a
     /// PostgreSQL restart or a network cut would); returns how many.
     pub async fn cut_database_connections(&self) -> anyhow::Result<i64> {
-        let name: String = sqlx::query_scalar("SELECT current_database()")
-            .fetch_one(self.store().pool())
-            .await?;
         let cut: i64 = sqlx::query_scalar(
-            "SELECT COUNT(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-             WHERE datname = $1 AND pid <> pg_backend_pid() AND backend_type = 'client backend') t",
+            "SELECT COUNT(pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE datname = current_database() AND pid <> pg_backend_pid() \
+             AND backend_type = 'client backend'",
         )
-        .bind(name)
         .fetch_one(self.store().pool())
         .await?;
         Ok(cut)

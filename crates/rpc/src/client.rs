@@ -2,9 +2,9 @@
 //! internal credential and the caller's W3C trace context.
 //!
 //! A service address may name several replicas (`http://a:1,http://b:2`):
-//! calls go to one of them until it fails at the transport (refused, reset,
-//! no answer in time), then to the next, so a dead or stalled replica costs
-//! one failed call, which every caller already retries.
+//! calls go to one of them until it fails to answer (refused, reset, or a
+//! caller gave up waiting), then to the next, so a dead or stalled replica
+//! costs one failed call, which every caller already retries.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -125,8 +125,8 @@ pub fn replicas(addrs: &str) -> Result<Replicas, ChannelError> {
 }
 
 /// Channels to the replicas of one service. Each call goes to the current
-/// replica; a call that fails at the transport moves every later call to
-/// the next one. gRPC statuses (the replica answered) never move it.
+/// replica; a call it does not answer moves every later call to the next
+/// one. gRPC statuses (the replica answered) never move it.
 #[derive(Debug, Clone)]
 pub struct Replicas {
     channels: Arc<[Channel]>,
@@ -160,26 +160,55 @@ impl Service<http::Request<tonic::body::Body>> for Replicas {
         let n = self.channels.len();
         let i = self.current.load(Ordering::Relaxed) % n;
         let mut channel = self.channels[i].clone();
-        let current = self.current.clone();
+        let attempt = Attempt {
+            current: self.current.clone(),
+            replica: i,
+            replicas: n,
+            answered: false,
+        };
         Box::pin(async move {
+            // The whole guard lives in the future: dropped with it.
+            let mut attempt = attempt;
             let result = match channel.ready().await {
                 Ok(ready) => ready.call(request).await,
                 Err(e) => Err(e),
             };
-            if result.is_err() && n > 1 {
-                // Only the first caller to see this replica fail moves on.
-                if current
-                    .compare_exchange(i, (i + 1) % n, Ordering::Relaxed, Ordering::Relaxed)
-                    .is_ok()
-                {
-                    tracing::warn!(
-                        replica = i,
-                        "replica failed at the transport; using the next"
-                    );
-                }
-            }
+            attempt.answered = result.is_ok();
             result
         })
+    }
+}
+
+/// One call to one replica. A replica that did not answer — the call failed
+/// at the transport, or its caller gave up waiting (a stalled replica
+/// accepts connections and says nothing, so only the caller's own bound
+/// ends the wait) — moves later calls to the next replica. Replicas are
+/// interchangeable, so moving on after a call abandoned for another reason
+/// costs nothing.
+struct Attempt {
+    current: Arc<AtomicUsize>,
+    replica: usize,
+    replicas: usize,
+    answered: bool,
+}
+
+impl Drop for Attempt {
+    fn drop(&mut self) {
+        if self.answered || self.replicas < 2 {
+            return;
+        }
+        // Only the first caller to see this replica fail moves on.
+        let next = (self.replica + 1) % self.replicas;
+        if self
+            .current
+            .compare_exchange(self.replica, next, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+        {
+            tracing::warn!(
+                replica = self.replica,
+                "replica did not answer; using the next"
+            );
+        }
     }
 }
 
@@ -226,6 +255,39 @@ mod tests {
                 .await
                 .expect("the live replica answers every later call");
         }
+        shutdown.cancel();
+        serving.await.expect("join").expect("served");
+    }
+
+    #[tokio::test]
+    async fn a_stalled_replica_is_left_once_a_caller_gives_up_on_it() {
+        // Accepts connections, never answers: a stalled process.
+        let stalled = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let stalled_addr = stalled.local_addr().expect("addr");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let live = listener.local_addr().expect("addr");
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let server = crate::GrpcServer::new(crate::ServerSettings::default()).expect("server");
+        let serving = tokio::spawn(server.serve(
+            listener,
+            shutdown.clone(),
+            Box::new(|| Box::pin(async { true })),
+        ));
+        let mut client = HealthClient::new(
+            replicas(&format!("http://{stalled_addr},http://{live}")).expect("replicas"),
+        );
+        let check = || HealthCheckRequest {
+            service: String::new(),
+        };
+        let gave_up = tokio::time::timeout(Duration::from_millis(500), client.check(check())).await;
+        assert!(gave_up.is_err(), "the stalled replica never answers");
+        client
+            .check(check())
+            .await
+            .expect("the next call goes to the live replica");
+        drop(stalled);
         shutdown.cancel();
         serving.await.expect("join").expect("served");
     }
