@@ -9,7 +9,6 @@
 //! The model provider and the Connect endpoint are fakes speaking the real
 //! protocols (the outside world); everything of automesh is real.
 
-use std::sync::Mutex;
 use std::time::Duration;
 
 use automesh_domain::{AutomationState, ErrorCode, Principal, RunEventPayload, RunState};
@@ -22,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 const MCP_TOKEN: &str = "crash-connect-token-never-logged";
 
 /// One cluster at a time: each is ten processes with their own pools.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 struct World {
     cluster: Cluster,
@@ -199,7 +198,7 @@ fn kill(pid: u32) {
 /// needs-attention.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crashed_agent_of_a_ready_worker_is_replaced_not_blamed_on_the_user() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = ONE_AT_A_TIME.lock().await;
     let w = world(|_, _| Reply::Json(text_completion("done")), |s, _| s).await;
     let a = w.cloud_automation("inbox").await;
     let first = w.run_now(&a, "first").await;
@@ -227,7 +226,7 @@ async fn a_crashed_agent_of_a_ready_worker_is_replaced_not_blamed_on_the_user() 
 /// needs-attention, and the owner's next run succeeds on a fresh agent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_killed_under_a_running_run_interrupts_only_that_run() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = ONE_AT_A_TIME.lock().await;
     let w = world(
         |n, _| {
             if n == 0 {
@@ -269,7 +268,7 @@ async fn an_agent_killed_under_a_running_run_interrupts_only_that_run() {
 /// starts exactly one agent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn any_lifecycle_replica_stops_any_worker_and_no_agent_is_left() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = ONE_AT_A_TIME.lock().await;
     let w = world(
         |_, _| Reply::Json(text_completion("done")),
         |s, _| {
@@ -313,7 +312,7 @@ async fn any_lifecycle_replica_stops_any_worker_and_no_agent_is_left() {
 /// exit by themselves within their orphan bound — cleanly, without a panic.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_exit_cleanly_when_every_lifecycle_replica_is_gone() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = ONE_AT_A_TIME.lock().await;
     let mut w = world(|_, _| Reply::Json(text_completion("done")), |s, _| s).await;
     let a = w.cloud_automation("inbox").await;
     let run = w.run_now(&a, "first").await;
@@ -338,7 +337,7 @@ async fn agents_exit_cleanly_when_every_lifecycle_replica_is_gone() {
 /// succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lifecycle_lost_during_a_wake_hands_the_start_over_at_lease_speed() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = ONE_AT_A_TIME.lock().await;
     let bin = env!("CARGO_BIN_EXE_automesh");
     let mut w = world(
         |_, _| Reply::Json(text_completion("done")),
@@ -399,7 +398,7 @@ async fn a_lifecycle_lost_during_a_wake_hands_the_start_over_at_lease_speed() {
 /// end, the receipt and the event commit together.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_coordinator_killed_right_after_a_run_ends_leaves_its_terminal_event() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = ONE_AT_A_TIME.lock().await;
     let mut w = world(
         |_, _| Reply::Json(text_completion("done")),
         |s, _| {
