@@ -18,18 +18,23 @@
 //!   cargo test -p automesh --test chaos -- --nocapture
 //! ```
 //!
-//! `AUTOMESH_CHAOS_SEED` picks the faults (the same seed, the same faults
-//! at the same moments of the workload); the seed is printed, so a failing
-//! run can be replayed.
+//! `AUTOMESH_CHAOS_SEED` picks the workload and the faults (the same seed,
+//! the same sequence of faults at the same pace; the workload and the
+//! faults run side by side, so a fault may take every replica of a service
+//! down for a moment); the seed is printed, so a failing run can be
+//! replayed.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 
 use automesh_domain::{Principal, RunEventPayload, RunState};
-use automesh_e2e_tests::processes::{Cluster, ClusterSpec, Kind};
+use automesh_e2e_tests::processes::{Cluster, ClusterChannel, ClusterSpec, Kind};
 use automesh_proto::v1 as pb;
+use automesh_proto::v1::automations_client::AutomationsClient;
 use automesh_testkit::{FakeMcp, Reply, mcp, provider, text_completion};
 use chrono::Utc;
+use tokio_util::sync::CancellationToken;
 
 const MCP_TOKEN: &str = "chaos-connect-token-never-logged";
 /// Each run's deadline.
@@ -127,12 +132,14 @@ where
 /// Creates an automation of `owner` on `surface` and runs it now; returns
 /// the run id. Each automation has its own prompt, so each run's prompt is
 /// unique and a second submission of it shows at the model.
-async fn start_run(cluster: &Cluster, owner: &Principal, surface: pb::Surface, n: usize) -> String {
-    let token = cluster.token(&owner.org_id, &owner.user_id);
+async fn start_run(
+    client: AutomationsClient<ClusterChannel>,
+    surface: pb::Surface,
+    n: usize,
+) -> String {
     let prompt = format!("chaos run {n}: summarise what changed");
     // One client for every retry: it moves past a gateway replica that
     // failed and stays on the one that answers.
-    let client = cluster.automations(&token);
     let automation = through_faults("create", || {
         let mut api = client.clone();
         let prompt = prompt.clone();
@@ -195,6 +202,115 @@ where
     panic!("the database did not answer");
 }
 
+/// A public-API client of `owner`'s.
+async fn client_of(
+    cluster: &tokio::sync::Mutex<Cluster>,
+    owner: &Principal,
+) -> AutomationsClient<ClusterChannel> {
+    let c = cluster.lock().await;
+    c.automations(&c.token(&owner.org_id, &owner.user_id))
+}
+
+fn heal(cluster: &mut Cluster, fault: Fault) {
+    match fault {
+        Fault::Killed(kind, i) => cluster.respawn(kind, i).expect("restart"),
+        Fault::Paused(kind, i) => cluster.resume(kind, i),
+        Fault::RunnerKilled(i) => cluster.restart_runner(i).expect("restart runner"),
+        Fault::RunnerPaused(i) => {
+            if let Some(pid) = cluster.runner_pid(i) {
+                automesh_rpc::process::signal(pid, automesh_rpc::process::Signal::CONT);
+            }
+        }
+    }
+}
+
+/// Lands a fault every second or two and heals each after a pause, until
+/// `stop`; then heals what is left and returns what it did.
+async fn inject(
+    cluster: Arc<tokio::sync::Mutex<Cluster>>,
+    mut rng: Rng,
+    stop: CancellationToken,
+) -> BTreeMap<String, usize> {
+    let mut healing: Vec<(tokio::time::Instant, Fault)> = vec![];
+    let mut next_fault = tokio::time::Instant::now() + Duration::from_secs(2);
+    let mut faults: BTreeMap<String, usize> = BTreeMap::new();
+    while !stop.is_cancelled() {
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_millis(100)) => {}
+            () = stop.cancelled() => break,
+        }
+        let mut cluster = cluster.lock().await;
+        let now = tokio::time::Instant::now();
+        let (due, later): (Vec<_>, Vec<_>) = healing.drain(..).partition(|(at, _)| *at <= now);
+        healing = later;
+        for (_, fault) in due {
+            heal(&mut cluster, fault);
+        }
+        if now < next_fault {
+            continue;
+        }
+        next_fault = now + rng.millis(800, 2200);
+        let pause = rng.millis(500, 5000);
+        let faulted = |k: Kind, i: usize, h: &[(tokio::time::Instant, Fault)]| {
+            h.iter().any(|(_, f)| {
+                matches!(f, Fault::Killed(a, b) | Fault::Paused(a, b) if *a == k && *b == i)
+            })
+        };
+        let kinds = Kind::ALL;
+        let kind = kinds[rng.below(kinds.len() as u64) as usize];
+        let replica = rng.below(cluster.replicas(kind) as u64) as usize;
+        let runner = rng.below(cluster.runner_count() as u64) as usize;
+        let runner_faulted = healing.iter().any(
+            |(_, f)| matches!(f, Fault::RunnerKilled(r) | Fault::RunnerPaused(r) if *r == runner),
+        );
+        let what = match rng.below(10) {
+            0..=3 if !faulted(kind, replica, &healing) => {
+                cluster.kill(kind, replica);
+                healing.push((now + pause, Fault::Killed(kind, replica)));
+                format!("kill {kind:?}")
+            }
+            4..=5 if !faulted(kind, replica, &healing) => {
+                cluster.pause(kind, replica);
+                healing.push((now + pause, Fault::Paused(kind, replica)));
+                format!("stall {kind:?}")
+            }
+            6 if !runner_faulted => {
+                cluster.kill_runner(runner);
+                healing.push((now + pause, Fault::RunnerKilled(runner)));
+                "kill runner".into()
+            }
+            7 if !runner_faulted => {
+                if let Some(pid) = cluster.runner_pid(runner) {
+                    automesh_rpc::process::signal(pid, automesh_rpc::process::Signal::STOP);
+                }
+                healing.push((now + pause, Fault::RunnerPaused(runner)));
+                "stall runner".into()
+            }
+            8 => match cluster.live_agents().values().next() {
+                Some(pid) => {
+                    automesh_rpc::process::signal(*pid, automesh_rpc::process::Signal::KILL);
+                    "kill agent".into()
+                }
+                None => "no agent to kill".into(),
+            },
+            _ => match cluster.cut_database_connections().await {
+                Ok(cut) => {
+                    *faults.entry("database connections cut".into()).or_default() +=
+                        usize::try_from(cut).unwrap_or_default();
+                    "cut database connections".into()
+                }
+                Err(error) => format!("cutting database connections failed: {error}"),
+            },
+        };
+        *faults.entry(what).or_default() += 1;
+    }
+    let mut cluster = cluster.lock().await;
+    for (_, fault) in healing.drain(..) {
+        heal(&mut cluster, fault);
+    }
+    faults
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_mesh_keeps_its_promises_under_seeded_faults() {
     let seed = env_or("AUTOMESH_CHAOS_SEED", 20261201);
@@ -245,12 +361,11 @@ async fn the_mesh_keeps_its_promises_under_seeded_faults() {
             .expect("runner");
     }
 
-    // The workload, with a fault every second or two.
-    let kinds = Kind::ALL;
+    // The workload, while the injector lands a fault every second or two.
+    let cluster = Arc::new(tokio::sync::Mutex::new(cluster));
+    let stop = CancellationToken::new();
+    let injector = tokio::spawn(inject(cluster.clone(), Rng(rng.next() | 1), stop.clone()));
     let mut run_ids = vec![];
-    let mut healing: Vec<(tokio::time::Instant, Fault)> = vec![];
-    let mut next_fault = tokio::time::Instant::now() + Duration::from_secs(2);
-    let mut faults: BTreeMap<String, usize> = BTreeMap::new();
     for n in 0..runs {
         let desktop = rng.below(2) == 0;
         let owner = if desktop {
@@ -263,94 +378,15 @@ async fn the_mesh_keeps_its_promises_under_seeded_faults() {
         } else {
             pb::Surface::Web
         };
-        run_ids.push(start_run(&cluster, &owner, surface, n).await);
+        let client = client_of(&cluster, &owner).await;
+        run_ids.push(start_run(client, surface, n).await);
         tokio::time::sleep(rng.millis(150, 450)).await;
-
-        let now = tokio::time::Instant::now();
-        let (due, later): (Vec<_>, Vec<_>) = healing.drain(..).partition(|(at, _)| *at <= now);
-        healing = later;
-        for (_, fault) in due {
-            match fault {
-                Fault::Killed(kind, i) => cluster.respawn(kind, i).expect("restart"),
-                Fault::Paused(kind, i) => cluster.resume(kind, i),
-                Fault::RunnerKilled(i) => cluster.restart_runner(i).expect("restart runner"),
-                Fault::RunnerPaused(i) => {
-                    if let Some(pid) = cluster.runner_pid(i) {
-                        automesh_rpc::process::signal(pid, automesh_rpc::process::Signal::CONT);
-                    }
-                }
-            }
-        }
-        if now < next_fault {
-            continue;
-        }
-        next_fault = now + rng.millis(800, 2200);
-        let pause = rng.millis(500, 5000);
-        let busy = |k: Kind, i: usize, h: &[(tokio::time::Instant, Fault)]| {
-            h.iter().any(|(_, f)| {
-                matches!(f, Fault::Killed(a, b) | Fault::Paused(a, b) if *a == k && *b == i)
-            })
-        };
-        let kind = kinds[rng.below(kinds.len() as u64) as usize];
-        let replica = rng.below(cluster.replicas(kind) as u64) as usize;
-        let runner = rng.below(cluster.runner_count() as u64) as usize;
-        let runner_busy = healing.iter().any(
-            |(_, f)| matches!(f, Fault::RunnerKilled(r) | Fault::RunnerPaused(r) if *r == runner),
-        );
-        let what = match rng.below(10) {
-            0..=3 if !busy(kind, replica, &healing) => {
-                cluster.kill(kind, replica);
-                healing.push((now + pause, Fault::Killed(kind, replica)));
-                format!("kill {kind:?}")
-            }
-            4..=5 if !busy(kind, replica, &healing) => {
-                cluster.pause(kind, replica);
-                healing.push((now + pause, Fault::Paused(kind, replica)));
-                format!("stall {kind:?}")
-            }
-            6 if !runner_busy => {
-                cluster.kill_runner(runner);
-                healing.push((now + pause, Fault::RunnerKilled(runner)));
-                "kill runner".into()
-            }
-            7 if !runner_busy => {
-                if let Some(pid) = cluster.runner_pid(runner) {
-                    automesh_rpc::process::signal(pid, automesh_rpc::process::Signal::STOP);
-                }
-                healing.push((now + pause, Fault::RunnerPaused(runner)));
-                "stall runner".into()
-            }
-            8 => match cluster.live_agents().values().next() {
-                Some(pid) => {
-                    automesh_rpc::process::signal(*pid, automesh_rpc::process::Signal::KILL);
-                    "kill agent".into()
-                }
-                None => "no agent to kill".into(),
-            },
-            _ => match cluster.cut_database_connections().await {
-                Ok(cut) => {
-                    *faults.entry("database connections cut".into()).or_default() +=
-                        usize::try_from(cut).unwrap_or_default();
-                    "cut database connections".into()
-                }
-                Err(error) => format!("cutting database connections failed: {error}"),
-            },
-        };
-        *faults.entry(what).or_default() += 1;
     }
-    // Heal everything.
-    for (_, fault) in healing.drain(..) {
-        match fault {
-            Fault::Killed(kind, i) => cluster.respawn(kind, i).expect("restart"),
-            Fault::Paused(kind, i) => cluster.resume(kind, i),
-            Fault::RunnerKilled(i) => cluster.restart_runner(i).expect("restart runner"),
-            Fault::RunnerPaused(i) => {
-                if let Some(pid) = cluster.runner_pid(i) {
-                    automesh_rpc::process::signal(pid, automesh_rpc::process::Signal::CONT);
-                }
-            }
-        }
-    }
+    stop.cancel();
+    let faults = injector.await.expect("injector");
+    let cluster = Arc::into_inner(cluster)
+        .expect("the injector is done")
+        .into_inner();
     cluster
         .wait_all_serving(Duration::from_secs(60))
         .await
@@ -433,7 +469,8 @@ async fn the_mesh_keeps_its_promises_under_seeded_faults() {
     .into_iter()
     .enumerate()
     {
-        let id = start_run(&cluster, &owner, surface, runs + i).await;
+        let client = cluster.automations(&cluster.token(&owner.org_id, &owner.user_id));
+        let id = start_run(client, surface, runs + i).await;
         let give_up = tokio::time::Instant::now() + Duration::from_secs(90);
         let run = loop {
             let run = read(|| store.get_run_unscoped(&id)).await;

@@ -15,7 +15,7 @@ pub struct Upstreams {
     pub coordinator: RunCoordinatorServiceClient<InternalChannel>,
     pub lifecycle: CloudWorkerLifecycleServiceClient<InternalChannel>,
     pub runner_tokens: RunnerTokenServiceClient<InternalChannel>,
-    health: Vec<(&'static str, HealthClient<automesh_rpc::client::Replicas>)>,
+    health: Vec<(&'static str, automesh_rpc::client::Replicas)>,
 }
 
 /// Where the internal services listen. Each may name several replicas,
@@ -54,10 +54,7 @@ impl Upstreams {
         credential: &InternalCredential,
     ) -> Result<Self, ChannelError> {
         let health = |name, addr: &str| -> Result<_, ChannelError> {
-            Ok((
-                name,
-                HealthClient::new(automesh_rpc::client::replicas(addr)?),
-            ))
+            Ok((name, automesh_rpc::client::replicas(addr)?))
         };
         Ok(Self {
             scheduler: SchedulerServiceClient::new(internal_channel(
@@ -90,12 +87,24 @@ impl Upstreams {
     pub async fn all_serving(&self) -> bool {
         use tonic_health::pb::HealthCheckRequest;
         use tonic_health::pb::health_check_response::ServingStatus;
-        for (name, client) in &self.health {
-            let mut client = client.clone();
-            let ok = matches!(
-                client.check(HealthCheckRequest { service: String::new() }).await,
-                Ok(r) if r.get_ref().status == ServingStatus::Serving as i32
-            );
+        for (name, replicas) in &self.health {
+            // Serving when one replica serves: a replica that does not
+            // answer moves the next try to the next one.
+            let mut ok = false;
+            for _ in 0..replicas.len().max(1) {
+                let mut client = HealthClient::new(replicas.clone());
+                ok = matches!(
+                    tokio::time::timeout(
+                        std::time::Duration::from_secs(2),
+                        client.check(HealthCheckRequest { service: String::new() }),
+                    )
+                    .await,
+                    Ok(Ok(r)) if r.get_ref().status == ServingStatus::Serving as i32
+                );
+                if ok {
+                    break;
+                }
+            }
             if !ok {
                 tracing::debug!(upstream = name, "upstream not serving");
                 return false;

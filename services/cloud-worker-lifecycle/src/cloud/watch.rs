@@ -58,8 +58,7 @@ impl Cloud {
                     tracing::info!(run_id, outcome = ?state, "cloud run finished on its worker");
                     return Ok(Step::Done);
                 }
-                Ok(t) if t.status == apb::ThreadStatus::Busy as i32 => {}
-                Ok(_) => {
+                Ok(t) if t.status == apb::ThreadStatus::Unknown as i32 => {
                     // The agent answering does not know the thread: its
                     // journal is gone with the agent that had it.
                     self.fail(
@@ -70,6 +69,7 @@ impl Cloud {
                     .await?;
                     return Ok(Step::Done);
                 }
+                Ok(_) => {}
                 Err(_) if !self.alive(ready).await => {
                     self.agent_lost(ready, "it stopped answering for a running thread")
                         .await;
