@@ -16,6 +16,82 @@ use tracing_subscriber::Layer;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
+/// A per-layer filter whose callsites are never cached as "always".
+///
+/// Per-layer filters pass each decision from `enabled` to the event through
+/// a thread-local; a callsite cached as "always" skips `enabled`, and reads
+/// whatever the previous `enabled` call on that thread left there. sqlx asks
+/// `log::log_enabled!` after every query (through `tracing-log`, a call to
+/// `enabled` with no event after it), so the next such event — "serving",
+/// "shutdown requested", a run's log lines — was silently dropped whenever
+/// `RUST_LOG` enabled debug anywhere (tokio-rs/tracing#2519, #2704). With
+/// "sometimes", `enabled` runs before every event and the state is fresh.
+pub struct Fresh<F>(pub F);
+
+impl<S, F: tracing_subscriber::layer::Filter<S>> tracing_subscriber::layer::Filter<S> for Fresh<F> {
+    fn enabled(
+        &self,
+        meta: &tracing::Metadata<'_>,
+        cx: &tracing_subscriber::layer::Context<'_, S>,
+    ) -> bool {
+        self.0.enabled(meta, cx)
+    }
+
+    fn callsite_enabled(
+        &self,
+        meta: &'static tracing::Metadata<'static>,
+    ) -> tracing::subscriber::Interest {
+        let interest = self.0.callsite_enabled(meta);
+        if interest.is_never() {
+            interest
+        } else {
+            tracing::subscriber::Interest::sometimes()
+        }
+    }
+
+    fn event_enabled(
+        &self,
+        event: &tracing::Event<'_>,
+        cx: &tracing_subscriber::layer::Context<'_, S>,
+    ) -> bool {
+        self.0.event_enabled(event, cx)
+    }
+
+    fn max_level_hint(&self) -> Option<tracing::level_filters::LevelFilter> {
+        self.0.max_level_hint()
+    }
+
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        id: &tracing::span::Id,
+        cx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        self.0.on_new_span(attrs, id, cx);
+    }
+
+    fn on_record(
+        &self,
+        id: &tracing::span::Id,
+        values: &tracing::span::Record<'_>,
+        cx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        self.0.on_record(id, values, cx);
+    }
+
+    fn on_enter(&self, id: &tracing::span::Id, cx: tracing_subscriber::layer::Context<'_, S>) {
+        self.0.on_enter(id, cx);
+    }
+
+    fn on_exit(&self, id: &tracing::span::Id, cx: tracing_subscriber::layer::Context<'_, S>) {
+        self.0.on_exit(id, cx);
+    }
+
+    fn on_close(&self, id: tracing::span::Id, cx: tracing_subscriber::layer::Context<'_, S>) {
+        self.0.on_close(id, cx);
+    }
+}
+
 /// Flushes and shuts down trace export when dropped.
 #[derive(Debug)]
 pub struct Telemetry {
@@ -51,6 +127,23 @@ pub fn otlp_requested() -> bool {
 /// Installs the global propagator, tracer provider and subscriber. Must be
 /// called inside a tokio runtime (the OTLP exporter needs one).
 pub fn init(service_name: &str) -> Result<Telemetry, TelemetryError> {
+    use std::io::IsTerminal;
+    // Colours only for a person at a terminal, never into a log file.
+    install(service_name, std::io::stderr, std::io::stderr().is_terminal())
+}
+
+/// [`init`], with log lines written (without colours) to `writer`.
+pub fn init_writing_to<W>(service_name: &str, writer: W) -> Result<Telemetry, TelemetryError>
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    install(service_name, writer, false)
+}
+
+fn install<W>(service_name: &str, writer: W, ansi: bool) -> Result<Telemetry, TelemetryError>
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
     global::set_text_map_propagator(TraceContextPropagator::new());
     let mut builder = SdkTracerProvider::builder().with_resource(
         Resource::builder()
@@ -70,9 +163,11 @@ pub fn init(service_name: &str) -> Result<Telemetry, TelemetryError> {
     // that carry trace context between services.
     let otel = tracing_opentelemetry::layer()
         .with_tracer(tracer)
-        .with_filter(span_filter());
-    let filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new("info,h2=warn,hyper=warn,tower=warn,sqlx=warn"));
+        .with_filter(Fresh(span_filter()));
+    let filter = Fresh(
+        EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| EnvFilter::new("info,h2=warn,hyper=warn,tower=warn,sqlx=warn")),
+    );
     let json = std::env::var("AUTOMESH_LOG_FORMAT").is_ok_and(|v| v == "json");
     let registry = tracing_subscriber::registry().with(otel);
     let installed = if json {
@@ -82,7 +177,7 @@ pub fn init(service_name: &str) -> Result<Telemetry, TelemetryError> {
                     .json()
                     .with_current_span(true)
                     .with_span_list(false)
-                    .with_writer(std::io::stderr)
+                    .with_writer(writer)
                     .with_filter(filter),
             )
             .try_init()
@@ -90,7 +185,8 @@ pub fn init(service_name: &str) -> Result<Telemetry, TelemetryError> {
         registry
             .with(
                 tracing_subscriber::fmt::layer()
-                    .with_writer(std::io::stderr)
+                    .with_ansi(ansi)
+                    .with_writer(writer)
                     .with_filter(filter),
             )
             .try_init()
@@ -148,8 +244,9 @@ pub fn init_for_tests() {
         global::set_tracer_provider(provider.clone());
         let otel = tracing_opentelemetry::layer()
             .with_tracer(provider.tracer("automesh-tests"))
-            .with_filter(span_filter());
-        let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+            .with_filter(Fresh(span_filter()));
+        let filter =
+            Fresh(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")));
         let _ = tracing_subscriber::registry()
             .with(otel)
             .with(
@@ -161,9 +258,9 @@ pub fn init_for_tests() {
                 tracing_subscriber::fmt::layer()
                     .with_ansi(false)
                     .with_writer(|| Capture)
-                    .with_filter(EnvFilter::new(
+                    .with_filter(Fresh(EnvFilter::new(
                         "info,automesh=debug,h2=off,hyper=off,hyper_util=off,tower=off,sqlx=warn",
-                    )),
+                    ))),
             )
             .try_init();
     });
