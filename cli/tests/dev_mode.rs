@@ -621,3 +621,22 @@ fn with_bearer<T>(token: &str, mut r: tonic::Request<T>) -> tonic::Request<T> {
     );
     r
 }
+
+/// A coordinator with no executor would let every run time out at its
+/// deadline: it refuses to start, naming what is missing.
+#[test]
+fn a_coordinator_without_executors_refuses_to_start() {
+    let out = Command::new(env!("CARGO_BIN_EXE_automesh"))
+        .args(["run-coordinator", "--listen", "127.0.0.1:0"])
+        .env_clear()
+        .env("AUTOMESH_DATABASE_URL", "sqlite::memory:")
+        .env("AUTOMESH_INTERNAL_TOKEN", "internal-token-of-this-test")
+        .env("AUTOMESH_DESKTOP_EXECUTOR_ADDR", "http://127.0.0.1:9")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run the coordinator");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "it started: {stderr}");
+    assert!(stderr.contains("AUTOMESH_CLOUD_EXECUTOR_ADDR"), "{stderr}");
+    assert!(!stderr.contains("AUTOMESH_DESKTOP_EXECUTOR_ADDR"), "{stderr}");
+}

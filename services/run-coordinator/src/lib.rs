@@ -77,6 +77,27 @@ pub async fn run(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    // A coordinator without an executor would let every run of that
+    // placement wait out its whole deadline: refuse to start instead.
+    let missing: Vec<&str> = [
+        (
+            config.desktop_executor_addr.as_deref(),
+            "AUTOMESH_DESKTOP_EXECUTOR_ADDR (--desktop-executor-addr): the desktop-runner-gateway",
+        ),
+        (
+            config.cloud_executor_addr.as_deref(),
+            "AUTOMESH_CLOUD_EXECUTOR_ADDR (--cloud-executor-addr): the cloud-worker-lifecycle service",
+        ),
+    ]
+    .into_iter()
+    .filter(|(addr, _)| addr.is_none_or(|a| a.trim().is_empty()))
+    .map(|(_, what)| what)
+    .collect();
+    anyhow::ensure!(
+        missing.is_empty(),
+        "the run-coordinator needs an executor for each placement; set {}",
+        missing.join(" and ")
+    );
     let store = Store::connect_lazy(&config.database_url, StoreOptions::from_env())?;
     let executors = executors(
         config.desktop_executor_addr.as_deref(),
