@@ -638,5 +638,8 @@ fn a_coordinator_without_executors_refuses_to_start() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "it started: {stderr}");
     assert!(stderr.contains("AUTOMESH_CLOUD_EXECUTOR_ADDR"), "{stderr}");
-    assert!(!stderr.contains("AUTOMESH_DESKTOP_EXECUTOR_ADDR"), "{stderr}");
+    assert!(
+        !stderr.contains("AUTOMESH_DESKTOP_EXECUTOR_ADDR"),
+        "{stderr}"
+    );
 }

@@ -11,7 +11,6 @@ use automesh_engine::opencode::{OpenCodeConfig, OpenCodeEngine, OpenCodeServer, 
 use automesh_engine::provider::ProviderConfig;
 use automesh_rpc::auth::Secret;
 use automesh_rpc::runtime::parse_duration;
-use tokio_util::sync::CancellationToken;
 
 use crate::{Runner, Settings};
 
@@ -217,12 +216,9 @@ impl Args {
             runner.engine.engine_id(),
             self.state_dir.display()
         );
-        let shutdown = CancellationToken::new();
-        let signal = shutdown.clone();
-        tokio::spawn(async move {
-            let _ = tokio::signal::ctrl_c().await;
-            signal.cancel();
-        });
+        // SIGTERM as well as SIGINT: the runner stops its engines, and its
+        // spans are flushed when `_telemetry` drops on the way out.
+        let shutdown = automesh_rpc::runtime::shutdown_on_signal();
         runner.run(shutdown).await;
         Ok(())
     }

@@ -168,9 +168,14 @@ impl GrpcServer {
     }
 }
 
-/// The span of one inbound request, continuing the caller's trace.
+/// The span of one inbound request, continuing the caller's trace. Health
+/// checks and reflection are not traced: probes would otherwise be most of
+/// every trace store.
 fn request_span(req: &http::Request<()>) -> tracing::Span {
     let path = req.uri().path();
+    if path.starts_with("/grpc.health.") || path.starts_with("/grpc.reflection.") {
+        return tracing::Span::none();
+    }
     let span = tracing::info_span!(
         "grpc.server",
         otel.name = %path,

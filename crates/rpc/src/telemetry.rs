@@ -114,6 +114,29 @@ pub enum TelemetryError {
     AlreadyInstalled,
 }
 
+/// This process as telemetry names it: the standard `OTEL_SERVICE_NAME` and
+/// `OTEL_RESOURCE_ATTRIBUTES` win over `default_name`, and every process
+/// gets a `service.instance.id` of its own (unless those variables set one),
+/// so replicas of one service can be told apart.
+pub fn resource(default_name: &str) -> Resource {
+    use opentelemetry::{Key, KeyValue};
+    let detected = Resource::builder().build();
+    let mut builder = Resource::builder();
+    let named = detected
+        .get(&Key::new("service.name"))
+        .is_some_and(|n| !n.as_str().starts_with("unknown_service"));
+    if !named {
+        builder = builder.with_service_name(default_name.to_owned());
+    }
+    if detected.get(&Key::new("service.instance.id")).is_none() {
+        builder = builder.with_attribute(KeyValue::new(
+            "service.instance.id",
+            uuid::Uuid::new_v4().to_string(),
+        ));
+    }
+    builder.build()
+}
+
 /// Whether the standard OTLP variables ask for export.
 pub fn otlp_requested() -> bool {
     [
@@ -129,7 +152,11 @@ pub fn otlp_requested() -> bool {
 pub fn init(service_name: &str) -> Result<Telemetry, TelemetryError> {
     use std::io::IsTerminal;
     // Colours only for a person at a terminal, never into a log file.
-    install(service_name, std::io::stderr, std::io::stderr().is_terminal())
+    install(
+        service_name,
+        std::io::stderr,
+        std::io::stderr().is_terminal(),
+    )
 }
 
 /// [`init`], with log lines written (without colours) to `writer`.
@@ -145,11 +172,7 @@ where
     W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
 {
     global::set_text_map_propagator(TraceContextPropagator::new());
-    let mut builder = SdkTracerProvider::builder().with_resource(
-        Resource::builder()
-            .with_service_name(service_name.to_owned())
-            .build(),
-    );
+    let mut builder = SdkTracerProvider::builder().with_resource(resource(service_name));
     if otlp_requested() {
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_tonic()

@@ -99,15 +99,24 @@ impl DockerDriver {
 
     fn create_body(&self, launch: &WorkerLaunch) -> Value {
         let port = format!("{AGENT_PORT}/tcp");
+        let mut env = vec![
+            format!(
+                "AUTOMESH_AGENT_COLLABORATOR_TOKEN={}",
+                launch.collaborator_token
+            ),
+            format!("AUTOMESH_AGENT_HOST_CREDENTIAL={}", launch.host_credential),
+            format!("AUTOMESH_PROVIDER_URL={}", self.provider_url),
+            format!("AUTOMESH_PROVIDER_API_KEY={}", self.provider_key.expose()),
+        ];
+        env.extend(
+            crate::driver::telemetry_env(&launch.worker_id)
+                .into_iter()
+                .map(|(k, v)| format!("{k}={v}")),
+        );
         json!({
             "Image": self.image,
             "Cmd": ["worker-agent", "--listen", format!("0.0.0.0:{AGENT_PORT}"), "--state-dir", "/var/lib/automesh"],
-            "Env": [
-                format!("AUTOMESH_AGENT_COLLABORATOR_TOKEN={}", launch.collaborator_token),
-                format!("AUTOMESH_AGENT_HOST_CREDENTIAL={}", launch.host_credential),
-                format!("AUTOMESH_PROVIDER_URL={}", self.provider_url),
-                format!("AUTOMESH_PROVIDER_API_KEY={}", self.provider_key.expose()),
-            ],
+            "Env": env,
             "Labels": {"automesh.worker": launch.worker_id},
             "ExposedPorts": {port.clone(): {}},
             "HostConfig": {

@@ -67,6 +67,34 @@ pub trait WorkerDriver: Send + Sync + std::fmt::Debug {
     async fn stop(&self, worker_id: &str) -> Result<(), DriverError>;
 }
 
+/// What an agent needs of this service's telemetry configuration, so its
+/// spans join the runs' traces and its logs take the same form: every
+/// standard `OTEL_*` variable and `AUTOMESH_LOG_FORMAT` — except this
+/// service's own identity (the agent names itself `automesh-worker-agent`,
+/// with its own instance id, and carries its worker's id).
+pub fn telemetry_env(worker_id: &str) -> Vec<(String, String)> {
+    let mut env: Vec<(String, String)> = std::env::vars()
+        .filter(|(k, _)| {
+            (k.starts_with("OTEL_") && k != "OTEL_SERVICE_NAME" && k != "OTEL_RESOURCE_ATTRIBUTES")
+                || k == "AUTOMESH_LOG_FORMAT"
+        })
+        .collect();
+    let mut attributes: Vec<String> = std::env::var("OTEL_RESOURCE_ATTRIBUTES")
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|kv| {
+            !kv.is_empty()
+                && !kv.starts_with("service.name=")
+                && !kv.starts_with("service.instance.id=")
+        })
+        .map(str::to_owned)
+        .collect();
+    attributes.push(format!("automesh.worker.id={worker_id}"));
+    env.push(("OTEL_RESOURCE_ATTRIBUTES".into(), attributes.join(",")));
+    env
+}
+
 /// The file in a worker's directory its agent's output goes to.
 pub const AGENT_LOG: &str = "agent.log";
 
@@ -243,6 +271,7 @@ impl WorkerDriver for LocalProcessDriver {
             .env("AUTOMESH_AGENT_HOST_CREDENTIAL", &launch.host_credential)
             .env("AUTOMESH_PROVIDER_URL", &self.provider_url)
             .env("AUTOMESH_PROVIDER_API_KEY", self.provider_key.expose())
+            .envs(telemetry_env(&launch.worker_id))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(log_file(&dir));

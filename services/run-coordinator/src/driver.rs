@@ -229,6 +229,10 @@ async fn drive(ctx: Arc<Context>, claimed: ClaimedRun) {
         automation_id = %run.automation_id,
         placement = %run.placement,
         claim = claimed.claims,
+        outcome = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+        otel.status_description = tracing::field::Empty,
     );
     propagation::continue_trace(&span, run.traceparent.as_deref());
     let lost = CancellationToken::new();
@@ -814,7 +818,26 @@ async fn finish(ctx: &Context, run: &Run, ending: Ending) -> Result<(), StoreErr
         Err(StoreError::IllegalTransition { .. }) => return Ok(()),
         Err(e) => return Err(e),
     }
-    tracing::info!(state = %ending.state, error_code = ?ending.code.map(|c| c.as_str()), "run ended");
+    let code = ending.code.map(|c| c.as_str()).unwrap_or_default();
+    // The run's span says how it ended; a failed run marks it ERROR with
+    // its error code as `error.type` (OpenTelemetry's convention).
+    let span = tracing::Span::current();
+    span.record("outcome", ending.state.as_str());
+    if !matches!(ending.state, RunState::Succeeded | RunState::Cancelled) {
+        span.record("otel.status_code", "ERROR");
+        span.record(
+            "error.type",
+            if code.is_empty() {
+                ending.state.as_str()
+            } else {
+                code
+            },
+        );
+        if let Some(message) = ending.message.as_deref() {
+            span.record("otel.status_description", message);
+        }
+    }
+    tracing::info!(state = %ending.state, error_code = code, "run ended");
     update_attention(ctx, run, &ending, now).await
 }
 
