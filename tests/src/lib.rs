@@ -4,6 +4,7 @@
 
 pub mod bench;
 pub mod executor;
+pub mod otlp;
 pub mod processes;
 
 use std::net::SocketAddr;

@@ -84,6 +84,8 @@ pub struct ClusterSpec {
     pub env: BTreeMap<Kind, Vec<(String, String)>>,
     /// Environment of one replica (on top of its kind's).
     pub replica_env: BTreeMap<(Kind, usize), Vec<(String, String)>>,
+    /// Environment of every process: services and runners.
+    pub all_env: Vec<(String, String)>,
     /// The model provider cloud workers and runners use.
     pub provider_url: String,
     pub provider_key: String,
@@ -137,11 +139,19 @@ impl ClusterSpec {
             replicas: Kind::ALL.iter().map(|k| (*k, replicas)).collect(),
             env,
             replica_env: BTreeMap::new(),
+            all_env: vec![],
             provider_url: provider_url.to_owned(),
             provider_key: "sk-cluster-provider-key-never-logged".into(),
             connect_url: connect_url.to_owned(),
             connect_token: connect_token.to_owned(),
         }
+    }
+
+    /// Sets (or replaces) one variable of every process, runners included.
+    pub fn set_all(mut self, var: &str, value: &str) -> Self {
+        self.all_env.retain(|(k, _)| k != var);
+        self.all_env.push((var.to_owned(), value.to_owned()));
+        self
     }
 
     /// Sets (or replaces) one variable of one replica of `kind`.
@@ -312,7 +322,8 @@ impl Cluster {
             )
             .env("AUTOMESH_DATABASE_URL", &self.database().url)
             .env("AUTOMESH_DATABASE_POOL", "4")
-            .env("AUTOMESH_INTERNAL_TOKEN", INTERNAL_TOKEN);
+            .env("AUTOMESH_INTERNAL_TOKEN", INTERNAL_TOKEN)
+            .envs(self.spec.all_env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
     }
 
     fn spawn(&mut self, kind: Kind, replica: usize) -> anyhow::Result<()> {

@@ -1,0 +1,125 @@
+//! An OpenTelemetry collector for tests: the real OTLP/gRPC trace service
+//! on loopback, keeping every span it receives with its resource (which
+//! service, which instance), so a test can read a run's whole trace across
+//! processes.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
+
+/// One received span.
+#[derive(Debug, Clone)]
+pub struct Span {
+    pub trace_id: String,
+    pub span_id: String,
+    /// Empty for a root.
+    pub parent_span_id: String,
+    pub name: String,
+    /// OTLP `SpanKind` (1 internal, 2 server, 3 client, …).
+    pub kind: i32,
+    /// OTLP status code (0 unset, 1 ok, 2 error).
+    pub status: i32,
+    pub attributes: BTreeMap<String, String>,
+    /// `service.name` of the process that sent it.
+    pub service: String,
+    /// `service.instance.id` of that process.
+    pub instance: String,
+}
+
+fn text(v: &Option<AnyValue>) -> String {
+    match v.as_ref().and_then(|v| v.value.as_ref()) {
+        Some(any_value::Value::StringValue(s)) => s.clone(),
+        Some(any_value::Value::IntValue(i)) => i.to_string(),
+        Some(any_value::Value::DoubleValue(d)) => d.to_string(),
+        Some(any_value::Value::BoolValue(b)) => b.to_string(),
+        Some(other) => format!("{other:?}"),
+        None => String::new(),
+    }
+}
+
+fn attributes(kvs: &[KeyValue]) -> BTreeMap<String, String> {
+    kvs.iter().map(|kv| (kv.key.clone(), text(&kv.value))).collect()
+}
+
+#[derive(Clone, Default)]
+struct Collector(Arc<Mutex<Vec<Span>>>);
+
+#[tonic::async_trait]
+impl TraceService for Collector {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let mut spans = self.0.lock().map_err(|_| tonic::Status::internal("lock"))?;
+        for rs in &request.get_ref().resource_spans {
+            let resource = rs
+                .resource
+                .as_ref()
+                .map(|r| attributes(&r.attributes))
+                .unwrap_or_default();
+            for ss in &rs.scope_spans {
+                for s in &ss.spans {
+                    spans.push(Span {
+                        trace_id: hex::encode(&s.trace_id),
+                        span_id: hex::encode(&s.span_id),
+                        parent_span_id: hex::encode(&s.parent_span_id),
+                        name: s.name.clone(),
+                        kind: s.kind,
+                        status: s.status.as_ref().map_or(0, |st| st.code),
+                        attributes: attributes(&s.attributes),
+                        service: resource.get("service.name").cloned().unwrap_or_default(),
+                        instance: resource
+                            .get("service.instance.id")
+                            .cloned()
+                            .unwrap_or_default(),
+                    });
+                }
+            }
+        }
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+/// A running collector.
+#[derive(Clone)]
+pub struct Receiver {
+    /// Where to point `OTEL_EXPORTER_OTLP_ENDPOINT`.
+    pub endpoint: String,
+    spans: Arc<Mutex<Vec<Span>>>,
+}
+
+impl Receiver {
+    /// Serves until the runtime ends.
+    pub async fn start() -> anyhow::Result<Receiver> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let endpoint = format!("http://{}", listener.local_addr()?);
+        let collector = Collector::default();
+        let spans = collector.0.clone();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(TraceServiceServer::new(collector))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        Ok(Receiver { endpoint, spans })
+    }
+
+    /// Every span received so far.
+    pub fn spans(&self) -> Vec<Span> {
+        self.spans.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// The spans of one trace.
+    pub fn trace(&self, trace_id: &str) -> Vec<Span> {
+        self.spans()
+            .into_iter()
+            .filter(|s| s.trace_id == trace_id)
+            .collect()
+    }
+}
