@@ -74,11 +74,7 @@ async fn run_now(cluster: &Cluster, owner: &Principal, surface: pb::Surface) -> 
 async fn until_terminal(cluster: &Cluster, run_id: &str) -> automesh_domain::Run {
     let give_up = tokio::time::Instant::now() + Duration::from_secs(90);
     loop {
-        let run = cluster
-            .store()
-            .get_run_unscoped(run_id)
-            .await
-            .expect("run");
+        let run = cluster.store().get_run_unscoped(run_id).await.expect("run");
         if run.state.is_terminal() {
             return run;
         }
@@ -131,7 +127,8 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
     .await;
     let spec = ClusterSpec::new(1, &provider_url, &mcp_url, MCP_TOKEN)
         .set_all("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.endpoint)
-        .set_all("OTEL_BSP_SCHEDULE_DELAY", "100");
+        .set_all("OTEL_BSP_SCHEDULE_DELAY", "100")
+        .set_all("AUTOMESH_LOG_FORMAT", "json");
     let mut cluster = Cluster::start(std::path::Path::new(env!("CARGO_BIN_EXE_automesh")), spec)
         .await
         .expect("cluster");
@@ -184,5 +181,32 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
     )
     .await;
     eprintln!("cloud trace:\n{}", summary(&spans));
+
+    // Every JSON log line about those runs, in every process, names the
+    // run's trace.
+    let logs = cluster.all_logs();
+    for run in [&desktop, &cloud] {
+        let about: Vec<serde_json::Value> = logs
+            .lines()
+            .filter(|l| l.contains(&run.id))
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+            .collect();
+        assert!(about.len() >= 3, "lines about {}: {about:?}", run.id);
+        let untraced: Vec<&serde_json::Value> = about
+            .iter()
+            .filter(|l| l["trace_id"] != run.trace_id.as_str() || !l["span_id"].is_string())
+            .collect();
+        assert!(
+            untraced.is_empty(),
+            "lines about run {} without its trace id {}:\n{}",
+            run.id,
+            run.trace_id,
+            untraced
+                .iter()
+                .map(|l| l.to_string())
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
     cluster.stop(false).await.expect("stop");
 }

@@ -45,7 +45,9 @@ fn text(v: &Option<AnyValue>) -> String {
 }
 
 fn attributes(kvs: &[KeyValue]) -> BTreeMap<String, String> {
-    kvs.iter().map(|kv| (kv.key.clone(), text(&kv.value))).collect()
+    kvs.iter()
+        .map(|kv| (kv.key.clone(), text(&kv.value)))
+        .collect()
 }
 
 #[derive(Clone, Default)]

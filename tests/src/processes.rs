@@ -323,7 +323,12 @@ impl Cluster {
             .env("AUTOMESH_DATABASE_URL", &self.database().url)
             .env("AUTOMESH_DATABASE_POOL", "4")
             .env("AUTOMESH_INTERNAL_TOKEN", INTERNAL_TOKEN)
-            .envs(self.spec.all_env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+            .envs(
+                self.spec
+                    .all_env
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_str())),
+            );
     }
 
     fn spawn(&mut self, kind: Kind, replica: usize) -> anyhow::Result<()> {

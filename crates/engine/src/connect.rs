@@ -43,6 +43,7 @@ pub struct Connect {
     client: RunningService<RoleClient, ClientConfig>,
     tools: Vec<ToolSpec>,
     call_timeout: Duration,
+    server: (String, u16),
 }
 
 impl std::fmt::Debug for Connect {
@@ -103,10 +104,15 @@ impl Connect {
     /// Connects, lists the tools, and admits the session only if the list is
     /// exactly [`REVIEWED_TOOLS`].
     pub async fn open(config: &ConnectConfig) -> Result<Connect, EngineError> {
-        let transport = StreamableHttpClientTransport::from_config(
+        let mut transport_config =
             StreamableHttpClientTransportConfig::with_uri(config.url.clone())
-                .auth_header(config.token.clone()),
-        );
+                .auth_header(config.token.clone());
+        // Every request of the session carries the run's trace context.
+        transport_config.custom_headers = crate::trace::headers()
+            .into_iter()
+            .filter_map(|(name, value)| Some((name?, value)))
+            .collect();
+        let transport = StreamableHttpClientTransport::from_config(transport_config);
         let hello = ClientConfig::new(
             ClientCapabilities::default(),
             Implementation::new("automesh-native", env!("CARGO_PKG_VERSION")),
@@ -152,7 +158,13 @@ impl Connect {
             client,
             tools,
             call_timeout: config.call_timeout,
+            server: crate::trace::server_of(&config.url),
         })
+    }
+
+    /// The Connect endpoint's host and port, for `server.address`.
+    pub fn server(&self) -> &(String, u16) {
+        &self.server
     }
 
     /// The admitted tools, as the provider is offered them.

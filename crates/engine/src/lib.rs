@@ -11,6 +11,7 @@ pub mod journal;
 pub mod native;
 pub mod opencode;
 pub mod provider;
+pub mod trace;
 pub mod wire;
 
 pub use adapter::{EngineAdapter, EngineRequest, NativeEngine};

@@ -252,15 +252,24 @@ async fn steps_loop(
             messages: messages.clone(),
             tools: connect.tools().to_vec(),
         };
+        // A CLIENT span under the OpenTelemetry GenAI conventions.
+        let (address, port) = provider.server();
         let span = tracing::info_span!(
             "gen_ai.chat",
             otel.name = %format!("chat {}", run.model),
+            otel.kind = "client",
+            otel.status_code = tracing::field::Empty,
             gen_ai.operation.name = "chat",
-            gen_ai.system = "openai",
+            gen_ai.provider.name = "openai",
             gen_ai.request.model = %run.model,
+            gen_ai.response.model = tracing::field::Empty,
+            gen_ai.response.id = tracing::field::Empty,
             gen_ai.usage.input_tokens = tracing::field::Empty,
             gen_ai.usage.output_tokens = tracing::field::Empty,
             gen_ai.response.finish_reasons = tracing::field::Empty,
+            server.address = %address,
+            server.port = port,
+            error.type = tracing::field::Empty,
             step,
         );
         let response = match bounded(
@@ -273,9 +282,18 @@ async fn steps_loop(
         .await
         {
             Ok(Ok(r)) => r,
-            Ok(Err(e)) => return Ending::Failed(e),
+            Ok(Err(e)) => {
+                failed_span(&span, e.code);
+                return Ending::Failed(e);
+            }
             Err(i) => return interrupted(i),
         };
+        if let Some(m) = &response.model {
+            span.record("gen_ai.response.model", m.as_str());
+        }
+        if let Some(id) = &response.id {
+            span.record("gen_ai.response.id", id.as_str());
+        }
         span.record("gen_ai.usage.input_tokens", response.usage.prompt_tokens);
         span.record(
             "gen_ai.usage.output_tokens",
@@ -348,24 +366,39 @@ async fn steps_loop(
                     true,
                 )
             } else {
+                let (address, port) = connect.server();
                 let span = tracing::info_span!(
                     "gen_ai.execute_tool",
                     otel.name = %format!("execute_tool {name}"),
+                    otel.kind = "client",
+                    otel.status_code = tracing::field::Empty,
                     gen_ai.operation.name = "execute_tool",
                     gen_ai.tool.name = name,
                     gen_ai.tool.call.id = %call.id,
+                    server.address = %address,
+                    server.port = *port,
+                    error.type = tracing::field::Empty,
                 );
                 match bounded(
                     connect
                         .call(name, &call.function.arguments)
-                        .instrument(span),
+                        .instrument(span.clone()),
                     cancel,
                     run.deadline,
                 )
                 .await
                 {
-                    Ok(Ok(r)) => r,
-                    Ok(Err(e)) => return Ending::Failed(e),
+                    Ok(Ok(r)) => {
+                        if r.1 {
+                            // The tool reported an error: the model sees it.
+                            failed_span(&span, ErrorCode::ToolError);
+                        }
+                        r
+                    }
+                    Ok(Err(e)) => {
+                        failed_span(&span, e.code);
+                        return Ending::Failed(e);
+                    }
                     Err(i) => return interrupted(i),
                 }
             };
@@ -392,4 +425,11 @@ async fn steps_loop(
         )
         .await;
     }
+}
+
+/// Marks a span ERROR with `error.type` = the error code (OpenTelemetry's
+/// convention for a failed operation).
+fn failed_span(span: &tracing::Span, code: ErrorCode) {
+    span.record("otel.status_code", "ERROR");
+    span.record("error.type", code.as_str());
 }

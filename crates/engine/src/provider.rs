@@ -136,6 +136,10 @@ pub struct ChatResponse {
     pub tool_calls: Vec<ToolCall>,
     pub finish_reason: Option<String>,
     pub usage: TokenUsage,
+    /// The completion's id and the model that answered, as the provider
+    /// names them.
+    pub id: Option<String>,
+    pub model: Option<String>,
 }
 
 /// The client of one provider.
@@ -178,6 +182,11 @@ impl Provider {
             "{}/chat/completions",
             self.config.base_url.trim_end_matches('/')
         )
+    }
+
+    /// The provider's host and port, for `server.address`/`server.port`.
+    pub fn server(&self) -> (String, u16) {
+        crate::trace::server_of(&self.config.base_url)
     }
 
     fn body(&self, req: &ChatRequest) -> Value {
@@ -261,6 +270,8 @@ impl Provider {
             .http
             .post(self.url())
             .bearer_auth(&self.config.api_key)
+            // The provider's side of the call joins the run's trace.
+            .headers(crate::trace::headers())
             .json(body)
             .send()
             .await
@@ -368,6 +379,8 @@ fn parse_completion(v: &Value) -> Result<ChatResponse, EngineError> {
             .and_then(Value::as_str)
             .map(str::to_owned),
         usage,
+        id: v.get("id").and_then(Value::as_str).map(str::to_owned),
+        model: v.get("model").and_then(Value::as_str).map(str::to_owned),
     })
 }
 
@@ -392,6 +405,7 @@ async fn read_stream(response: reqwest::Response) -> Result<ChatResponse, Engine
     let mut finish_reason = None;
     let mut usage = TokenUsage::default();
     let mut done = false;
+    let (mut id, mut model) = (None, None);
     while let Some(chunk) = bytes.next().await {
         let chunk = chunk.map_err(|e| {
             tracing::warn!(error = %e.without_url(), "the provider's stream broke off");
@@ -418,6 +432,12 @@ async fn read_stream(response: reqwest::Response) -> Result<ChatResponse, Engine
                 .map_err(|e| malformed(format!("a stream event is not valid JSON ({e})")))?;
             if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
                 usage = serde_json::from_value(u.clone()).unwrap_or_default();
+            }
+            if id.is_none() {
+                id = v.get("id").and_then(Value::as_str).map(str::to_owned);
+            }
+            if model.is_none() {
+                model = v.get("model").and_then(Value::as_str).map(str::to_owned);
             }
             let Some(choice) = v.get("choices").and_then(|c| c.get(0)) else {
                 continue;
@@ -477,5 +497,7 @@ async fn read_stream(response: reqwest::Response) -> Result<ChatResponse, Engine
             .collect(),
         finish_reason,
         usage,
+        id,
+        model,
     })
 }

@@ -489,3 +489,125 @@ async fn the_native_engine_runs_behind_the_adapter_contract() {
         }
     );
 }
+
+/// Model and tool calls are CLIENT spans under the OpenTelemetry GenAI
+/// conventions, a failed one is ERROR with `error.type`, and the provider
+/// and the Connect endpoint receive the run's `traceparent`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn genai_spans_follow_the_conventions_and_calls_carry_the_trace() {
+    use opentelemetry::trace::{SpanKind, Status, TraceContextExt, TracerProvider as _};
+    use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
+    use tracing::Instrument;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    use tracing_subscriber::layer::SubscriberExt;
+
+    opentelemetry::global::set_text_map_propagator(
+        opentelemetry_sdk::propagation::TraceContextPropagator::new(),
+    );
+    let exporter = InMemorySpanExporter::default();
+    let tracer_provider = SdkTracerProvider::builder()
+        .with_simple_exporter(exporter.clone())
+        .build();
+    let subscriber = tracing_subscriber::registry()
+        .with(tracing_opentelemetry::layer().with_tracer(tracer_provider.tracer("engine-test")))
+        .with(tracing_subscriber::EnvFilter::new("info"));
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let (purl, p) = provider(happy(false)).await;
+    let fake = FakeMcp::with_tools(&PAIR);
+    let (murl, _stop) = mcp(fake.clone(), TOKEN).await;
+    let run_span = tracing::info_span!("automesh.runner.run");
+    let trace_id = run_span
+        .context()
+        .span()
+        .span_context()
+        .trace_id()
+        .to_string();
+    let (outcome, _) = go(run_config(&purl, &murl, false))
+        .instrument(run_span)
+        .await;
+    assert!(
+        matches!(outcome.ending, Ending::Succeeded { .. }),
+        "{outcome:?}"
+    );
+    let (unauth_url, _p2) = provider(|_, _| Reply::Status(401, None)).await;
+    let (failed_run, _) = go(run_config(&unauth_url, &murl, false)).await;
+    assert_eq!(failed(&failed_run), ErrorCode::ProviderUnavailable);
+
+    let spans = exporter.get_finished_spans().expect("spans");
+    let attr = |s: &opentelemetry_sdk::trace::SpanData, k: &str| {
+        s.attributes
+            .iter()
+            .find(|kv| kv.key.as_str() == k)
+            .map(|kv| kv.value.to_string())
+    };
+    let chats: Vec<_> = spans
+        .iter()
+        .filter(|s| s.name.starts_with("chat "))
+        .collect();
+    assert!(
+        chats.len() >= 3,
+        "two calls of the good run, one of the failed"
+    );
+    for s in &chats {
+        assert_eq!(s.span_kind, SpanKind::Client, "{}", s.name);
+        assert_eq!(attr(s, "gen_ai.operation.name").as_deref(), Some("chat"));
+        assert_eq!(attr(s, "gen_ai.provider.name").as_deref(), Some("openai"));
+        assert_eq!(
+            attr(s, "gen_ai.request.model").as_deref(),
+            Some("fake-model")
+        );
+        assert_eq!(attr(s, "server.address").as_deref(), Some("127.0.0.1"));
+        assert!(attr(s, "server.port").is_some());
+        assert!(
+            attr(s, "gen_ai.system").is_none(),
+            "the deprecated attribute is gone"
+        );
+    }
+    let answered: Vec<_> = chats
+        .iter()
+        .filter(|s| s.status != Status::error(""))
+        .filter(|s| attr(s, "error.type").is_none())
+        .collect();
+    assert!(answered.iter().all(|s| {
+        attr(s, "gen_ai.response.model").as_deref() == Some("fake-model-2026")
+            && attr(s, "gen_ai.response.id").is_some_and(|id| id.starts_with("chatcmpl-fake"))
+            && attr(s, "gen_ai.usage.input_tokens").is_some()
+    }));
+    let refused: Vec<_> = chats
+        .iter()
+        .filter(|s| attr(s, "error.type").is_some())
+        .collect();
+    assert_eq!(refused.len(), 1, "the failed run's call");
+    assert_eq!(
+        attr(refused[0], "error.type").as_deref(),
+        Some("provider_unavailable")
+    );
+    assert!(matches!(refused[0].status, Status::Error { .. }));
+    let tools: Vec<_> = spans
+        .iter()
+        .filter(|s| s.name.starts_with("execute_tool "))
+        .collect();
+    assert!(!tools.is_empty());
+    for s in &tools {
+        assert_eq!(s.span_kind, SpanKind::Client);
+        assert!(attr(s, "gen_ai.tool.name").is_some());
+        assert_eq!(attr(s, "server.address").as_deref(), Some("127.0.0.1"));
+    }
+    // The good run's calls carried its trace to the provider and to Connect.
+    let provider_traces = p.traceparents.lock().expect("lock").clone();
+    assert!(
+        !provider_traces.is_empty()
+            && provider_traces
+                .iter()
+                .all(|t| t.starts_with(&format!("00-{trace_id}-"))),
+        "{provider_traces:?} vs {trace_id}"
+    );
+    let connect_traces = fake.traceparents.lock().expect("lock").clone();
+    assert!(
+        connect_traces
+            .iter()
+            .any(|t| t.starts_with(&format!("00-{trace_id}-"))),
+        "{connect_traces:?} vs {trace_id}"
+    );
+}

@@ -168,12 +168,19 @@ impl GrpcServer {
     }
 }
 
+/// Calls that are probes, not work: never traced (they would otherwise be
+/// most of every trace store).
+const UNTRACED: [&str; 3] = [
+    "/grpc.health.",
+    "/grpc.reflection.",
+    "/automesh.agent.v1.WorkerAgentService/KeepAlive",
+];
+
 /// The span of one inbound request, continuing the caller's trace. Health
-/// checks and reflection are not traced: probes would otherwise be most of
-/// every trace store.
+/// checks, reflection and keepalives are not traced.
 fn request_span(req: &http::Request<()>) -> tracing::Span {
     let path = req.uri().path();
-    if path.starts_with("/grpc.health.") || path.starts_with("/grpc.reflection.") {
+    if UNTRACED.iter().any(|p| path.starts_with(p)) {
         return tracing::Span::none();
     }
     let span = tracing::info_span!(

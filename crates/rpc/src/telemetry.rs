@@ -197,9 +197,8 @@ where
         registry
             .with(
                 tracing_subscriber::fmt::layer()
-                    .json()
-                    .with_current_span(true)
-                    .with_span_list(false)
+                    .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
+                    .event_format(crate::json_log::JsonWithTrace)
                     .with_writer(writer)
                     .with_filter(filter),
             )
@@ -221,7 +220,7 @@ where
 /// The spans exported as traces: automesh's own at info and above, and
 /// nothing from the transport crates underneath.
 fn span_filter() -> EnvFilter {
-    EnvFilter::new("info,h2=off,hyper=off,hyper_util=off,tower=off,sqlx=warn")
+    EnvFilter::new("info,h2=off,hyper=off,hyper_util=off,tower=off,sqlx=warn,rmcp=warn")
 }
 
 /// What tests' log lines are captured into (bounded), so a test can scan

@@ -37,6 +37,8 @@ pub struct FakeProvider {
     pub calls: Arc<AtomicUsize>,
     pub auth: Arc<Mutex<Vec<String>>>,
     pub bodies: Arc<Mutex<Vec<serde_json::Value>>>,
+    /// The `traceparent` header of each request ("" without one).
+    pub traceparents: Arc<Mutex<Vec<String>>>,
 }
 
 impl FakeProvider {
@@ -54,6 +56,13 @@ async fn handle(
     if let Some(a) = headers.get("authorization").and_then(|v| v.to_str().ok()) {
         fake.auth.lock().expect("lock").push(a.to_owned());
     }
+    fake.traceparents.lock().expect("lock").push(
+        headers
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned(),
+    );
     let request: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
     fake.bodies.lock().expect("lock").push(request.clone());
     match (fake.script)(n, &request) {
@@ -110,6 +119,7 @@ pub async fn provider(
         calls: Arc::default(),
         auth: Arc::default(),
         bodies: Arc::default(),
+        traceparents: Arc::default(),
     };
     let app = Router::new()
         .route("/v1/chat/completions", post(handle))
@@ -131,6 +141,7 @@ pub async fn provider(
 
 pub fn text_completion(text: &str) -> serde_json::Value {
     serde_json::json!({
+        "id": "chatcmpl-fake-1", "model": "fake-model-2026",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
     })
@@ -138,6 +149,7 @@ pub fn text_completion(text: &str) -> serde_json::Value {
 
 pub fn tool_call_completion(id: &str, name: &str, args: &str) -> serde_json::Value {
     serde_json::json!({
+        "id": "chatcmpl-fake-2", "model": "fake-model-2026",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": null,
             "tool_calls": [{"id": id, "type": "function", "function": {"name": name, "arguments": args}}]},
             "finish_reason": "tool_calls"}],
@@ -198,6 +210,8 @@ use tokio_util::sync::CancellationToken;
 pub struct FakeMcp {
     pub tools: Arc<RwLock<Vec<Tool>>>,
     pub calls: Arc<Mutex<Vec<(String, String)>>>,
+    /// The `traceparent` header of each HTTP request ("" without one).
+    pub traceparents: Arc<Mutex<Vec<String>>>,
 }
 
 pub fn tool(name: &'static str) -> Tool {
@@ -256,6 +270,7 @@ impl ServerHandler for FakeMcp {
 /// Serves the fake MCP endpoint at `…/mcp`, requiring `Bearer <token>`.
 pub async fn mcp(fake: FakeMcp, token: &str) -> (String, CancellationToken) {
     let ct = CancellationToken::new();
+    let fake_traceparents = fake.traceparents.clone();
     let service: StreamableHttpService<FakeMcp, LocalSessionManager> = StreamableHttpService::new(
         move || Ok(fake.clone()),
         Arc::new(LocalSessionManager::default()),
@@ -264,10 +279,20 @@ pub async fn mcp(fake: FakeMcp, token: &str) -> (String, CancellationToken) {
             .with_cancellation_token(ct.child_token()),
     );
     let want: Arc<str> = format!("Bearer {token}").into();
+    let traceparents = fake_traceparents;
     let app = Router::new()
         .nest_service("/mcp", service)
         .layer(middleware::from_fn(move |req: Request, next: Next| {
             let want = want.clone();
+            if let Ok(mut t) = traceparents.lock() {
+                t.push(
+                    req.headers()
+                        .get("traceparent")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                        .to_owned(),
+                );
+            }
             async move {
                 let ok = req
                     .headers()

@@ -29,6 +29,7 @@ use tokio::sync::Notify;
 use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::stream::Sessions;
 
@@ -167,8 +168,12 @@ impl Dispatch {
                 continue;
             }
             let reason = a.cancel_reason.clone().unwrap_or_default();
-            if send(&session.tx, cancel_message(&a.run_id, &reason)).await {
-                tracing::info!(run_id = %a.run_id, runner_id, "cancellation forwarded to the runner");
+            let span = run_span("automesh.desktop.cancel", &a);
+            if send(&session.tx, cancel_message(&a.run_id, &reason))
+                .instrument(span.clone())
+                .await
+            {
+                tracing::info!(parent: &span, run_id = %a.run_id, runner_id, "cancellation forwarded to the runner");
             }
         }
         Ok(())
@@ -178,6 +183,29 @@ impl Dispatch {
 /// Claims `a` for `runner_id` and sends it; gives the claim back when the
 /// stream does not take it, so the next pass (or another runner) can.
 pub(crate) async fn offer(
+    store: &Store,
+    runner_id: &str,
+    tx: &crate::stream::ToRunner,
+    a: &DesktopAssignment,
+) -> Result<bool, automesh_store::StoreError> {
+    offer_in_trace(store, runner_id, tx, a)
+        .instrument(run_span("automesh.desktop.deliver", a))
+        .await
+}
+
+/// A span of work on `a` in its run's trace (the traceparent its spec
+/// carries), so delivery and its log lines belong to the run.
+fn run_span(name: &'static str, a: &DesktopAssignment) -> tracing::Span {
+    let span = tracing::info_span!("automesh.desktop", otel.name = name, run_id = %a.run_id);
+    let traceparent = epb::RunSpec::decode(a.spec.as_slice())
+        .ok()
+        .map(|s| s.traceparent)
+        .filter(|t| !t.is_empty());
+    automesh_rpc::propagation::continue_trace(&span, traceparent.as_deref());
+    span
+}
+
+async fn offer_in_trace(
     store: &Store,
     runner_id: &str,
     tx: &crate::stream::ToRunner,

@@ -13,6 +13,7 @@ use automesh_store::StoreError;
 use automesh_store::cloud::{CloudDispatch, CloudPhase, ReadyWorker};
 use chrono::Utc;
 use prost::Message as _;
+use tracing::Instrument;
 
 use super::Cloud;
 
@@ -63,6 +64,30 @@ impl Cloud {
     }
 
     async fn admit(&self, run_id: &str) -> Result<(), StoreError> {
+        let Some(d) = self.store.cloud_run(run_id).await? else {
+            return Ok(());
+        };
+        let Ok(spec) = epb::RunSpec::decode(d.spec.as_slice()) else {
+            return self
+                .fail(&d, ErrorCode::Internal, "undecodable run spec".into())
+                .await;
+        };
+        // The drive belongs to the run's trace, whichever replica drives it.
+        let span = tracing::info_span!(
+            parent: None,
+            "automesh.cloud.drive",
+            run_id,
+            worker_id = %d.worker_id,
+            replica = %self.replica,
+        );
+        automesh_rpc::propagation::continue_trace(
+            &span,
+            Some(spec.traceparent.as_str()).filter(|t| !t.is_empty()),
+        );
+        self.admit_attempts(run_id, &spec).instrument(span).await
+    }
+
+    async fn admit_attempts(&self, run_id: &str, spec: &epb::RunSpec) -> Result<(), StoreError> {
         let mut losses = 0;
         loop {
             let Some(d) = self.store.cloud_run(run_id).await? else {
@@ -71,12 +96,7 @@ impl Cloud {
             if d.phase == CloudPhase::Finished {
                 return Ok(());
             }
-            let Ok(spec) = epb::RunSpec::decode(d.spec.as_slice()) else {
-                return self
-                    .fail(&d, ErrorCode::Internal, "undecodable run spec".into())
-                    .await;
-            };
-            match self.attempt(&d, &spec, losses).await? {
+            match self.attempt(&d, spec, losses).await? {
                 Step::Done => return Ok(()),
                 Step::Lost(why) => {
                     losses += 1;
@@ -122,7 +142,11 @@ impl Cloud {
         let cap = Utc::now()
             + chrono::Duration::from_std(self.settings.readiness_cap).unwrap_or_default();
         let woke = Utc::now();
-        let ready = match self.wake(&d.worker_id, cap.min(deadline)).await {
+        let ready = match self
+            .wake(&d.worker_id, cap.min(deadline))
+            .instrument(tracing::info_span!("automesh.cloud.wake", worker_id = %d.worker_id))
+            .await
+        {
             Ok(r) => r,
             Err(e) if submitted => {
                 // The agent that had the message is gone and no fresh one
@@ -148,7 +172,10 @@ impl Cloud {
         if submitted {
             // Submitted to an agent before: the one answering now (by its
             // journal) says what became of it.
-            return self.watch(&d.run_id, &ready).await;
+            return self
+                .watch(&d.run_id, &ready)
+                .instrument(tracing::info_span!("automesh.cloud.watch", thread_id = %d.thread_id))
+                .await;
         }
         self.store
             .set_cloud_phase(&d.run_id, CloudPhase::Admitted, wake_micros, 0, Utc::now())
@@ -177,10 +204,16 @@ impl Cloud {
             return Ok(Step::Done);
         };
         // Probe the persisted registration; repair it when it drifted.
+        let mcp_span = tracing::info_span!(
+            "automesh.cloud.mcp_registration",
+            model = %spec.model,
+            repaired = tracing::field::Empty,
+        );
         let current = agent
             .get_mcp_registration(apb::GetMcpRegistrationRequest {
                 model: spec.model.clone(),
             })
+            .instrument(mcp_span.clone())
             .await;
         let drifted = match &current {
             Ok(r) => r
@@ -195,8 +228,9 @@ impl Cloud {
                     .await;
             }
         };
+        mcp_span.record("repaired", drifted);
         if drifted {
-            tracing::warn!(run_id = %d.run_id, worker_id = %d.worker_id, model = %spec.model, "MCP registration missing or drifted; repairing");
+            tracing::warn!(parent: &mcp_span, run_id = %d.run_id, worker_id = %d.worker_id, model = %spec.model, "MCP registration missing or drifted; repairing");
             let repaired = agent
                 .put_mcp_registration(apb::PutMcpRegistrationRequest {
                     registration: Some(apb::McpRegistration {
@@ -205,6 +239,7 @@ impl Cloud {
                         model: spec.model.clone(),
                     }),
                 })
+                .instrument(mcp_span.clone())
                 .await;
             if let Err(s) = repaired {
                 if maybe_gone(&s) && !self.alive(&ready).await {
@@ -252,6 +287,7 @@ impl Cloud {
                 connect_token: connect.token.expose().to_owned(),
                 guidance: guidance(),
             })
+            .instrument(tracing::info_span!("automesh.cloud.submit", message_id = %d.message_id))
             .await;
         if let Err(s) = submitted {
             // Whether it reached the agent or not, the next attempt's
@@ -272,7 +308,9 @@ impl Cloud {
             )
             .await?;
         tracing::info!(run_id = %d.run_id, worker_id = %d.worker_id, "message submitted to the worker");
-        self.watch(&d.run_id, &ready).await
+        self.watch(&d.run_id, &ready)
+            .instrument(tracing::info_span!("automesh.cloud.watch", thread_id = %d.thread_id))
+            .await
     }
 
     /// The agent answered a call with an error: a lost agent is woken

@@ -107,6 +107,8 @@ impl Interceptor for AgentAuth {
             automesh_rpc::auth::HOST_CREDENTIAL_HEADER,
             self.host.clone(),
         );
+        // Calls to the agent continue the run's trace.
+        automesh_rpc::propagation::inject(req.metadata_mut());
         Ok(req)
     }
 }

@@ -11,6 +11,7 @@ use automesh_domain::ErrorCode;
 use automesh_proto::agent::v1 as apb;
 use automesh_store::cloud::{ReadyWorker, Wake};
 use chrono::{DateTime, Utc};
+use tracing::Instrument;
 
 use super::{AbortOnDrop, Cloud, KEEPALIVE_TIMEOUT};
 use crate::driver::DriverError;
@@ -103,8 +104,18 @@ impl Cloud {
         );
         let started = async {
             let within = (give_up - Utc::now()).to_std().unwrap_or_default();
-            let endpoint = self.driver.start(&self.launch(worker_id), within).await?;
-            let agent_id = self.await_agent(&endpoint, worker_id, give_up).await?;
+            let endpoint = self
+                .driver
+                .start(&self.launch(worker_id), within)
+                .instrument(tracing::info_span!(
+                    "automesh.cloud.start",
+                    driver = self.driver.name()
+                ))
+                .await?;
+            let agent_id = self
+                .await_agent(&endpoint, worker_id, give_up)
+                .instrument(tracing::info_span!("automesh.cloud.readiness"))
+                .await?;
             Ok::<_, DriverError>((endpoint, agent_id))
         }
         .await;
