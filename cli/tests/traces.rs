@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use automesh_domain::{Principal, RunState};
 use automesh_e2e_tests::otlp::{Receiver, Span};
-use automesh_e2e_tests::processes::{Cluster, ClusterSpec};
+use automesh_e2e_tests::processes::{Cluster, ClusterSpec, Kind};
 use automesh_proto::v1 as pb;
 use automesh_testkit::{FakeMcp, Reply, mcp, provider, text_completion, tool_call_completion};
 use chrono::Utc;
@@ -16,12 +16,22 @@ use chrono::Utc;
 const MCP_TOKEN: &str = "traces-connect-token";
 
 /// The model: one tool call, then an answer (so a run has model and tool
-/// spans).
+/// spans); a prompt that says FAIL is refused (401), one that says SLOW is
+/// answered after a pause.
 fn model(_: usize, req: &serde_json::Value) -> Reply {
-    let last_is_tool = req["messages"]
-        .as_array()
-        .and_then(|m| m.last())
-        .is_some_and(|m| m["role"] == "tool");
+    let messages = req["messages"].as_array().cloned().unwrap_or_default();
+    let said = |word: &str| {
+        messages
+            .iter()
+            .any(|m| m["role"] == "user" && m["content"].as_str().is_some_and(|c| c.contains(word)))
+    };
+    if said("FAIL") {
+        return Reply::Status(401, None);
+    }
+    if said("SLOW") {
+        return Reply::Delayed(Duration::from_secs(8), text_completion("done slowly"));
+    }
+    let last_is_tool = messages.last().is_some_and(|m| m["role"] == "tool");
     if last_is_tool {
         Reply::Json(text_completion("done"))
     } else {
@@ -33,14 +43,42 @@ fn model(_: usize, req: &serde_json::Value) -> Reply {
     }
 }
 
-async fn run_now(cluster: &Cluster, owner: &Principal, surface: pb::Surface) -> pb::Run {
+/// One trace: exactly one root, and every other span's parent in it.
+fn assert_one_whole_trace(spans: &[Span]) {
+    let roots: Vec<&Span> = spans.iter().filter(|s| s.parent_span_id.is_empty()).collect();
+    assert_eq!(roots.len(), 1, "one root:\n{}", summary(spans));
+    let ids: BTreeSet<&str> = spans.iter().map(|s| s.span_id.as_str()).collect();
+    let orphans: Vec<&Span> = spans
+        .iter()
+        .filter(|s| !s.parent_span_id.is_empty() && !ids.contains(s.parent_span_id.as_str()))
+        .collect();
+    assert!(
+        orphans.is_empty(),
+        "orphan spans {orphans:?} in:\n{}",
+        summary(spans)
+    );
+}
+
+/// Whether `service` sent a span named `prefix…`.
+fn has(spans: &[Span], service: &str, prefix: &str) -> bool {
+    spans
+        .iter()
+        .any(|s| s.service == service && s.name.starts_with(prefix))
+}
+
+async fn run_now(
+    cluster: &Cluster,
+    owner: &Principal,
+    surface: pb::Surface,
+    prompt: &str,
+) -> pb::Run {
     let token = cluster.token(&owner.org_id, &owner.user_id);
     let mut api = cluster.automations(&token);
     let a = api
         .create_automation(pb::CreateAutomationRequest {
             automation: Some(pb::Automation {
                 name: "traced".into(),
-                prompt: "summarise my inbox".into(),
+                prompt: prompt.into(),
                 model: "fake/echo".into(),
                 schedule: Some(pb::Schedule {
                     kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
@@ -74,11 +112,14 @@ async fn run_now(cluster: &Cluster, owner: &Principal, surface: pb::Surface) -> 
 async fn until_terminal(cluster: &Cluster, run_id: &str) -> automesh_domain::Run {
     let give_up = tokio::time::Instant::now() + Duration::from_secs(90);
     loop {
-        let run = cluster.store().get_run_unscoped(run_id).await.expect("run");
-        if run.state.is_terminal() {
-            return run;
+        // A scheduled run exists only once its occurrence fell due.
+        let run = cluster.store().get_run_unscoped(run_id).await.ok();
+        if let Some(run) = &run
+            && run.state.is_terminal()
+        {
+            return run.clone();
         }
-        assert!(tokio::time::Instant::now() < give_up, "{run:?}");
+        assert!(tokio::time::Instant::now() < give_up, "{run_id}: {run:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -125,10 +166,12 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
         MCP_TOKEN,
     )
     .await;
-    let spec = ClusterSpec::new(1, &provider_url, &mcp_url, MCP_TOKEN)
+    let mut spec = ClusterSpec::new(1, &provider_url, &mcp_url, MCP_TOKEN)
         .set_all("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.endpoint)
         .set_all("OTEL_BSP_SCHEDULE_DELAY", "100")
         .set_all("AUTOMESH_LOG_FORMAT", "json");
+    // Two coordinators: one is killed under a run, the other takes it over.
+    spec.replicas.insert(Kind::Coordinator, 2);
     let mut cluster = Cluster::start(std::path::Path::new(env!("CARGO_BIN_EXE_automesh")), spec)
         .await
         .expect("cluster");
@@ -144,7 +187,7 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
         .await
         .expect("runner");
 
-    let desktop = run_now(&cluster, &dana, pb::Surface::Desktop).await;
+    let desktop = run_now(&cluster, &dana, pb::Surface::Desktop, "summarise my inbox").await;
     assert_eq!(
         until_terminal(&cluster, &desktop.id).await.state,
         RunState::Succeeded
@@ -162,8 +205,12 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
     )
     .await;
     eprintln!("desktop trace:\n{}", summary(&spans));
+    assert_one_whole_trace(&spans);
+    assert!(has(&spans, "automesh-runner", "chat "), "model spans");
+    assert!(has(&spans, "automesh-runner", "execute_tool "), "tool spans");
+    assert!(has(&spans, "automesh-desktop-runner-gateway", "automesh.desktop.deliver"));
 
-    let cloud = run_now(&cluster, &carol, pb::Surface::Web).await;
+    let cloud = run_now(&cluster, &carol, pb::Surface::Web, "summarise my inbox").await;
     assert_eq!(
         until_terminal(&cluster, &cloud.id).await.state,
         RunState::Succeeded
@@ -181,6 +228,145 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
     )
     .await;
     eprintln!("cloud trace:\n{}", summary(&spans));
+    assert_one_whole_trace(&spans);
+    for step in [
+        "automesh.cloud.drive",
+        "automesh.cloud.wake",
+        "automesh.cloud.mcp_registration",
+        "automesh.cloud.submit",
+        "automesh.cloud.watch",
+    ] {
+        assert!(has(&spans, "automesh-cloud-worker-lifecycle", step), "{step}");
+    }
+    assert!(has(&spans, "automesh-worker-agent", "chat "), "model spans");
+    assert!(has(&spans, "automesh-worker-agent", "execute_tool "), "tool spans");
+    assert!(
+        spans
+            .iter()
+            .filter(|s| s.name.starts_with("chat ") || s.name.starts_with("execute_tool "))
+            .all(|s| s.kind == 3),
+        "model and tool calls are CLIENT spans"
+    );
+
+    // A scheduled run: its trace starts at the scheduler's occurrence.
+    let at = Utc::now() + chrono::Duration::seconds(2);
+    let scheduled = {
+        let token = cluster.token(&dana.org_id, &dana.user_id);
+        let mut api = cluster.automations(&token);
+        let a = api
+            .create_automation(pb::CreateAutomationRequest {
+                automation: Some(pb::Automation {
+                    name: "scheduled".into(),
+                    prompt: "tidy my downloads".into(),
+                    model: "fake/echo".into(),
+                    schedule: Some(pb::Schedule {
+                        kind: Some(pb::schedule::Kind::Once(pb::OnceSchedule {
+                            at: Some(prost_types::Timestamp {
+                                seconds: at.timestamp(),
+                                nanos: 0,
+                            }),
+                        })),
+                    }),
+                    ..Default::default()
+                }),
+                surface: pb::Surface::Desktop as i32,
+            })
+            .await
+            .expect("create")
+            .into_inner()
+            .automation
+            .expect("automation");
+        let run_id = automesh_domain::ids::scheduled_run_id(
+            &a.id,
+            chrono::DateTime::from_timestamp(at.timestamp(), 0).expect("instant"),
+        );
+        assert_eq!(until_terminal(&cluster, &run_id).await.state, RunState::Succeeded);
+        cluster
+            .runs(&token)
+            .get_run(pb::GetRunRequest { id: run_id })
+            .await
+            .expect("get run")
+            .into_inner()
+            .run
+            .expect("run")
+    };
+    let spans = trace_with(
+        &receiver,
+        &scheduled.trace_id,
+        &[
+            "automesh-scheduler",
+            "automesh-run-coordinator",
+            "automesh-desktop-runner-gateway",
+            "automesh-runner",
+        ],
+    )
+    .await;
+    assert_one_whole_trace(&spans);
+    assert!(
+        spans
+            .iter()
+            .any(|s| s.parent_span_id.is_empty() && s.service == "automesh-scheduler"),
+        "the scheduler's occurrence is the root:\n{}",
+        summary(&spans)
+    );
+
+    // A failed run marks its spans ERROR with error.type = its code.
+    let failed = run_now(&cluster, &carol, pb::Surface::Web, "FAIL please").await;
+    let ended = until_terminal(&cluster, &failed.id).await;
+    assert_eq!(ended.state, RunState::Failed, "{ended:?}");
+    let spans = trace_with(
+        &receiver,
+        &failed.trace_id,
+        &["automesh-run-coordinator", "automesh-worker-agent"],
+    )
+    .await;
+    let run_span = spans
+        .iter()
+        .find(|s| s.name == "automesh.run")
+        .expect("the run's span");
+    assert_eq!(run_span.status, 2, "ERROR: {run_span:?}");
+    assert_eq!(
+        run_span.attributes.get("error.type").map(String::as_str),
+        Some("provider_unavailable")
+    );
+    let chat = spans
+        .iter()
+        .find(|s| s.name.starts_with("chat "))
+        .expect("the refused model call");
+    assert_eq!(chat.status, 2, "{chat:?}");
+    assert_eq!(
+        chat.attributes.get("error.type").map(String::as_str),
+        Some("provider_unavailable")
+    );
+
+    // A coordinator killed under a run: its successor's span of the run is
+    // in the same trace.
+    let slow = run_now(&cluster, &carol, pb::Surface::Web, "SLOW please").await;
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(30);
+    let holder = loop {
+        if let Some(i) = (0..2).find(|i| {
+            cluster
+                .log(Kind::Coordinator, *i)
+                .lines()
+                .any(|l| l.contains(&slow.id) && l.contains("run started on its executor"))
+        }) {
+            break i;
+        }
+        assert!(tokio::time::Instant::now() < give_up, "never started");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    cluster.kill(Kind::Coordinator, holder);
+    assert_eq!(until_terminal(&cluster, &slow.id).await.state, RunState::Succeeded);
+    let spans = trace_with(&receiver, &slow.trace_id, &["automesh-run-coordinator"]).await;
+    let takeover = spans
+        .iter()
+        .find(|s| s.name == "automesh.run")
+        .expect("the successor's span of the run");
+    assert_eq!(
+        takeover.attributes.get("claim").map(String::as_str),
+        Some("2"),
+        "taken over: {takeover:?}"
+    );
 
     // Every JSON log line about those runs, in every process, names the
     // run's trace.
