@@ -45,7 +45,10 @@ fn model(_: usize, req: &serde_json::Value) -> Reply {
 
 /// One trace: exactly one root, and every other span's parent in it.
 fn assert_one_whole_trace(spans: &[Span]) {
-    let roots: Vec<&Span> = spans.iter().filter(|s| s.parent_span_id.is_empty()).collect();
+    let roots: Vec<&Span> = spans
+        .iter()
+        .filter(|s| s.parent_span_id.is_empty())
+        .collect();
     assert_eq!(roots.len(), 1, "one root:\n{}", summary(spans));
     let ids: BTreeSet<&str> = spans.iter().map(|s| s.span_id.as_str()).collect();
     let orphans: Vec<&Span> = spans
@@ -57,6 +60,23 @@ fn assert_one_whole_trace(spans: &[Span]) {
         "orphan spans {orphans:?} in:\n{}",
         summary(spans)
     );
+}
+
+/// The sum of the samples of `name` whose labels include `labels`.
+fn value(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, v) = l.rsplit_once(' ')?;
+            let (metric, rest) = series.split_once('{').unwrap_or((series, ""));
+            (metric == name
+                && labels
+                    .iter()
+                    .all(|(k, want)| rest.contains(&format!("{k}=\"{want}\""))))
+            .then(|| v.parse::<f64>().ok())
+            .flatten()
+        })
+        .sum()
 }
 
 /// Whether `service` sent a span named `prefix…`.
@@ -207,8 +227,15 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
     eprintln!("desktop trace:\n{}", summary(&spans));
     assert_one_whole_trace(&spans);
     assert!(has(&spans, "automesh-runner", "chat "), "model spans");
-    assert!(has(&spans, "automesh-runner", "execute_tool "), "tool spans");
-    assert!(has(&spans, "automesh-desktop-runner-gateway", "automesh.desktop.deliver"));
+    assert!(
+        has(&spans, "automesh-runner", "execute_tool "),
+        "tool spans"
+    );
+    assert!(has(
+        &spans,
+        "automesh-desktop-runner-gateway",
+        "automesh.desktop.deliver"
+    ));
 
     let cloud = run_now(&cluster, &carol, pb::Surface::Web, "summarise my inbox").await;
     assert_eq!(
@@ -236,10 +263,16 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
         "automesh.cloud.submit",
         "automesh.cloud.watch",
     ] {
-        assert!(has(&spans, "automesh-cloud-worker-lifecycle", step), "{step}");
+        assert!(
+            has(&spans, "automesh-cloud-worker-lifecycle", step),
+            "{step}"
+        );
     }
     assert!(has(&spans, "automesh-worker-agent", "chat "), "model spans");
-    assert!(has(&spans, "automesh-worker-agent", "execute_tool "), "tool spans");
+    assert!(
+        has(&spans, "automesh-worker-agent", "execute_tool "),
+        "tool spans"
+    );
     assert!(
         spans
             .iter()
@@ -280,7 +313,10 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
             &a.id,
             chrono::DateTime::from_timestamp(at.timestamp(), 0).expect("instant"),
         );
-        assert_eq!(until_terminal(&cluster, &run_id).await.state, RunState::Succeeded);
+        assert_eq!(
+            until_terminal(&cluster, &run_id).await.state,
+            RunState::Succeeded
+        );
         cluster
             .runs(&token)
             .get_run(pb::GetRunRequest { id: run_id })
@@ -339,6 +375,126 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
         Some("provider_unavailable")
     );
 
+    // Every service's Prometheus endpoint, and what this test moved.
+    let mut scraped = std::collections::BTreeMap::new();
+    for kind in Kind::ALL {
+        for i in 0..cluster.replicas(kind) {
+            let text = cluster.scrape(kind, i).await.expect("scrape");
+            if kind != Kind::Gateway {
+                assert!(
+                    text.contains("automesh_db_pool_connections{"),
+                    "{kind:?} reports its pool:\n{text}"
+                );
+            }
+            scraped
+                .entry(kind)
+                .or_insert_with(String::new)
+                .push_str(&text);
+        }
+    }
+    let coordinators = &scraped[&Kind::Coordinator];
+    assert!(
+        value(
+            coordinators,
+            "automesh_runs_ended_total",
+            &[("placement", "desktop"), ("outcome", "succeeded")]
+        ) >= 2.0,
+        "{coordinators}"
+    );
+    assert!(
+        value(
+            coordinators,
+            "automesh_runs_ended_total",
+            &[("placement", "cloud"), ("outcome", "succeeded")]
+        ) >= 1.0,
+        "{coordinators}"
+    );
+    assert!(
+        value(
+            coordinators,
+            "automesh_runs_ended_total",
+            &[
+                ("outcome", "failed"),
+                ("error_code", "provider_unavailable")
+            ]
+        ) >= 1.0,
+        "{coordinators}"
+    );
+    for histogram in [
+        "automesh_run_dispatch_duration_seconds_count",
+        "automesh_run_first_event_duration_seconds_count",
+        "automesh_executor_call_duration_seconds_count",
+    ] {
+        assert!(
+            value(coordinators, histogram, &[]) >= 3.0,
+            "{histogram}:\n{coordinators}"
+        );
+    }
+    assert!(
+        value(
+            coordinators,
+            "automesh_run_tokens_total",
+            &[("type", "input")]
+        ) > 0.0
+    );
+    assert!(
+        coordinators.contains("automesh_runs_pending "),
+        "{coordinators}"
+    );
+    assert!(
+        coordinators.contains("automesh_runs_queue_lag_seconds "),
+        "{coordinators}"
+    );
+    let scheduler = &scraped[&Kind::Scheduler];
+    assert!(
+        value(
+            scheduler,
+            "automesh_runs_created_total",
+            &[("trigger", "manual")]
+        ) >= 3.0,
+        "{scheduler}"
+    );
+    assert!(
+        value(
+            scheduler,
+            "automesh_runs_created_total",
+            &[("trigger", "schedule")]
+        ) >= 1.0,
+        "{scheduler}"
+    );
+    let runners = &scraped[&Kind::RunnerGateway];
+    assert_eq!(
+        value(runners, "automesh_runner_streams", &[]),
+        1.0,
+        "{runners}"
+    );
+    assert!(
+        value(runners, "automesh_desktop_deliveries_total", &[]) >= 2.0,
+        "{runners}"
+    );
+    let lifecycle = &scraped[&Kind::Lifecycle];
+    assert_eq!(
+        value(lifecycle, "automesh_cloud_workers", &[("state", "ready")]),
+        1.0,
+        "{lifecycle}"
+    );
+    assert!(
+        value(
+            lifecycle,
+            "automesh_cloud_wakes_total",
+            &[("result", "started")]
+        ) >= 1.0,
+        "{lifecycle}"
+    );
+    assert!(
+        value(
+            lifecycle,
+            "automesh_cloud_readiness_duration_seconds_count",
+            &[]
+        ) >= 1.0,
+        "{lifecycle}"
+    );
+
     // A coordinator killed under a run: its successor's span of the run is
     // in the same trace.
     let slow = run_now(&cluster, &carol, pb::Surface::Web, "SLOW please").await;
@@ -356,7 +512,10 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     cluster.kill(Kind::Coordinator, holder);
-    assert_eq!(until_terminal(&cluster, &slow.id).await.state, RunState::Succeeded);
+    assert_eq!(
+        until_terminal(&cluster, &slow.id).await.state,
+        RunState::Succeeded
+    );
     let spans = trace_with(&receiver, &slow.trace_id, &["automesh-run-coordinator"]).await;
     let takeover = spans
         .iter()
@@ -366,6 +525,15 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
         takeover.attributes.get("claim").map(String::as_str),
         Some("2"),
         "taken over: {takeover:?}"
+    );
+    let survivor = cluster
+        .scrape(Kind::Coordinator, 1 - holder)
+        .await
+        .expect("scrape");
+    assert_eq!(
+        value(&survivor, "automesh_run_lease_takeovers_total", &[]),
+        1.0,
+        "{survivor}"
     );
 
     // Every JSON log line about those runs, in every process, names the

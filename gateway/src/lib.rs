@@ -171,4 +171,4 @@ pub async fn run(
     serve(gateway, listener, shutdown).await
 }
 
-automesh_rpc::service_main!(Config, "automesh-gateway", run);
+automesh_rpc::service_main!(Config, "automesh-gateway", "127.0.0.1:9451", run);

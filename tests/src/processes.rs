@@ -174,6 +174,8 @@ impl ClusterSpec {
 /// One service process (or its slot while it is down).
 struct Proc {
     port: u16,
+    /// Its metrics listener's port.
+    metrics: u16,
     child: Option<Child>,
 }
 
@@ -232,6 +234,7 @@ impl Cluster {
                     (*kind, i),
                     Proc {
                         port: free_port()?,
+                        metrics: free_port()?,
                         child: None,
                     },
                 );
@@ -277,6 +280,31 @@ impl Cluster {
     /// The address of one replica, `http://127.0.0.1:port`.
     pub fn addr(&self, kind: Kind, replica: usize) -> String {
         format!("http://127.0.0.1:{}", self.procs[&(kind, replica)].port)
+    }
+
+    /// One replica's metrics, as Prometheus text (`GET /metrics`).
+    pub async fn scrape(&self, kind: Kind, replica: usize) -> anyhow::Result<String> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let port = self.procs[&(kind, replica)].metrics;
+        let mut stream = tokio::time::timeout(
+            Duration::from_secs(5),
+            tokio::net::TcpStream::connect(("127.0.0.1", port)),
+        )
+        .await??;
+        stream
+            .write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+            .await?;
+        let mut response = String::new();
+        tokio::time::timeout(Duration::from_secs(5), stream.read_to_string(&mut response))
+            .await??;
+        let (head, body) = response
+            .split_once("\r\n\r\n")
+            .ok_or_else(|| anyhow::anyhow!("not an HTTP response: {response}"))?;
+        anyhow::ensure!(
+            head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"),
+            "{head}"
+        );
+        Ok(body.to_owned())
     }
 
     /// Every replica of `kind`, comma separated (how services name their
@@ -333,10 +361,13 @@ impl Cluster {
 
     fn spawn(&mut self, kind: Kind, replica: usize) -> anyhow::Result<()> {
         let port = self.procs[&(kind, replica)].port;
+        let metrics = self.procs[&(kind, replica)].metrics;
         let mut command = Command::new(&self.bin);
         command.arg(kind.command());
         self.base_env(&mut command);
-        command.env(kind.listen_var(), format!("127.0.0.1:{port}"));
+        command
+            .env(kind.listen_var(), format!("127.0.0.1:{port}"))
+            .env("AUTOMESH_METRICS_LISTEN", format!("127.0.0.1:{metrics}"));
         match kind {
             Kind::Gateway => {
                 command

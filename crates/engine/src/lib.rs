@@ -8,6 +8,7 @@ pub mod adapter;
 pub mod connect;
 pub mod error;
 pub mod journal;
+mod metrics;
 pub mod native;
 pub mod opencode;
 pub mod provider;

@@ -272,6 +272,7 @@ async fn steps_loop(
             error.type = tracing::field::Empty,
             step,
         );
+        let called = std::time::Instant::now();
         let response = match bounded(
             provider
                 .complete(&request, run.deadline)
@@ -284,6 +285,12 @@ async fn steps_loop(
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
                 failed_span(&span, e.code);
+                crate::metrics::metrics().operation(
+                    "chat",
+                    &run.model,
+                    called.elapsed(),
+                    Some(e.code.as_str()),
+                );
                 return Ending::Failed(e);
             }
             Err(i) => return interrupted(i),
@@ -294,6 +301,13 @@ async fn steps_loop(
         if let Some(id) = &response.id {
             span.record("gen_ai.response.id", id.as_str());
         }
+        let m = crate::metrics::metrics();
+        m.operation("chat", &run.model, called.elapsed(), None);
+        m.tokens(
+            &run.model,
+            response.usage.prompt_tokens,
+            response.usage.completion_tokens,
+        );
         span.record("gen_ai.usage.input_tokens", response.usage.prompt_tokens);
         span.record(
             "gen_ai.usage.output_tokens",

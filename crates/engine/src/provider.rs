@@ -243,6 +243,7 @@ impl Provider {
                     retry_after,
                 })) => {
                     tracing::warn!(status, attempt, "provider answered with a retryable status");
+                    crate::metrics::metrics().retried(status);
                     retry_after
                 }
                 Err(_) => {

@@ -62,22 +62,36 @@ pub struct Started {
     pub shutdown: CancellationToken,
 }
 
-/// Initialises telemetry, checks the internal credential, binds `listen`,
+/// Initialises telemetry, checks the internal credential, binds `listen`
+/// and the metrics listener `metrics` (Prometheus text at `/metrics`),
 /// and arms shutdown on SIGINT/SIGTERM.
 pub async fn start(
     service: &str,
     listen: SocketAddr,
+    metrics: SocketAddr,
     internal_token: &str,
 ) -> anyhow::Result<Started> {
     let telemetry = crate::telemetry::init(service)?;
     let credential = crate::InternalCredential::new(internal_token)?;
     let listener = bind(listen).await?;
-    tracing::info!(service, addr = %listen, "listening");
+    let metrics_listener = bind(metrics).await?;
+    tracing::info!(
+        service,
+        addr = %listen,
+        metrics = %metrics_listener.local_addr()?,
+        "listening"
+    );
+    let shutdown = shutdown_on_signal();
+    tokio::spawn(crate::metrics::serve(
+        telemetry.scrape(),
+        metrics_listener,
+        shutdown.clone(),
+    ));
     Ok(Started {
         telemetry,
         credential,
         listener,
-        shutdown: shutdown_on_signal(),
+        shutdown,
     })
 }
 
@@ -86,6 +100,8 @@ pub async fn start(
 pub trait ServiceMain: clap::Args + Send + Sized + 'static {
     /// The service name, for telemetry and logs.
     const NAME: &'static str;
+    /// Where its metrics listener listens unless told otherwise.
+    const METRICS_LISTEN: &'static str;
 
     fn listen(&self) -> SocketAddr;
 
@@ -105,12 +121,26 @@ pub struct ServiceCommand<C: clap::Args> {
     /// The internal service credential shared by the mesh.
     #[arg(long, env = "AUTOMESH_INTERNAL_TOKEN", hide_env_values = true)]
     pub internal_token: crate::auth::Secret,
+    /// Where to serve metrics as Prometheus text (`GET /metrics`); each
+    /// service has its own default port.
+    #[arg(long, env = "AUTOMESH_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl<C: ServiceMain> ServiceCommand<C> {
     /// Runs the service until SIGINT or SIGTERM.
     pub async fn execute(self) -> anyhow::Result<()> {
-        let started = start(C::NAME, self.config.listen(), self.internal_token.expose()).await?;
+        let metrics = match self.metrics_listen {
+            Some(a) => a,
+            None => C::METRICS_LISTEN.parse()?,
+        };
+        let started = start(
+            C::NAME,
+            self.config.listen(),
+            metrics,
+            self.internal_token.expose(),
+        )
+        .await?;
         self.config
             .run(started.credential, started.listener, started.shutdown)
             .await
@@ -142,14 +172,15 @@ pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
 }
 
 /// Makes a service's `Config` (with a `listen` field) runnable as its own
-/// process: `service_main!(Config, "automesh-x", run)` implements
+/// process: `service_main!(Config, "automesh-x", "127.0.0.1:9464", run)` implements
 /// [`ServiceMain`] with the crate's `run(config, credential, listener,
 /// shutdown)` and defines `Command`.
 #[macro_export]
 macro_rules! service_main {
-    ($config:ty, $name:literal, $run:path) => {
+    ($config:ty, $name:literal, $metrics:literal, $run:path) => {
         impl $crate::runtime::ServiceMain for $config {
             const NAME: &'static str = $name;
+            const METRICS_LISTEN: &'static str = $metrics;
 
             fn listen(&self) -> ::std::net::SocketAddr {
                 self.listen

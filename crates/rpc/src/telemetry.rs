@@ -92,16 +92,27 @@ impl<S, F: tracing_subscriber::layer::Filter<S>> tracing_subscriber::layer::Filt
     }
 }
 
-/// Flushes and shuts down trace export when dropped.
+/// Flushes and shuts down trace and metric export when dropped.
 #[derive(Debug)]
 pub struct Telemetry {
     provider: SdkTracerProvider,
+    meters: opentelemetry_sdk::metrics::SdkMeterProvider,
+    scrape: crate::metrics::Scrape,
+}
+
+impl Telemetry {
+    /// What a metrics listener serves.
+    pub fn scrape(&self) -> crate::metrics::Scrape {
+        self.scrape.clone()
+    }
 }
 
 impl Drop for Telemetry {
     fn drop(&mut self) {
         let _ = self.provider.force_flush();
         let _ = self.provider.shutdown();
+        let _ = self.meters.force_flush();
+        let _ = self.meters.shutdown();
     }
 }
 
@@ -137,14 +148,27 @@ pub fn resource(default_name: &str) -> Resource {
     builder.build()
 }
 
-/// Whether the standard OTLP variables ask for export.
+fn any_set(vars: &[&str]) -> bool {
+    vars.iter()
+        .any(|v| std::env::var_os(v).is_some_and(|s| !s.is_empty()))
+}
+
+/// Whether the standard OTLP variables ask for trace export.
 pub fn otlp_requested() -> bool {
-    [
+    any_set(&[
         "OTEL_EXPORTER_OTLP_ENDPOINT",
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-    ]
-    .iter()
-    .any(|v| std::env::var_os(v).is_some_and(|s| !s.is_empty()))
+    ])
+}
+
+/// Whether the standard OTLP variables ask for metric export (and
+/// `OTEL_METRICS_EXPORTER` does not say `none`).
+pub fn otlp_metrics_requested() -> bool {
+    std::env::var("OTEL_METRICS_EXPORTER").map_or(true, |v| v != "none")
+        && any_set(&[
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+        ])
 }
 
 /// Installs the global propagator, tracer provider and subscriber. Must be
@@ -172,7 +196,11 @@ where
     W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
 {
     global::set_text_map_propagator(TraceContextPropagator::new());
-    let mut builder = SdkTracerProvider::builder().with_resource(resource(service_name));
+    let resource = resource(service_name);
+    let scrape = crate::metrics::Scrape::default();
+    let meters = crate::metrics::provider(resource.clone(), &scrape, otlp_metrics_requested())?;
+    global::set_meter_provider(meters.clone());
+    let mut builder = SdkTracerProvider::builder().with_resource(resource);
     if otlp_requested() {
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_tonic()
@@ -214,7 +242,11 @@ where
             .try_init()
     };
     installed.map_err(|_| TelemetryError::AlreadyInstalled)?;
-    Ok(Telemetry { provider })
+    Ok(Telemetry {
+        provider,
+        meters,
+        scrape,
+    })
 }
 
 /// The spans exported as traces: automesh's own at info and above, and

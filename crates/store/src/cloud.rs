@@ -75,6 +75,8 @@ const BEGIN_STOP: &str = "UPDATE cloud_workers SET state = 'stopping', updated_a
 const STOPPED: &str = "UPDATE cloud_workers SET state = 'stopped', endpoint = NULL, \
      agent_id = NULL, updated_at = $2 WHERE id = $1 AND state = 'stopping'";
 
+const BY_STATE: &str = "SELECT state, COUNT(*) AS n FROM cloud_workers GROUP BY state";
+
 const UNDRIVEN: &str = "SELECT run_id FROM cloud_dispatch \
      WHERE phase <> 'finished' AND driver_until < $1 ORDER BY driver_until LIMIT $2";
 
@@ -335,6 +337,14 @@ impl Store {
                     agent_id: text(row, "agent_id")?,
                 })
             })
+            .collect()
+    }
+
+    /// How many workers are in each state.
+    pub async fn workers_by_state(&self) -> Result<Vec<(String, i64)>> {
+        let rows = sqlx::query(BY_STATE).fetch_all(self.pool()).await?;
+        rows.iter()
+            .map(|r| Ok((text(r, "state")?, int(r, "n")?)))
             .collect()
     }
 

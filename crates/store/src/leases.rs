@@ -224,3 +224,26 @@ impl Store {
             .rows_affected())
     }
 }
+
+/// The queue of runs no coordinator has claimed yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Queue {
+    /// Pending runs.
+    pub pending: i64,
+    /// When the oldest pending run was created.
+    pub oldest: Option<DateTime<Utc>>,
+}
+
+const QUEUE: &str =
+    "SELECT COUNT(*) AS n, MIN(created_at) AS oldest FROM runs WHERE state = 'pending'";
+
+impl Store {
+    /// How many runs wait to be claimed, and since when (queue lag).
+    pub async fn run_queue(&self) -> Result<Queue> {
+        let row = sqlx::query(QUEUE).fetch_one(self.pool()).await?;
+        Ok(Queue {
+            pending: crate::rows::int(&row, "n")?,
+            oldest: crate::rows::opt_instant(&row, "oldest")?,
+        })
+    }
+}

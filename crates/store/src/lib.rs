@@ -208,6 +208,30 @@ impl Store {
     /// Starts a transaction that will write. On SQLite it takes the write
     /// lock up front (`BEGIN IMMEDIATE`), so two writers queue on the busy
     /// timeout instead of failing when a read lock is upgraded.
+    /// Reports the pool on `meter`, read at each collection:
+    /// `automesh.db.pool.connections` by state (`in_use`, `idle`) and
+    /// `automesh.db.pool.max`.
+    pub fn observe_pool(&self, meter: &opentelemetry::metrics::Meter) {
+        use opentelemetry::KeyValue;
+        let pool = self.pool.clone();
+        let _connections = meter
+            .u64_observable_gauge("automesh.db.pool.connections")
+            .with_description("Database connections of this process's pool, by state")
+            .with_callback(move |o| {
+                let open = u64::from(pool.size());
+                let idle = u64::try_from(pool.num_idle()).unwrap_or(0).min(open);
+                o.observe(open - idle, &[KeyValue::new("state", "in_use")]);
+                o.observe(idle, &[KeyValue::new("state", "idle")]);
+            })
+            .build();
+        let pool = self.pool.clone();
+        let _max = meter
+            .u64_observable_gauge("automesh.db.pool.max")
+            .with_description("The most database connections this process's pool opens")
+            .with_callback(move |o| o.observe(u64::from(pool.options().get_max_connections()), &[]))
+            .build();
+    }
+
     pub(crate) async fn begin_write(&self) -> Result<Transaction<'static, Any>> {
         Ok(match self.backend {
             Backend::Postgres => self.pool.begin().await?,

@@ -6,6 +6,7 @@
 pub mod cloud;
 pub mod docker;
 pub mod driver;
+mod metrics;
 
 use std::net::SocketAddr;
 
@@ -304,6 +305,7 @@ pub async fn serve_with(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    store.observe_pool(&automesh_rpc::metrics::meter());
     let mut server = GrpcServer::new(ServerSettings::default())?;
     let driver_name = driver.name();
     let cloud = cloud::Cloud::new(store.clone(), driver, settings, credential.clone());
@@ -328,4 +330,9 @@ pub async fn serve_with(
     Ok(())
 }
 
-automesh_rpc::service_main!(Config, "automesh-cloud-worker-lifecycle", run);
+automesh_rpc::service_main!(
+    Config,
+    "automesh-cloud-worker-lifecycle",
+    "127.0.0.1:9455",
+    run
+);

@@ -155,7 +155,7 @@ impl Dispatch {
             let Some(session) = sessions.of_owner(&a.org_id, &a.owner_id) else {
                 continue;
             };
-            offer(store, &session.runner_id, &session.tx, &a).await?;
+            offer(store, &session.runner_id, &session.tx, &a, false).await?;
         }
         for a in store.cancelling_desktop_runs(PASS_LIMIT).await? {
             let Some(runner_id) = a.runner_id.as_deref() else {
@@ -187,8 +187,9 @@ pub(crate) async fn offer(
     runner_id: &str,
     tx: &crate::stream::ToRunner,
     a: &DesktopAssignment,
+    again: bool,
 ) -> Result<bool, automesh_store::StoreError> {
-    offer_in_trace(store, runner_id, tx, a)
+    offer_in_trace(store, runner_id, tx, a, again)
         .instrument(run_span("automesh.desktop.deliver", a))
         .await
 }
@@ -210,6 +211,7 @@ async fn offer_in_trace(
     runner_id: &str,
     tx: &crate::stream::ToRunner,
     a: &DesktopAssignment,
+    again: bool,
 ) -> Result<bool, automesh_store::StoreError> {
     if !store
         .claim_desktop_run(&a.run_id, runner_id, Utc::now())
@@ -222,7 +224,8 @@ async fn offer_in_trace(
         return Ok(false);
     };
     if send(tx, assignment(&spec)).await {
-        tracing::info!(run_id = %a.run_id, runner_id, "run assigned to a runner");
+        tracing::info!(run_id = %a.run_id, runner_id, again, "run assigned to a runner");
+        crate::metrics::delivered(again);
         Ok(true)
     } else {
         tracing::warn!(run_id = %a.run_id, runner_id, "the runner's stream did not take the assignment");

@@ -7,6 +7,7 @@
 //! value useless to a reader of the database.
 
 pub mod executor;
+mod metrics;
 pub mod stream;
 
 use std::net::SocketAddr;
@@ -165,7 +166,9 @@ pub async fn serve_with(
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let mut server = GrpcServer::new(ServerSettings::default())?;
+    store.observe_pool(&automesh_rpc::metrics::meter());
     let streams = stream::RunnerStreams::new(store.clone(), settings, shutdown.clone());
+    metrics::observe_streams(streams.sessions.clone());
     let desktop = executor::DesktopExecutor::new(store.clone(), streams.dispatch.clone());
     // Background tasks end with the server, whatever ends it.
     let tasks = shutdown.child_token();
@@ -201,7 +204,12 @@ pub async fn serve_with(
     Ok(())
 }
 
-automesh_rpc::service_main!(Config, "automesh-desktop-runner-gateway", run);
+automesh_rpc::service_main!(
+    Config,
+    "automesh-desktop-runner-gateway",
+    "127.0.0.1:9452",
+    run
+);
 
 #[cfg(test)]
 mod tests {

@@ -295,7 +295,7 @@ async fn reconcile(
                     .await?;
             }
         } else if !holds
-            && !offer(store, runner_id, &session.tx, a).await?
+            && !offer(store, runner_id, &session.tx, a, true).await?
             && session.tx.is_closed()
         {
             // The stream is gone; what was not offered waits for the next.

@@ -125,6 +125,7 @@ impl Drop for Registration<'_> {
 /// their leases up, so another coordinator takes the runs over at once.
 pub async fn run_loop(ctx: Arc<Context>, shutdown: CancellationToken) {
     let mut drivers = JoinSet::new();
+    let _queue = AbortOnDrop(tokio::spawn(sample_queue(ctx.store.clone())));
     let mut watcher = ctx.store.watch_new_runs().await;
     tracing::info!(owner = %ctx.owner, "coordinator claiming runs");
     loop {
@@ -168,6 +169,21 @@ pub async fn run_loop(ctx: Arc<Context>, shutdown: CancellationToken) {
     match ctx.store.release_all_leases(&ctx.owner).await {
         Ok(n) => tracing::info!(released = n, "coordinator stopped; leases released"),
         Err(error) => tracing::warn!(%error, "coordinator stopped; leases will expire"),
+    }
+}
+
+/// Samples the queue of unclaimed runs for its gauges, every few seconds.
+async fn sample_queue(store: Store) {
+    loop {
+        if let Ok(q) = store.run_queue().await {
+            let m = crate::metrics::metrics();
+            m.pending.set(vec![(q.pending as f64, vec![])]);
+            let lag = q.oldest.map_or(0.0, |t| {
+                (Utc::now() - t).num_milliseconds().max(0) as f64 / 1000.0
+            });
+            m.lag.set(vec![(lag, vec![])]);
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
     }
 }
 
@@ -235,6 +251,9 @@ async fn drive(ctx: Arc<Context>, claimed: ClaimedRun) {
         otel.status_description = tracing::field::Empty,
     );
     propagation::continue_trace(&span, run.traceparent.as_deref());
+    if claimed.claims > 1 {
+        crate::metrics::metrics().taken_over(&run);
+    }
     let lost = CancellationToken::new();
     let cancel_seen = CancellationToken::new();
     if run.cancel_requested_at.is_some() {
@@ -408,6 +427,7 @@ async fn execute(
             run: Some(spec.clone()),
         });
         request.set_timeout(ctx.settings.call_timeout);
+        let called = std::time::Instant::now();
         let attempt = tokio::select! {
             biased;
             () = lost.cancelled() => return Err(Stop::LeaseLost),
@@ -415,6 +435,12 @@ async fn execute(
             () = cancel_seen.cancelled() => return cancel_and_wait(ctx, &mut executor, run, lost, CancelCause::User).await,
             r = executor.start_run(request) => r,
         };
+        crate::metrics::metrics().call(
+            run,
+            "StartRun",
+            called,
+            attempt.as_ref().map(|_| ()).map_err(tonic::Status::code),
+        );
         match attempt {
             Ok(resp) => break resp.into_inner(),
             Err(status) => {
@@ -430,6 +456,10 @@ async fn execute(
         }
     };
     tracing::info!(submitted = started.submitted, message_id = %message_id, "run started on its executor");
+    if started.submitted {
+        crate::metrics::metrics().dispatched(run);
+    }
+    let mut first_event = claimed.claims > 1;
     apply_status(ctx, run, started.status.as_ref()).await?;
     // A previous driver may have cancelled it for its deadline, then died.
     let inferred = (Utc::now() >= deadline).then_some(CancelCause::Deadline);
@@ -476,6 +506,10 @@ async fn execute(
                                 Some(epb::observe_run_response::Update::Event(e)) => {
                                     record_event(ctx, run, &e).await?;
                                     after = after.max(e.sequence);
+                                    if !first_event {
+                                        first_event = true;
+                                        crate::metrics::metrics().first_event(run);
+                                    }
                                 }
                                 Some(epb::observe_run_response::Update::Status(s)) => {
                                     ran |= ran_on_executor(Some(&s));
@@ -657,7 +691,15 @@ async fn send_cancel(
         reason: reason.to_owned(),
     });
     request.set_timeout(ctx.settings.call_timeout);
-    if let Err(status) = executor.cancel_run(request).await {
+    let called = std::time::Instant::now();
+    let result = executor.cancel_run(request).await;
+    crate::metrics::metrics().call(
+        run,
+        "CancelRun",
+        called,
+        result.as_ref().map(|_| ()).map_err(tonic::Status::code),
+    );
+    if let Err(status) = result {
         tracing::warn!(code = ?status.code(), "executor did not take the cancellation; idleness decides");
     } else {
         tracing::info!(reason, "cancellation forwarded to the executor");
@@ -673,12 +715,15 @@ async fn status_of(
         run_id: run.id.clone(),
     });
     request.set_timeout(ctx.settings.call_timeout);
-    executor
-        .get_run_status(request)
-        .await
-        .ok()?
-        .into_inner()
-        .status
+    let called = std::time::Instant::now();
+    let result = executor.get_run_status(request).await;
+    crate::metrics::metrics().call(
+        run,
+        "GetRunStatus",
+        called,
+        result.as_ref().map(|_| ()).map_err(tonic::Status::code),
+    );
+    result.ok()?.into_inner().status
 }
 
 /// Moves the stored state forward to what the executor reports.
@@ -813,7 +858,10 @@ async fn finish(ctx: &Context, run: &Run, ending: Ending) -> Result<(), StoreErr
         created_at: now,
     };
     match ctx.store.finish_run_as(&receipt, &ctx.owner, now).await {
-        Ok(_) => automesh_rpc::process::failpoint("coordinator.after_finish"),
+        Ok(_) => {
+            automesh_rpc::process::failpoint("coordinator.after_finish");
+            crate::metrics::metrics().ended(run, ending.state, ending.code, &ending.usage);
+        }
         // Already terminal (another path ended it): nothing more to do.
         Err(StoreError::IllegalTransition { .. }) => return Ok(()),
         Err(e) => return Err(e),

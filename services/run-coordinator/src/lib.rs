@@ -4,6 +4,7 @@
 
 pub mod driver;
 mod error;
+mod metrics;
 mod service;
 mod watch;
 
@@ -124,6 +125,7 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    store.observe_pool(&automesh_rpc::metrics::meter());
     let context = Arc::new(driver::Context {
         store: store.clone(),
         executors,
@@ -144,4 +146,4 @@ pub async fn serve(
     Ok(())
 }
 
-automesh_rpc::service_main!(Config, "automesh-run-coordinator", run);
+automesh_rpc::service_main!(Config, "automesh-run-coordinator", "127.0.0.1:9454", run);

@@ -7,6 +7,7 @@
 //! `Status` in one place.
 
 mod error;
+mod metrics;
 pub mod occurrences;
 mod service;
 
@@ -80,6 +81,7 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    store.observe_pool(&automesh_rpc::metrics::meter());
     let wake = Arc::new(Notify::new());
     let scheduler = Scheduler::new(store.clone(), settings.run_deadline, wake.clone());
     let mut server = GrpcServer::new(ServerSettings::default())?;
@@ -94,4 +96,4 @@ pub async fn serve(
     Ok(())
 }
 
-automesh_rpc::service_main!(Config, "automesh-scheduler", run);
+automesh_rpc::service_main!(Config, "automesh-scheduler", "127.0.0.1:9453", run);

@@ -26,6 +26,8 @@ use chrono::{DateTime, Utc};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use crate::metrics::Created;
+
 /// Automations claimed per transaction.
 const BATCH: u32 = 200;
 /// Occurrences considered per automation per pass (a longer backlog is
@@ -136,10 +138,12 @@ pub async fn pass(store: &Store, settings: &Settings) -> Result<usize, StoreErro
         let now = Utc::now();
         let mut tx = store.begin_scheduling().await?;
         let due = tx.claim_due(now, BATCH).await?;
+        let mut created = vec![];
         for automation in &due {
-            materialize(&mut tx, automation, now, settings).await?;
+            materialize(&mut tx, automation, now, settings, &mut created).await?;
         }
         tx.commit().await?;
+        crate::metrics::count(&created);
         total += due.len();
         if due.len() < BATCH as usize {
             return Ok(total);
@@ -152,6 +156,7 @@ async fn materialize(
     a: &Automation,
     now: DateTime<Utc>,
     settings: &Settings,
+    created: &mut Vec<Created>,
 ) -> Result<(), StoreError> {
     let Some(first_due) = a.next_run_at else {
         return Ok(());
@@ -163,9 +168,12 @@ async fn materialize(
             a,
             *at,
             now,
-            RunState::Missed,
-            ErrorCode::MissedDuringDowntime,
-            "the occurrence fell due while the scheduler was down, outside the catch-up window",
+            (
+                RunState::Missed,
+                ErrorCode::MissedDuringDowntime,
+                "the occurrence fell due while the scheduler was down, outside the catch-up window",
+            ),
+            created,
         )
         .await?;
     }
@@ -179,9 +187,12 @@ async fn materialize(
                 a,
                 at,
                 now,
-                RunState::Skipped,
-                ErrorCode::PreviousRunLive,
-                "the previous run of this automation was still live at the due instant",
+                (
+                    RunState::Skipped,
+                    ErrorCode::PreviousRunLive,
+                    "the previous run of this automation was still live at the due instant",
+                ),
+                created,
             )
             .await?;
             tracing::info!(automation_id = %a.id, scheduled_for = %at, "occurrence skipped: previous run live");
@@ -198,6 +209,12 @@ async fn materialize(
             let run = new_run(a, at, now, settings, RunState::Pending, None, traceparent);
             if tx.create_run(&run, now).await? {
                 span.in_scope(|| tracing::info!(run_id = %run.id, "occurrence due: run created"));
+                created.push(Created {
+                    placement: a.placement,
+                    trigger: RunTrigger::Schedule,
+                    state: RunState::Pending,
+                    code: None,
+                });
             }
         }
     }
@@ -237,9 +254,8 @@ async fn record_terminal(
     a: &Automation,
     at: DateTime<Utc>,
     now: DateTime<Utc>,
-    state: RunState,
-    code: ErrorCode,
-    message: &str,
+    (state, code, message): (RunState, ErrorCode, &str),
+    created: &mut Vec<Created>,
 ) -> Result<(), StoreError> {
     let settings = Settings {
         catch_up_window: Duration::ZERO,
@@ -267,6 +283,12 @@ async fn record_terminal(
             created_at: now,
         })
         .await?;
+        created.push(Created {
+            placement: a.placement,
+            trigger: RunTrigger::Schedule,
+            state,
+            code: Some(code),
+        });
     }
     Ok(())
 }

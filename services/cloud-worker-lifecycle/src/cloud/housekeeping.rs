@@ -30,6 +30,16 @@ impl Cloud {
             if let Err(error) = self.resume_pass().await {
                 tracing::warn!(%error, "looking for cloud runs to resume failed");
             }
+            if let Ok(states) = self.store.workers_by_state().await {
+                crate::metrics::metrics().workers.set(
+                    states
+                        .into_iter()
+                        .map(|(state, n)| {
+                            (n as f64, vec![opentelemetry::KeyValue::new("state", state)])
+                        })
+                        .collect(),
+                );
+            }
             let now = tokio::time::Instant::now();
             if now >= keepalive_at {
                 keepalive_at = now + self.settings.keepalive_every;
@@ -122,6 +132,7 @@ impl Cloud {
                 continue;
             }
             self.store.worker_stopped(&worker_id, Utc::now()).await?;
+            crate::metrics::metrics().idle_stopped();
             stopped.push(worker_id);
         }
         Ok(stopped)

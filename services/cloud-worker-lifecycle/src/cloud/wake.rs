@@ -41,6 +41,7 @@ impl Cloud {
                         agent_id,
                     };
                     if self.alive(&ready).await {
+                        crate::metrics::metrics().woke("ready");
                         return Ok(ready);
                     }
                     self.agent_lost(&ready, "it did not answer a keepalive")
@@ -48,14 +49,21 @@ impl Cloud {
                     // Claim the fresh start at once.
                     continue;
                 }
-                Wake::Start => {
-                    if let Some(ready) = self.start(worker_id, give_up).await? {
+                Wake::Start => match self.start(worker_id, give_up).await {
+                    Ok(Some(ready)) => {
+                        crate::metrics::metrics().woke("started");
                         return Ok(ready);
                     }
-                }
+                    Ok(None) => {}
+                    Err(e) => {
+                        crate::metrics::metrics().woke(e.code.as_str());
+                        return Err(e);
+                    }
+                },
                 Wake::Starting | Wake::Stopping => {}
             }
             if Utc::now() >= give_up {
+                crate::metrics::metrics().woke(ErrorCode::ReadinessTimeout.as_str());
                 return Err(DriverError::new(
                     ErrorCode::ReadinessTimeout,
                     format!(
@@ -102,6 +110,7 @@ impl Cloud {
             driver = self.driver.name(),
             "starting the worker"
         );
+        let began = std::time::Instant::now();
         let started = async {
             let within = (give_up - Utc::now()).to_std().unwrap_or_default();
             let endpoint = self
@@ -145,6 +154,7 @@ impl Cloud {
             return Ok(None);
         }
         tracing::info!(worker_id, %agent_id, "worker ready");
+        crate::metrics::metrics().ready_after(began.elapsed());
         Ok(Some(ReadyWorker {
             id: worker_id.to_owned(),
             endpoint,
@@ -174,6 +184,7 @@ impl Cloud {
                 return Ok(r.into_inner().agent_id);
             }
             if Utc::now() >= give_up {
+                crate::metrics::metrics().woke(ErrorCode::ReadinessTimeout.as_str());
                 return Err(DriverError::new(
                     ErrorCode::ReadinessTimeout,
                     "the worker agent did not answer before the readiness cap",
@@ -207,6 +218,7 @@ impl Cloud {
             .await
         {
             Ok(true) => {
+                crate::metrics::metrics().agent_lost();
                 tracing::warn!(
                     worker_id = %ready.id,
                     agent_id = %ready.agent_id,

@@ -1,0 +1,50 @@
+//! The runner gateway's metrics: runner streams held by this replica, and
+//! assignments delivered (and delivered again after a reconnect).
+
+use std::sync::{Arc, OnceLock};
+
+use opentelemetry::metrics::Counter;
+
+struct Metrics {
+    deliveries: Counter<u64>,
+    redeliveries: Counter<u64>,
+}
+
+fn metrics() -> &'static Metrics {
+    static M: OnceLock<Metrics> = OnceLock::new();
+    M.get_or_init(|| {
+        let m = automesh_rpc::metrics::meter();
+        Metrics {
+            deliveries: m
+                .u64_counter("automesh.desktop.deliveries")
+                .with_description("Assignments sent to a runner for the first time")
+                .build(),
+            redeliveries: m
+                .u64_counter("automesh.desktop.redeliveries")
+                .with_description(
+                    "Assignments sent again to a reconnected runner that did not hold them",
+                )
+                .build(),
+        }
+    })
+}
+
+/// One assignment sent to a runner.
+pub(crate) fn delivered(again: bool) {
+    let m = metrics();
+    if again {
+        m.redeliveries.add(1, &[]);
+    } else {
+        m.deliveries.add(1, &[]);
+    }
+}
+
+/// Reports the streams `sessions` holds, read at each collection.
+pub(crate) fn observe_streams(sessions: Arc<crate::stream::Sessions>) {
+    let _streams = automesh_rpc::metrics::meter()
+        .u64_observable_gauge("automesh.runner.streams")
+        .with_unit("{stream}")
+        .with_description("Desktop runner streams connected to this replica")
+        .with_callback(move |o| o.observe(sessions.len() as u64, &[]))
+        .build();
+}
