@@ -9,5 +9,7 @@ FROM debian:bookworm-slim
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /src/target/release/automesh /usr/local/bin/automesh
+# The local-process driver's worker directories (a volume in compose).
+RUN mkdir -p /var/lib/automesh/workers && chown -R nobody /var/lib/automesh
 USER nobody
 ENTRYPOINT ["automesh"]
