@@ -445,7 +445,14 @@ pub async fn wait_for_health(addr: &str, within: Duration, want: bool) -> anyhow
 
 /// Adds `authorization: Bearer <token>` when there is a token.
 #[derive(Clone)]
-pub struct Bearer(Option<MetadataValue<Ascii>>);
+pub struct Bearer(pub(crate) Option<MetadataValue<Ascii>>);
+
+impl Bearer {
+    /// Presents `token`.
+    pub fn new(token: &str) -> Self {
+        Bearer(format!("Bearer {token}").parse().ok())
+    }
+}
 
 impl Interceptor for Bearer {
     fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
