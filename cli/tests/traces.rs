@@ -562,5 +562,30 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
                 .join("\n")
         );
     }
+    // The log lines went out over OTLP too, linked to the runs' traces.
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let logs = receiver.logs();
+        let linked: BTreeSet<&str> = logs
+            .iter()
+            .filter(|l| l.trace_id == desktop.trace_id || l.trace_id == cloud.trace_id)
+            .map(|l| l.service.as_str())
+            .collect();
+        if [
+            "automesh-run-coordinator",
+            "automesh-runner",
+            "automesh-worker-agent",
+        ]
+        .iter()
+        .all(|s| linked.contains(s))
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "OTLP log records linked to the runs' traces come from {linked:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     cluster.stop(false).await.expect("stop");
 }

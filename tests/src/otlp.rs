@@ -1,11 +1,17 @@
-//! An OpenTelemetry collector for tests: the real OTLP/gRPC trace service
-//! on loopback, keeping every span it receives with its resource (which
-//! service, which instance), so a test can read a run's whole trace across
-//! processes.
+//! An OpenTelemetry collector for tests: the real OTLP/gRPC trace and logs
+//! services on loopback, keeping every span and log record it receives with
+//! its resource (which service, which instance), so a test can read a run's
+//! whole trace — and its log lines — across processes.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+use opentelemetry_proto::tonic::collector::logs::v1::logs_service_server::{
+    LogsService, LogsServiceServer,
+};
+use opentelemetry_proto::tonic::collector::logs::v1::{
+    ExportLogsServiceRequest, ExportLogsServiceResponse,
+};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
 };
@@ -50,8 +56,53 @@ fn attributes(kvs: &[KeyValue]) -> BTreeMap<String, String> {
         .collect()
 }
 
+/// One received log record.
+#[derive(Debug, Clone)]
+pub struct LogLine {
+    /// Empty when the line was logged outside any trace.
+    pub trace_id: String,
+    pub span_id: String,
+    pub body: String,
+    pub severity: String,
+    pub attributes: BTreeMap<String, String>,
+    pub service: String,
+}
+
 #[derive(Clone, Default)]
 struct Collector(Arc<Mutex<Vec<Span>>>);
+
+#[derive(Clone, Default)]
+struct LogCollector(Arc<Mutex<Vec<LogLine>>>);
+
+#[tonic::async_trait]
+impl LogsService for LogCollector {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportLogsServiceRequest>,
+    ) -> Result<tonic::Response<ExportLogsServiceResponse>, tonic::Status> {
+        let mut lines = self.0.lock().map_err(|_| tonic::Status::internal("lock"))?;
+        for rl in &request.get_ref().resource_logs {
+            let resource = rl
+                .resource
+                .as_ref()
+                .map(|r| attributes(&r.attributes))
+                .unwrap_or_default();
+            for sl in &rl.scope_logs {
+                for r in &sl.log_records {
+                    lines.push(LogLine {
+                        trace_id: hex::encode(&r.trace_id),
+                        span_id: hex::encode(&r.span_id),
+                        body: text(&r.body),
+                        severity: r.severity_text.clone(),
+                        attributes: attributes(&r.attributes),
+                        service: resource.get("service.name").cloned().unwrap_or_default(),
+                    });
+                }
+            }
+        }
+        Ok(tonic::Response::new(ExportLogsServiceResponse::default()))
+    }
+}
 
 #[tonic::async_trait]
 impl TraceService for Collector {
@@ -95,6 +146,7 @@ pub struct Receiver {
     /// Where to point `OTEL_EXPORTER_OTLP_ENDPOINT`.
     pub endpoint: String,
     spans: Arc<Mutex<Vec<Span>>>,
+    logs: Arc<Mutex<Vec<LogLine>>>,
 }
 
 impl Receiver {
@@ -104,17 +156,29 @@ impl Receiver {
         let endpoint = format!("http://{}", listener.local_addr()?);
         let collector = Collector::default();
         let spans = collector.0.clone();
+        let log_collector = LogCollector::default();
+        let logs = log_collector.0.clone();
         tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(TraceServiceServer::new(collector))
+                .add_service(LogsServiceServer::new(log_collector))
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );
-        Ok(Receiver { endpoint, spans })
+        Ok(Receiver {
+            endpoint,
+            spans,
+            logs,
+        })
     }
 
     /// Every span received so far.
     pub fn spans(&self) -> Vec<Span> {
         self.spans.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// Every log record received so far.
+    pub fn logs(&self) -> Vec<LogLine> {
+        self.logs.lock().map(|l| l.clone()).unwrap_or_default()
     }
 
     /// The spans of one trace.

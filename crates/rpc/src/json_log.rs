@@ -85,21 +85,28 @@ where
             current.insert("name".into(), span.name().into());
             current.extend(span_fields);
             line.insert("span".into(), Value::Object(current));
-            // The nearest span that is in a trace (a library's span below
-            // the trace filter has none of its own).
-            let traced = span.scope().find_map(|s| {
-                let id = s.id();
-                let cx = tracing::dispatcher::get_default(|d| {
-                    tracing_opentelemetry::get_otel_context(&id, d)
-                })?;
-                let sc = cx.span().span_context().clone();
-                sc.is_valid().then_some(sc)
-            });
-            if let Some(sc) = traced {
+            if let Some(sc) = traced(&span) {
                 line.insert("trace_id".into(), sc.trace_id().to_string().into());
                 line.insert("span_id".into(), sc.span_id().to_string().into());
             }
         }
         writeln!(writer, "{}", Value::Object(line))
     }
+}
+
+/// The trace context of the nearest span of `span`'s scope that is in a
+/// trace (a library's span below the trace filter has none of its own).
+pub(crate) fn traced<S>(
+    span: &tracing_subscriber::registry::SpanRef<'_, S>,
+) -> Option<opentelemetry::trace::SpanContext>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+{
+    span.scope().find_map(|s| {
+        let id = s.id();
+        let cx =
+            tracing::dispatcher::get_default(|d| tracing_opentelemetry::get_otel_context(&id, d))?;
+        let sc = cx.span().span_context().clone();
+        sc.is_valid().then_some(sc)
+    })
 }

@@ -9,6 +9,7 @@ pub mod client;
 pub mod convert;
 pub mod json_log;
 pub mod metrics;
+pub mod otlp_logs;
 pub mod process;
 pub mod propagation;
 pub mod runtime;

@@ -97,6 +97,7 @@ impl<S, F: tracing_subscriber::layer::Filter<S>> tracing_subscriber::layer::Filt
 pub struct Telemetry {
     provider: SdkTracerProvider,
     meters: opentelemetry_sdk::metrics::SdkMeterProvider,
+    logs: Option<opentelemetry_sdk::logs::SdkLoggerProvider>,
     scrape: crate::metrics::Scrape,
 }
 
@@ -113,6 +114,10 @@ impl Drop for Telemetry {
         let _ = self.provider.shutdown();
         let _ = self.meters.force_flush();
         let _ = self.meters.shutdown();
+        if let Some(logs) = &self.logs {
+            let _ = logs.force_flush();
+            let _ = logs.shutdown();
+        }
     }
 }
 
@@ -161,6 +166,16 @@ pub fn otlp_requested() -> bool {
     ])
 }
 
+/// Whether the standard OTLP variables ask for log export (and
+/// `OTEL_LOGS_EXPORTER` does not say `none`).
+pub fn otlp_logs_requested() -> bool {
+    std::env::var("OTEL_LOGS_EXPORTER").map_or(true, |v| v != "none")
+        && any_set(&[
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT",
+        ])
+}
+
 /// Whether the standard OTLP variables ask for metric export (and
 /// `OTEL_METRICS_EXPORTER` does not say `none`).
 pub fn otlp_metrics_requested() -> bool {
@@ -198,6 +213,7 @@ where
     global::set_text_map_propagator(TraceContextPropagator::new());
     let resource = resource(service_name);
     let scrape = crate::metrics::Scrape::default();
+    let resource_for_logs = resource.clone();
     let meters = crate::metrics::provider(resource.clone(), &scrape, otlp_metrics_requested())?;
     global::set_meter_provider(meters.clone());
     let mut builder = SdkTracerProvider::builder().with_resource(resource);
@@ -209,6 +225,25 @@ where
     }
     let provider = builder.build();
     global::set_tracer_provider(provider.clone());
+    let logs = if otlp_logs_requested() {
+        let exporter = opentelemetry_otlp::LogExporter::builder()
+            .with_tonic()
+            .build()?;
+        Some(
+            opentelemetry_sdk::logs::SdkLoggerProvider::builder()
+                .with_resource(resource_for_logs)
+                .with_batch_exporter(exporter)
+                .build(),
+        )
+    } else {
+        None
+    };
+    let otlp_logs = logs.as_ref().map(|l| {
+        crate::otlp_logs::OtlpLogs::new(l)
+            .with_filter(Fresh(EnvFilter::try_from_default_env().unwrap_or_else(
+                |_| EnvFilter::new("info,h2=warn,hyper=warn,tower=warn,sqlx=warn"),
+            )))
+    });
     let tracer = provider.tracer(service_name.to_owned());
     // Filters are per layer: `RUST_LOG` quiets the logs, never the spans
     // that carry trace context between services.
@@ -220,7 +255,7 @@ where
             .unwrap_or_else(|_| EnvFilter::new("info,h2=warn,hyper=warn,tower=warn,sqlx=warn")),
     );
     let json = std::env::var("AUTOMESH_LOG_FORMAT").is_ok_and(|v| v == "json");
-    let registry = tracing_subscriber::registry().with(otel);
+    let registry = tracing_subscriber::registry().with(otel).with(otlp_logs);
     let installed = if json {
         registry
             .with(
@@ -245,6 +280,7 @@ where
     Ok(Telemetry {
         provider,
         meters,
+        logs,
         scrape,
     })
 }
