@@ -36,6 +36,10 @@ pub struct DevArgs {
     pub coordinator_listen: SocketAddr,
     #[arg(long, default_value = "127.0.0.1:50055")]
     pub lifecycle_listen: SocketAddr,
+    /// Where the whole mesh's metrics are served as Prometheus text
+    /// (`GET /metrics`).
+    #[arg(long, env = "AUTOMESH_METRICS_LISTEN", default_value = "127.0.0.1:9450")]
+    pub metrics_listen: SocketAddr,
     /// How long a run may take from creation to its end.
     #[arg(long, env = "AUTOMESH_DEV_RUN_DEADLINE", default_value = "30m", value_parser = automesh_scheduler::parse_duration)]
     pub run_deadline: Duration,
@@ -83,7 +87,9 @@ pub fn write_private(path: &Path, contents: &str) -> anyhow::Result<()> {
 pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("cannot create data directory {}", args.data_dir.display()))?;
-    let _telemetry = automesh_rpc::telemetry::init("automesh-dev")?;
+    let telemetry = automesh_rpc::telemetry::init("automesh-dev")?;
+    let metrics_listener = bind(args.metrics_listen).await?;
+    let metrics_addr = metrics_listener.local_addr()?;
     let jwt_secret = secret_file(&args.data_dir.join("jwt-secret"), "jwt_")?;
     let internal = secret_file(&args.data_dir.join("internal-token"), "ait_")?;
     let credential = InternalCredential::new(internal)?;
@@ -127,6 +133,11 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     }
 
     let shutdown = shutdown_on_signal();
+    tokio::spawn(automesh_rpc::metrics::serve(
+        telemetry.scrape(),
+        metrics_listener,
+        shutdown.clone(),
+    ));
     let mut tasks: JoinSet<(&'static str, anyhow::Result<()>)> = JoinSet::new();
     {
         let (s, c, sd) = (store.clone(), credential.clone(), shutdown.clone());
@@ -240,6 +251,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     println!("  scheduler             {}", upstreams.scheduler_addr);
     println!("  run-coordinator       {}", upstreams.coordinator_addr);
     println!("  cloud-worker-lifecycle {}", upstreams.lifecycle_addr);
+    println!("  metrics               http://{metrics_addr}/metrics");
     println!();
     println!(
         "development token for user {DEV_USER:?} of org {DEV_ORG:?} (30 days; also in {}):",

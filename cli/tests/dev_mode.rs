@@ -87,6 +87,8 @@ fn start_dev(name: &str, env: &[(&str, String)]) -> (Dev, String, String) {
             "127.0.0.1:0",
             "--lifecycle-listen",
             "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
         ])
         .env("RUST_LOG", "warn")
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
