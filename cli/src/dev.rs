@@ -38,7 +38,11 @@ pub struct DevArgs {
     pub lifecycle_listen: SocketAddr,
     /// Where the whole mesh's metrics are served as Prometheus text
     /// (`GET /metrics`).
-    #[arg(long, env = "AUTOMESH_METRICS_LISTEN", default_value = "127.0.0.1:9450")]
+    #[arg(
+        long,
+        env = "AUTOMESH_METRICS_LISTEN",
+        default_value = "127.0.0.1:9450"
+    )]
     pub metrics_listen: SocketAddr,
     /// How long a run may take from creation to its end.
     #[arg(long, env = "AUTOMESH_DEV_RUN_DEADLINE", default_value = "30m", value_parser = automesh_scheduler::parse_duration)]
