@@ -17,7 +17,7 @@
 //! `--repeats`, and the on/off ratios. The binary is `target/release/automesh`
 //! unless `AUTOMESH_BIN` names another. The machine is shared: read ratios.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use automesh_domain::RunState;
@@ -65,7 +65,7 @@ fn mesh_cpu(cluster: &Cluster) -> f64 {
 }
 
 /// One measurement: (runs per second, CPU seconds per run).
-async fn measure(bin: &PathBuf, runs: usize, on: bool) -> anyhow::Result<(f64, f64)> {
+async fn measure(bin: &Path, runs: usize, on: bool) -> anyhow::Result<(f64, f64)> {
     let receiver = Receiver::start().await?;
     let (provider_url, _p) = provider(|_, _| Reply::Json(text_completion("done"))).await;
     let (mcp_url, _mcp) = mcp(
