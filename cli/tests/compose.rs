@@ -371,24 +371,11 @@ fn api(stack: &Stack, owner: &Principal) -> anyhow::Result<Api> {
 async fn run_now(stack: &Stack, owner: &Principal, surface: pb::Surface) -> anyhow::Result<String> {
     let mut api = api(stack, owner)?;
     let a = api
-        .create_automation(pb::CreateAutomationRequest {
-            automation: Some(pb::Automation {
-                name: "composed".into(),
-                prompt: "summarise my inbox".into(),
-                model: "fake/echo".into(),
-                schedule: Some(pb::Schedule {
-                    kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
-                        time_of_day: Some(pb::TimeOfDay {
-                            hours: 6,
-                            minutes: 0,
-                        }),
-                        time_zone: "UTC".into(),
-                    })),
-                }),
-                ..Default::default()
-            }),
-            surface: surface as i32,
-        })
+        .create_automation(automesh_e2e_tests::daily_automation(
+            "composed",
+            "summarise my inbox",
+            surface,
+        ))
         .await?
         .into_inner()
         .automation
@@ -406,15 +393,7 @@ async fn run_now(stack: &Stack, owner: &Principal, surface: pb::Surface) -> anyh
 }
 
 async fn until_terminal(db: &TestDatabase, run_id: &str) -> automesh_domain::Run {
-    let give_up = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let run = db.store.get_run_unscoped(run_id).await.expect("run");
-        if run.state.is_terminal() {
-            return run;
-        }
-        assert!(tokio::time::Instant::now() < give_up, "{run:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    automesh_e2e_tests::until_ended(&db.store, run_id, Duration::from_secs(60)).await
 }
 
 fn runner(stack: &Stack, token: &str, state: &Path, given: &BTreeMap<&str, String>) -> Child {

@@ -73,24 +73,11 @@ impl World {
     async fn cloud_automation(&self, name: &str) -> String {
         self.cluster
             .automations(&self.token)
-            .create_automation(pb::CreateAutomationRequest {
-                automation: Some(pb::Automation {
-                    name: name.into(),
-                    prompt: format!("{name}: summarise my inbox"),
-                    model: "fake/echo".into(),
-                    schedule: Some(pb::Schedule {
-                        kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
-                            time_of_day: Some(pb::TimeOfDay {
-                                hours: 3,
-                                minutes: 0,
-                            }),
-                            time_zone: "UTC".into(),
-                        })),
-                    }),
-                    ..Default::default()
-                }),
-                surface: pb::Surface::Web as i32,
-            })
+            .create_automation(automesh_e2e_tests::daily_automation(
+                name,
+                &format!("{name}: summarise my inbox"),
+                pb::Surface::Web,
+            ))
             .await
             .expect("create")
             .into_inner()

@@ -95,24 +95,9 @@ async fn run_now(
     let token = cluster.token(&owner.org_id, &owner.user_id);
     let mut api = cluster.automations(&token);
     let a = api
-        .create_automation(pb::CreateAutomationRequest {
-            automation: Some(pb::Automation {
-                name: "traced".into(),
-                prompt: prompt.into(),
-                model: "fake/echo".into(),
-                schedule: Some(pb::Schedule {
-                    kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
-                        time_of_day: Some(pb::TimeOfDay {
-                            hours: 5,
-                            minutes: 0,
-                        }),
-                        time_zone: "UTC".into(),
-                    })),
-                }),
-                ..Default::default()
-            }),
-            surface: surface as i32,
-        })
+        .create_automation(automesh_e2e_tests::daily_automation(
+            "traced", prompt, surface,
+        ))
         .await
         .expect("create")
         .into_inner()
@@ -130,18 +115,7 @@ async fn run_now(
 }
 
 async fn until_terminal(cluster: &Cluster, run_id: &str) -> automesh_domain::Run {
-    let give_up = tokio::time::Instant::now() + Duration::from_secs(90);
-    loop {
-        // A scheduled run exists only once its occurrence fell due.
-        let run = cluster.store().get_run_unscoped(run_id).await.ok();
-        if let Some(run) = &run
-            && run.state.is_terminal()
-        {
-            return run.clone();
-        }
-        assert!(tokio::time::Instant::now() < give_up, "{run_id}: {run:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    automesh_e2e_tests::until_ended(cluster.store(), run_id, Duration::from_secs(90)).await
 }
 
 fn summary(spans: &[Span]) -> String {

@@ -412,6 +412,53 @@ fn spawn_coordinator(
     )))
 }
 
+/// A request creating a daily automation (09:00 UTC) of `name` with
+/// `prompt`, from `surface`.
+pub fn daily_automation(
+    name: &str,
+    prompt: &str,
+    surface: automesh_proto::v1::Surface,
+) -> automesh_proto::v1::CreateAutomationRequest {
+    use automesh_proto::v1 as pb;
+    pb::CreateAutomationRequest {
+        automation: Some(pb::Automation {
+            name: name.into(),
+            prompt: prompt.into(),
+            model: "fake/echo".into(),
+            schedule: Some(pb::Schedule {
+                kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
+                    time_of_day: Some(pb::TimeOfDay {
+                        hours: 9,
+                        minutes: 0,
+                    }),
+                    time_zone: "UTC".into(),
+                })),
+            }),
+            ..Default::default()
+        }),
+        surface: surface as i32,
+    }
+}
+
+/// Waits (bounded by `within`) until the run exists and is terminal (a
+/// scheduled run exists only once its occurrence fell due).
+pub async fn until_ended(store: &Store, run_id: &str, within: Duration) -> automesh_domain::Run {
+    let give_up = tokio::time::Instant::now() + within;
+    loop {
+        let run = store.get_run_unscoped(run_id).await.ok();
+        if let Some(run) = &run
+            && run.state.is_terminal()
+        {
+            return run.clone();
+        }
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "run {run_id} did not end within {within:?}: {run:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Waits (bounded) until `addr`'s overall health is SERVING (`want = true`)
 /// or NOT_SERVING (`want = false`).
 pub async fn wait_for_health(addr: &str, within: Duration, want: bool) -> anyhow::Result<()> {

@@ -87,24 +87,11 @@ async fn measure(bin: &Path, runs: usize, on: bool) -> anyhow::Result<(f64, f64)
     for n in 0..runs {
         let mut api = api.clone();
         let a = api
-            .create_automation(pb::CreateAutomationRequest {
-                automation: Some(pb::Automation {
-                    name: format!("bench {n}"),
-                    prompt: "summarise".into(),
-                    model: "fake/echo".into(),
-                    schedule: Some(pb::Schedule {
-                        kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
-                            time_of_day: Some(pb::TimeOfDay {
-                                hours: 4,
-                                minutes: 0,
-                            }),
-                            time_zone: "UTC".into(),
-                        })),
-                    }),
-                    ..Default::default()
-                }),
-                surface: pb::Surface::Desktop as i32,
-            })
+            .create_automation(automesh_e2e_tests::daily_automation(
+                &format!("bench {n}"),
+                "summarise",
+                pb::Surface::Desktop,
+            ))
             .await?
             .into_inner()
             .automation
