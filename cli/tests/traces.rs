@@ -312,6 +312,7 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
     )
     .await;
     assert_one_whole_trace(&spans);
+    assert!(has(&spans, "automesh-runner", "chat "), "model spans");
     assert!(
         spans
             .iter()
@@ -560,6 +561,74 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
             "OTLP log records linked to the runs' traces come from {linked:?}"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    cluster.stop(false).await.expect("stop");
+}
+
+/// The runner and the worker agent flush their spans when they stop on
+/// SIGTERM: with export batched once a minute, nothing of theirs reaches
+/// the collector before the signal, and everything after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_runner_and_the_agent_flush_their_spans_on_sigterm() {
+    let receiver = Receiver::start().await.expect("collector");
+    let (provider_url, _model) = provider(model).await;
+    let (mcp_url, _mcp) = mcp(
+        FakeMcp::with_tools(&["search_capabilities", "execute_capability"]),
+        MCP_TOKEN,
+    )
+    .await;
+    let spec = ClusterSpec::new(1, &provider_url, &mcp_url, MCP_TOKEN)
+        .set_all("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.endpoint)
+        .set_all("OTEL_BSP_SCHEDULE_DELAY", "60000");
+    let mut cluster = Cluster::start(std::path::Path::new(env!("CARGO_BIN_EXE_automesh")), spec)
+        .await
+        .expect("cluster");
+    let carol = Principal::new("acme", "carol");
+    let dana = Principal::new("acme", "dana");
+    cluster
+        .store()
+        .register_worker(&carol, "local-process", Utc::now())
+        .await
+        .expect("worker");
+    cluster
+        .add_runner(&dana.org_id, &dana.user_id)
+        .await
+        .expect("runner");
+    let desktop = run_now(&cluster, &dana, pb::Surface::Desktop, "summarise my inbox").await;
+    let cloud = run_now(&cluster, &carol, pb::Surface::Web, "summarise my inbox").await;
+    for run in [&desktop, &cloud] {
+        assert_eq!(
+            until_terminal(&cluster, &run.id).await.state,
+            RunState::Succeeded
+        );
+    }
+    let sent = |service: &str| receiver.spans().iter().any(|s| s.service == service);
+    assert!(!sent("automesh-runner") && !sent("automesh-worker-agent"));
+    let term = automesh_rpc::process::Signal::TERM;
+    let runner = cluster.runner_pid(0).expect("runner");
+    let agent = *cluster.live_agents().values().next().expect("agent");
+    for pid in [runner, agent] {
+        automesh_rpc::process::signal(pid, term);
+        assert!(
+            automesh_rpc::process::gone_within(pid, Duration::from_secs(20)).await,
+            "{pid} stops on SIGTERM"
+        );
+    }
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !(sent("automesh-runner") && sent("automesh-worker-agent")) {
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "spans flushed on SIGTERM: runner {}, agent {}",
+            sent("automesh-runner"),
+            sent("automesh-worker-agent")
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for run in [&desktop, &cloud] {
+        assert!(
+            !receiver.trace(&run.trace_id).is_empty(),
+            "the flushed spans belong to the runs' traces"
+        );
     }
     cluster.stop(false).await.expect("stop");
 }
