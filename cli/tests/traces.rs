@@ -151,35 +151,58 @@ async fn trace_with(receiver: &Receiver, trace_id: &str, services: &[&str]) -> V
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
+fn carol() -> Principal {
+    Principal::new("acme", "carol")
+}
+
+fn dana() -> Principal {
+    Principal::new("acme", "dana")
+}
+
+/// The mesh as processes exporting to a collector in this test, the model
+/// and Connect fakes, a cloud worker for carol and a runner for dana.
+async fn world(
+    tune: impl FnOnce(ClusterSpec) -> ClusterSpec,
+) -> (Receiver, Cluster, tokio_util::sync::CancellationToken) {
     let receiver = Receiver::start().await.expect("collector");
     let (provider_url, _model) = provider(model).await;
-    let (mcp_url, _mcp) = mcp(
+    let (mcp_url, mcp_stop) = mcp(
         FakeMcp::with_tools(&["search_capabilities", "execute_capability"]),
         MCP_TOKEN,
     )
     .await;
-    let mut spec = ClusterSpec::new(1, &provider_url, &mcp_url, MCP_TOKEN)
-        .set_all("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.endpoint)
-        .set_all("OTEL_BSP_SCHEDULE_DELAY", "100")
-        .set_all("AUTOMESH_LOG_FORMAT", "json");
-    // Two coordinators: one is killed under a run, the other takes it over.
-    spec.replicas.insert(Kind::Coordinator, 2);
+    let spec = tune(
+        ClusterSpec::new(1, &provider_url, &mcp_url, MCP_TOKEN)
+            .set_all("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.endpoint),
+    );
     let mut cluster = Cluster::start(std::path::Path::new(env!("CARGO_BIN_EXE_automesh")), spec)
         .await
         .expect("cluster");
-    let carol = Principal::new("acme", "carol");
-    let dana = Principal::new("acme", "dana");
     cluster
         .store()
-        .register_worker(&carol, "local-process", Utc::now())
+        .register_worker(&carol(), "local-process", Utc::now())
         .await
         .expect("worker");
+    let d = dana();
     cluster
-        .add_runner(&dana.org_id, &dana.user_id)
+        .add_runner(&d.org_id, &d.user_id)
         .await
         .expect("runner");
+    (receiver, cluster, mcp_stop)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
+    let (receiver, mut cluster, _mcp) = world(|spec| {
+        let mut spec = spec
+            .set_all("OTEL_BSP_SCHEDULE_DELAY", "100")
+            .set_all("AUTOMESH_LOG_FORMAT", "json");
+        // Two coordinators: one is killed under a run, the other takes it over.
+        spec.replicas.insert(Kind::Coordinator, 2);
+        spec
+    })
+    .await;
+    let (carol, dana) = (carol(), dana());
 
     let desktop = run_now(&cluster, &dana, pb::Surface::Desktop, "summarise my inbox").await;
     assert_eq!(
@@ -570,30 +593,9 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
 /// the collector before the signal, and everything after it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_runner_and_the_agent_flush_their_spans_on_sigterm() {
-    let receiver = Receiver::start().await.expect("collector");
-    let (provider_url, _model) = provider(model).await;
-    let (mcp_url, _mcp) = mcp(
-        FakeMcp::with_tools(&["search_capabilities", "execute_capability"]),
-        MCP_TOKEN,
-    )
-    .await;
-    let spec = ClusterSpec::new(1, &provider_url, &mcp_url, MCP_TOKEN)
-        .set_all("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.endpoint)
-        .set_all("OTEL_BSP_SCHEDULE_DELAY", "60000");
-    let mut cluster = Cluster::start(std::path::Path::new(env!("CARGO_BIN_EXE_automesh")), spec)
-        .await
-        .expect("cluster");
-    let carol = Principal::new("acme", "carol");
-    let dana = Principal::new("acme", "dana");
-    cluster
-        .store()
-        .register_worker(&carol, "local-process", Utc::now())
-        .await
-        .expect("worker");
-    cluster
-        .add_runner(&dana.org_id, &dana.user_id)
-        .await
-        .expect("runner");
+    let (receiver, cluster, _mcp) =
+        world(|spec| spec.set_all("OTEL_BSP_SCHEDULE_DELAY", "60000")).await;
+    let (carol, dana) = (carol(), dana());
     let desktop = run_now(&cluster, &dana, pb::Surface::Desktop, "summarise my inbox").await;
     let cloud = run_now(&cluster, &carol, pb::Surface::Web, "summarise my inbox").await;
     for run in [&desktop, &cloud] {

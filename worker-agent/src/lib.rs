@@ -23,7 +23,6 @@
 //!   SIGTERM, SIGINT or `Shutdown`.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -40,88 +39,24 @@ use automesh_proto::agent::v1::worker_agent_service_server::{
     WorkerAgentService, WorkerAgentServiceServer,
 };
 use automesh_proto::v1 as pb;
-use automesh_rpc::auth::{Secret, constant_time_eq};
+use automesh_rpc::auth::Secret;
 use automesh_rpc::{GrpcServer, ServerSettings};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, mpsc};
 use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
-use tonic::service::Interceptor;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
+
+mod auth;
+mod cli;
+pub use auth::DualCredential;
+pub use cli::{Args, LOCK_FILE, PID_FILE, StateDir};
 
 /// The header carrying the internal host credential.
 pub use automesh_rpc::auth::HOST_CREDENTIAL_HEADER as HOST_HEADER;
 /// The registration name the mesh manages.
 pub const REGISTRATION: &str = "openwork-cloud";
-
-/// Admits only calls carrying both credentials.
-#[derive(Clone)]
-pub struct DualCredential {
-    collaborator: Arc<str>,
-    host: Arc<str>,
-    contact: Contact,
-}
-
-/// When an authenticated call last arrived.
-#[derive(Clone, Default)]
-struct Contact(Arc<Mutex<Option<std::time::Instant>>>);
-
-impl Contact {
-    fn touch(&self) {
-        if let Ok(mut c) = self.0.lock() {
-            *c = Some(std::time::Instant::now());
-        }
-    }
-
-    /// Time since the last call (or since `since`, before any call).
-    fn silent_for(&self, since: std::time::Instant) -> Duration {
-        self.0
-            .lock()
-            .ok()
-            .and_then(|c| *c)
-            .unwrap_or(since)
-            .elapsed()
-    }
-}
-
-impl std::fmt::Debug for DualCredential {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("DualCredential(<redacted>)")
-    }
-}
-
-impl DualCredential {
-    pub fn new(collaborator: &str, host: &str) -> Self {
-        Self {
-            collaborator: Arc::from(format!("Bearer {collaborator}")),
-            host: Arc::from(host),
-            contact: Contact::default(),
-        }
-    }
-}
-
-impl Interceptor for DualCredential {
-    fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
-        let has = |name: &str, want: &str| {
-            req.metadata()
-                .get(name)
-                .is_some_and(|v| constant_time_eq(v.as_bytes(), want.as_bytes()))
-        };
-        if !has("authorization", &self.collaborator) {
-            return Err(Status::unauthenticated(
-                "missing or invalid collaborator token",
-            ));
-        }
-        if !has(HOST_HEADER, &self.host) {
-            return Err(Status::unauthenticated(
-                "missing or invalid host credential",
-            ));
-        }
-        self.contact.touch();
-        Ok(req)
-    }
-}
 
 /// How the agent reaches its model provider and where it keeps state.
 #[derive(Debug, Clone)]
@@ -668,45 +603,6 @@ impl WorkerAgentService for Agent {
     }
 }
 
-/// Holds the agent's state directory for this process: an exclusive lock on
-/// `agent.lock` (released when the process ends, however it ends) and the
-/// process id in `agent.pid`, so its lifecycle can stop it from any replica.
-#[derive(Debug)]
-pub struct StateDir {
-    _lock: std::fs::File,
-}
-
-/// The lock file of an agent's state directory.
-pub const LOCK_FILE: &str = "agent.lock";
-/// The file an agent writes its process id to.
-pub use automesh_rpc::process::PID_FILE;
-
-impl StateDir {
-    /// Takes the state directory, or fails naming it when another live
-    /// agent holds it.
-    pub fn take(dir: &std::path::Path) -> anyhow::Result<StateDir> {
-        std::fs::create_dir_all(dir)?;
-        let lock = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(dir.join(LOCK_FILE))?;
-        match lock.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => anyhow::bail!(
-                "another worker agent holds {}; one agent per worker",
-                dir.display()
-            ),
-            Err(std::fs::TryLockError::Error(e)) => return Err(e.into()),
-        }
-        let pid = dir.join(PID_FILE);
-        let tmp = dir.join(format!("{PID_FILE}.tmp"));
-        std::fs::write(&tmp, format!("{}\n", std::process::id()))?;
-        std::fs::rename(&tmp, &pid)?;
-        Ok(StateDir { _lock: lock })
-    }
-}
-
 /// Serves the agent on `listener` until `shutdown`, a `Shutdown` call, or
 /// (with `settings.orphan_after`) a silence that long from its lifecycle.
 pub async fn serve(
@@ -750,80 +646,4 @@ pub async fn serve(
         .await?;
     tracing::info!("worker agent stopped");
     Ok(())
-}
-
-/// `automesh worker-agent`: started inside a cloud worker by its driver.
-/// Prints `listening on http://<addr>` once it serves.
-#[derive(Debug, Clone, clap::Args)]
-pub struct Args {
-    #[arg(long, env = "AUTOMESH_AGENT_LISTEN", default_value = "127.0.0.1:0")]
-    pub listen: SocketAddr,
-    /// The collaborator token every call must present (Bearer).
-    #[arg(
-        long,
-        env = "AUTOMESH_AGENT_COLLABORATOR_TOKEN",
-        hide_env_values = true
-    )]
-    pub collaborator_token: Secret,
-    /// The internal host credential every call must present.
-    #[arg(long, env = "AUTOMESH_AGENT_HOST_CREDENTIAL", hide_env_values = true)]
-    pub host_credential: Secret,
-    /// The OpenAI-compatible provider's base URL.
-    #[arg(long, env = "AUTOMESH_PROVIDER_URL")]
-    pub provider_url: String,
-    #[arg(
-        long,
-        env = "AUTOMESH_PROVIDER_API_KEY",
-        hide_env_values = true,
-        default_value = ""
-    )]
-    pub provider_key: Secret,
-    /// Where the agent keeps its MCP registrations.
-    #[arg(long, env = "AUTOMESH_AGENT_STATE_DIR", default_value = ".")]
-    pub state_dir: PathBuf,
-    #[arg(long, default_value_t = 32)]
-    pub max_steps: u32,
-    /// Exit after this long without a call from the lifecycle service.
-    #[arg(
-        long,
-        env = "AUTOMESH_AGENT_ORPHAN_AFTER",
-        default_value = "60s",
-        value_parser = automesh_rpc::runtime::parse_duration
-    )]
-    pub orphan_after: Duration,
-}
-
-impl Args {
-    pub async fn execute(self) -> anyhow::Result<()> {
-        let _telemetry = automesh_rpc::telemetry::init("automesh-worker-agent")?;
-        let _state = StateDir::take(&self.state_dir)?;
-        let listener = TcpListener::bind(self.listen).await?;
-        // The one line the driver reads; the agent writes nothing else to
-        // stdout (its logs go to stderr), so a reader that is gone costs it
-        // nothing.
-        {
-            use std::io::Write;
-            let mut out = std::io::stdout().lock();
-            let _ = writeln!(out, "listening on http://{}", listener.local_addr()?);
-            let _ = out.flush();
-        }
-        let shutdown = automesh_rpc::runtime::shutdown_on_signal();
-        serve(
-            Settings {
-                provider_url: self.provider_url,
-                provider_key: self.provider_key,
-                state_dir: self.state_dir,
-                max_steps: self.max_steps,
-                request_timeout: Duration::from_secs(120),
-                orphan_after: Some(self.orphan_after),
-            },
-            DualCredential::new(
-                self.collaborator_token.expose(),
-                self.host_credential.expose(),
-            ),
-            listener,
-            shutdown,
-        )
-        .await
-    }
 }
