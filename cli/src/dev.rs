@@ -30,6 +30,10 @@ pub struct DevArgs {
     /// Where desktop runners connect.
     #[arg(long, default_value = "127.0.0.1:50052")]
     pub runner_gateway_listen: SocketAddr,
+    /// The desktop-runner-gateway's internal listener (the desktop executor
+    /// and the runner token service; the mesh only).
+    #[arg(long, default_value = "127.0.0.1:50056")]
+    pub runner_gateway_internal_listen: SocketAddr,
     #[arg(long, default_value = "127.0.0.1:50053")]
     pub scheduler_listen: SocketAddr,
     #[arg(long, default_value = "127.0.0.1:50054")]
@@ -111,6 +115,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     // Bind every port before serving anything, so a taken port fails fast.
     let gateway_l = bind(args.gateway_listen).await?;
     let runner_l = bind(args.runner_gateway_listen).await?;
+    let runner_internal_l = bind(args.runner_gateway_internal_listen).await?;
     let scheduler_l = bind(args.scheduler_listen).await?;
     let coordinator_l = bind(args.coordinator_listen).await?;
     let lifecycle_l = bind(args.lifecycle_listen).await?;
@@ -121,7 +126,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         scheduler_addr: addr(&scheduler_l)?,
         coordinator_addr: addr(&coordinator_l)?,
         lifecycle_addr: addr(&lifecycle_l)?,
-        runner_gateway_addr: addr(&runner_l)?,
+        runner_gateway_addr: addr(&runner_internal_l)?,
     };
     let public = addr(&gateway_l)?;
     let runners = addr(&runner_l)?;
@@ -220,7 +225,16 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         tasks.spawn(async move {
             (
                 "desktop-runner-gateway",
-                automesh_desktop_runner_gateway::serve(s, c, runner_l, sd).await,
+                automesh_desktop_runner_gateway::serve(
+                    s,
+                    c,
+                    automesh_desktop_runner_gateway::Listeners {
+                        runners: runner_l,
+                        internal: runner_internal_l,
+                    },
+                    sd,
+                )
+                .await,
             )
         });
     }

@@ -37,8 +37,9 @@ pub struct Config {
     pub listen: SocketAddr,
     #[command(flatten)]
     pub upstreams: UpstreamAddrs,
-    /// A JSON model catalogue (`{"models":[{"id":…,"authorized_orgs":["*"]}]}`);
-    /// without it, the development catalogue is used.
+    /// The model catalogue (JSON, see docs/models.md); without it, the
+    /// development catalogue is used. The run-coordinator must read the same
+    /// file: it prices runs from it.
     #[arg(long, env = "AUTOMESH_MODELS_FILE")]
     pub models_file: Option<PathBuf>,
     /// The HS256 key that verifies bearer tokens (at least 32 bytes).
@@ -122,15 +123,7 @@ impl Gateway {
 
 /// Loads the configured model catalogue, or the development one.
 pub fn load_models(path: Option<&std::path::Path>) -> anyhow::Result<ModelCatalog> {
-    match path {
-        None => Ok(ModelCatalog::development()),
-        Some(p) => {
-            let text = std::fs::read_to_string(p)
-                .map_err(|e| anyhow::anyhow!("cannot read model catalogue {}: {e}", p.display()))?;
-            ModelCatalog::from_json(&text)
-                .map_err(|e| anyhow::anyhow!("invalid model catalogue {}: {e}", p.display()))
-        }
-    }
+    ModelCatalog::load(path).map_err(anyhow::Error::msg)
 }
 
 /// Serves the public API on `listener` until `shutdown` is cancelled.

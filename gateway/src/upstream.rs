@@ -40,10 +40,12 @@ pub struct UpstreamAddrs {
         default_value = "http://127.0.0.1:50055"
     )]
     pub lifecycle_addr: String,
+    /// The desktop-runner-gateway's internal listener (its
+    /// `--internal-listen`), where the runner token service is.
     #[arg(
         long,
         env = "AUTOMESH_RUNNER_GATEWAY_ADDR",
-        default_value = "http://127.0.0.1:50052"
+        default_value = "http://127.0.0.1:50056"
     )]
     pub runner_gateway_addr: String,
 }

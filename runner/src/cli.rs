@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use automesh_engine::adapter::{EngineAdapter, NativeEngine};
 use automesh_engine::connect::ConnectConfig;
-use automesh_engine::native::{NativeRun, Price};
+use automesh_engine::native::NativeRun;
 use automesh_engine::opencode::{OpenCodeConfig, OpenCodeEngine, OpenCodeServer, PolicyBook};
 use automesh_engine::provider::ProviderConfig;
 use automesh_rpc::auth::Secret;
@@ -151,7 +151,6 @@ pub fn native_engine(args: &Args) -> NativeEngine {
             // The gateway only assigns runs whose model the owner may use.
             model_authorized: true,
             max_steps: args.max_steps,
-            price: Price::default(),
             deadline: tokio::time::Instant::now(),
             resume_from: None,
         },

@@ -508,6 +508,7 @@ async fn execute(
     let request = EngineRequest {
         prompt: a.prompt.clone(),
         model: a.model.clone(),
+        provider_model: a.provider_model.clone(),
         automation_id: a.automation_id.clone(),
         guidance: Some("You run headless on the owner's desktop through the automesh runner; nobody can answer questions or prompts.".into()),
         deadline: tokio::time::Instant::now() + deadline,

@@ -51,6 +51,8 @@ pub struct MeshOptions {
     /// Cloud runs go to the cloud-worker-lifecycle service (the real cloud
     /// executor) with this driver and these settings, instead of `executor`.
     pub cloud: Option<CloudOptions>,
+    /// The model catalogue of the gateway and the coordinators.
+    pub models: ModelCatalog,
 }
 
 /// The cloud path of a test mesh.
@@ -74,6 +76,7 @@ impl Default for MeshOptions {
             desktop_via_runner_gateway: false,
             runner_gateways: 1,
             cloud: None,
+            models: test_models(),
         }
     }
 }
@@ -85,9 +88,14 @@ pub struct Mesh {
     pub scheduler: String,
     pub coordinator: String,
     pub lifecycle: String,
+    /// The first desktop-runner-gateway's runner listener (where runners
+    /// connect) and its internal listener (desktop executor, runner tokens).
     pub runner_gateway: String,
-    /// Every desktop-runner-gateway replica, in order.
+    pub runner_gateway_internal: String,
+    /// Every desktop-runner-gateway replica's runner listener, in order.
     pub runner_gateways: Vec<String>,
+    /// Every replica's internal listener, in the same order.
+    pub runner_gateway_internals: Vec<String>,
     /// Stops one replica (as its process being terminated would).
     pub runner_gateway_stops: Vec<CancellationToken>,
     pub credential: InternalCredential,
@@ -105,15 +113,110 @@ async fn listener() -> anyhow::Result<(TcpListener, String)> {
     Ok((l, addr))
 }
 
-/// The catalogue test meshes use: the development one plus a model only the
-/// organisation `acme` may use.
+/// The priced model of test meshes. Its provider name is `echo`, so
+/// OpenCode's `fake` provider (`fake/echo`) serves it too.
+pub const PRICED_MODEL: &str = "fake/priced-echo";
+
+/// What [`PRICED_MODEL`] costs in [`test_models`].
+pub const PRICE: automesh_domain::Price = automesh_domain::Price {
+    input_micros_per_million_tokens: 1_250_000,
+    output_micros_per_million_tokens: 5_000_000,
+};
+
+/// The catalogue test meshes use: the development one, a model only the
+/// organisation `acme` may use, and [`PRICED_MODEL`] at [`PRICE`].
 pub fn test_models() -> ModelCatalog {
+    test_models_at(PRICE)
+}
+
+/// The same, with [`PRICED_MODEL`] at `price`.
+pub fn test_models_at(price: automesh_domain::Price) -> ModelCatalog {
     let mut catalog = ModelCatalog::development();
-    catalog.models.push(automesh_domain::ModelSpec {
-        id: "restricted/acme-only".into(),
-        authorized_orgs: vec!["acme".into()],
-    });
+    let mut restricted = automesh_domain::ModelSpec::new("restricted/acme-only");
+    restricted.authorized_orgs = vec!["acme".into()];
+    catalog.models.push(restricted);
+    let mut priced = automesh_domain::ModelSpec::new(PRICED_MODEL);
+    priced.provider_model = Some("echo".into());
+    priced.price = Some(price);
+    catalog.models.push(priced);
     catalog
+}
+
+/// What `tokens` cost at `price`, computed here rather than by the mesh:
+/// micro-units per million tokens, rounded up to a whole micro-unit.
+pub fn expected_cost(price: automesh_domain::Price, input: i64, output: i64) -> i64 {
+    let raw = input * price.input_micros_per_million_tokens
+        + output * price.output_micros_per_million_tokens;
+    (raw + 999_999) / 1_000_000
+}
+
+/// Changes [`PRICED_MODEL`]'s price to `price` (restarting the
+/// coordinators on the new catalogue) and checks that the receipt and the
+/// usage events of the run already charged as `before` did not change.
+pub async fn reprice_keeps_history(
+    mesh: &mut Mesh,
+    before: &automesh_domain::Receipt,
+    price: automesh_domain::Price,
+) {
+    let events_before = mesh
+        .store()
+        .list_events(&before.run_id, 0, 1000)
+        .await
+        .expect("events");
+    mesh.reprice(test_models_at(price)).await.expect("reprice");
+    let after = mesh
+        .store()
+        .get_receipt(&before.run_id)
+        .await
+        .expect("get receipt")
+        .expect("a receipt");
+    assert_eq!(&after, before, "a price change rewrote a receipt");
+    let events_after = mesh
+        .store()
+        .list_events(&before.run_id, 0, 1000)
+        .await
+        .expect("events");
+    assert_eq!(events_after, events_before, "a price change rewrote events");
+}
+
+/// Checks that a finished run of [`PRICED_MODEL`] was charged its tokens at
+/// `price`: the receipt (with the price and the model names stored on it)
+/// and every usage event. Returns the receipt.
+pub async fn assert_charged(
+    store: &Store,
+    run_id: &str,
+    price: automesh_domain::Price,
+) -> automesh_domain::Receipt {
+    let receipt = store
+        .get_receipt(run_id)
+        .await
+        .expect("get receipt")
+        .expect("a receipt");
+    let usage = receipt.usage;
+    assert!(usage.input_tokens > 0, "{receipt:?}");
+    assert!(usage.cost_micros > 0, "{receipt:?}");
+    assert_eq!(
+        usage.cost_micros,
+        expected_cost(price, usage.input_tokens, usage.output_tokens),
+        "{receipt:?}"
+    );
+    assert_eq!(receipt.price, Some(price));
+    assert_eq!(receipt.model.as_deref(), Some(PRICED_MODEL));
+    assert_eq!(receipt.provider_model.as_deref(), Some("echo"));
+    let events = store.list_events(run_id, 0, 1000).await.expect("events");
+    let mut usage_events = 0;
+    for e in &events {
+        if let automesh_domain::RunEventPayload::Usage(u) = &e.payload {
+            usage_events += 1;
+            assert_eq!(
+                u.cost_micros,
+                expected_cost(price, u.input_tokens, u.output_tokens),
+                "{u:?}"
+            );
+        }
+    }
+    assert!(usage_events > 0, "no usage event: {events:?}");
+    receipt
 }
 
 impl Mesh {
@@ -138,13 +241,21 @@ impl Mesh {
         let (ll, lifecycle) = listener().await?;
         let mut runner_listeners = vec![];
         let mut runner_gateways = vec![];
+        let mut runner_gateway_internals = vec![];
         for _ in 0..options.runner_gateways.max(1) {
             let (l, addr) = listener().await?;
-            runner_listeners.push(l);
+            let (internal, internal_addr) = listener().await?;
+            runner_listeners.push(automesh_desktop_runner_gateway::Listeners {
+                runners: l,
+                internal,
+            });
             runner_gateways.push(addr);
+            runner_gateway_internals.push(internal_addr);
         }
         let runner_gateway = runner_gateways[0].clone();
-        let coordinated_gateway = runner_gateways[runner_gateways.len() - 1].clone();
+        let runner_gateway_internal = runner_gateway_internals[0].clone();
+        let coordinated_gateway =
+            runner_gateway_internals[runner_gateway_internals.len() - 1].clone();
         let store = db.store.clone();
         let mut first = Some(sl);
         for _ in 0..options.schedulers.max(1) {
@@ -224,7 +335,7 @@ impl Mesh {
         };
         let gw = automesh_gateway::Gateway::new(
             automesh_gateway::Authenticator::hs256(JWT_SECRET)?,
-            test_models(),
+            options.models.clone(),
             automesh_gateway::Upstreams::new(&upstreams, &credential)?,
         );
         tasks.spawn(automesh_gateway::serve(gw, gl, shutdown.clone()));
@@ -235,7 +346,9 @@ impl Mesh {
             coordinator,
             lifecycle,
             runner_gateway,
+            runner_gateway_internal,
             runner_gateways,
+            runner_gateway_internals,
             runner_gateway_stops,
             credential,
             options,
@@ -252,6 +365,17 @@ impl Mesh {
         &self.db.store
     }
 
+    /// Replaces every coordinator with one reading `models`, as an operator
+    /// changing the catalogue and restarting the coordinators would.
+    pub async fn reprice(&mut self, models: ModelCatalog) -> anyhow::Result<()> {
+        for c in self.coordinators.drain(..) {
+            c.abort();
+            let _ = c.await;
+        }
+        self.options.models = models;
+        self.add_coordinator().await
+    }
+
     /// Starts one more coordinator replica on this mesh's database.
     pub async fn add_coordinator(&mut self) -> anyhow::Result<()> {
         let (l, _) = listener().await?;
@@ -261,7 +385,7 @@ impl Mesh {
             &self.credential,
             l,
             &self.shutdown,
-            &self.runner_gateways[self.runner_gateways.len() - 1],
+            &self.runner_gateway_internals[self.runner_gateway_internals.len() - 1],
             &self.lifecycle,
         )?;
         self.coordinators.push(handle);
@@ -298,6 +422,16 @@ impl Mesh {
     /// Creates a daily desktop automation of `user` through the public API
     /// and runs it now; returns the run.
     pub async fn desktop_run_now(&self, org: &str, user: &str) -> automesh_proto::v1::Run {
+        self.desktop_run_now_of(org, user, "fake/echo").await
+    }
+
+    /// The same, for an automation of `model`.
+    pub async fn desktop_run_now_of(
+        &self,
+        org: &str,
+        user: &str,
+        model: &str,
+    ) -> automesh_proto::v1::Run {
         use automesh_proto::v1 as pb;
         let token = self.token(org, user);
         let mut api = self.automations(Some(&token));
@@ -306,7 +440,7 @@ impl Mesh {
                 automation: Some(pb::Automation {
                     name: "desk".into(),
                     prompt: "tidy my downloads".into(),
-                    model: "fake/echo".into(),
+                    model: model.into(),
                     schedule: Some(pb::Schedule {
                         kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
                             time_of_day: Some(pb::TimeOfDay {
@@ -400,6 +534,7 @@ fn spawn_coordinator(
         lease: options.lease,
         cancel_bound: options.cancel_bound,
         poll: Duration::from_millis(100),
+        models: std::sync::Arc::new(options.models.clone()),
         ..Default::default()
     };
     Ok(tokio::spawn(automesh_run_coordinator::serve(
@@ -410,6 +545,32 @@ fn spawn_coordinator(
         listener,
         shutdown.clone(),
     )))
+}
+
+/// The services `addr` lists through server reflection (v1), sorted.
+pub async fn reflected_services(addr: &str) -> Vec<String> {
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    let mut client =
+        ServerReflectionClient::new(automesh_rpc::client::channel(addr).expect("channel"));
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut stream = client
+        .server_reflection_info(tokio_stream::iter([request]))
+        .await
+        .expect("reflection")
+        .into_inner();
+    let response = stream.message().await.expect("answer").expect("one answer");
+    let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
+        panic!("unexpected reflection answer {response:?}");
+    };
+    let mut names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    names.sort();
+    names
 }
 
 /// A request creating a daily automation (09:00 UTC) of `name` with

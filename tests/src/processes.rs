@@ -176,6 +176,8 @@ struct Proc {
     port: u16,
     /// Its metrics listener's port.
     metrics: u16,
+    /// Its internal listener's port (the desktop-runner-gateway's).
+    internal: u16,
     child: Option<Child>,
 }
 
@@ -235,6 +237,7 @@ impl Cluster {
                     Proc {
                         port: free_port()?,
                         metrics: free_port()?,
+                        internal: free_port()?,
                         child: None,
                     },
                 );
@@ -318,6 +321,17 @@ impl Cluster {
             .join(",")
     }
 
+    /// Every replica's internal listener (the desktop-runner-gateway's
+    /// executor and token service), comma separated.
+    pub fn internal_addrs(&self, kind: Kind) -> String {
+        self.procs
+            .iter()
+            .filter(|((k, _), _)| *k == kind)
+            .map(|(_, p)| format!("http://127.0.0.1:{}", p.internal))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
     /// How many replicas of `kind` the cluster has.
     pub fn replicas(&self, kind: Kind) -> usize {
         self.procs.keys().filter(|(k, _)| *k == kind).count()
@@ -362,6 +376,7 @@ impl Cluster {
     fn spawn(&mut self, kind: Kind, replica: usize) -> anyhow::Result<()> {
         let port = self.procs[&(kind, replica)].port;
         let metrics = self.procs[&(kind, replica)].metrics;
+        let internal = self.procs[&(kind, replica)].internal;
         let mut command = Command::new(&self.bin);
         command.arg(kind.command());
         self.base_env(&mut command);
@@ -380,14 +395,14 @@ impl Cluster {
                     .env("AUTOMESH_LIFECYCLE_ADDR", self.addrs(Kind::Lifecycle))
                     .env(
                         "AUTOMESH_RUNNER_GATEWAY_ADDR",
-                        self.addrs(Kind::RunnerGateway),
+                        self.internal_addrs(Kind::RunnerGateway),
                     );
             }
             Kind::Coordinator => {
                 command
                     .env(
                         "AUTOMESH_DESKTOP_EXECUTOR_ADDR",
-                        self.addrs(Kind::RunnerGateway),
+                        self.internal_addrs(Kind::RunnerGateway),
                     )
                     .env("AUTOMESH_CLOUD_EXECUTOR_ADDR", self.addrs(Kind::Lifecycle));
             }
@@ -404,7 +419,13 @@ impl Cluster {
                     .env("AUTOMESH_CONNECT_TOKEN", &self.spec.connect_token)
                     .env("AUTOMESH_WORKER_LOG", "info");
             }
-            Kind::Scheduler | Kind::RunnerGateway => {}
+            Kind::RunnerGateway => {
+                command.env(
+                    "AUTOMESH_RUNNER_GATEWAY_INTERNAL_LISTEN",
+                    format!("127.0.0.1:{internal}"),
+                );
+            }
+            Kind::Scheduler => {}
         }
         for (k, v) in self.spec.env.get(&kind).into_iter().flatten() {
             command.env(k, v);

@@ -14,7 +14,7 @@ use automesh_domain::{ErrorCode, RunState};
 use automesh_e2e_tests::{Mesh, MeshOptions};
 use automesh_engine::adapter::NativeEngine;
 use automesh_engine::connect::ConnectConfig;
-use automesh_engine::native::{NativeRun, Price};
+use automesh_engine::native::NativeRun;
 use automesh_engine::provider::ProviderConfig;
 use automesh_proto::runner::v1 as rpb;
 use automesh_proto::runner::v1::desktop_runner_service_client::DesktopRunnerServiceClient;
@@ -92,7 +92,6 @@ async fn desk(
             connect_token_expires_at: None,
             model_authorized: true,
             max_steps: 8,
-            price: Price::default(),
             deadline: tokio::time::Instant::now(),
             resume_from: None,
         },
@@ -409,6 +408,61 @@ async fn cancelling_a_run_stops_the_runners_engine_and_ends_once_idle_is_observe
     desk.stop().await;
 }
 
+/// The mesh charges a desktop run's tokens at the catalogue price of its
+/// model, whatever the runner reported as cost; the provider is asked for
+/// the catalogue's provider name; a later price change charges later runs
+/// and leaves earlier receipts alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn desktop_runs_are_charged_at_the_catalogue_price_and_keep_it() {
+    use automesh_e2e_tests::{PRICE, PRICED_MODEL, assert_charged, reprice_keeps_history};
+    let mut desk = desk(Duration::from_secs(60), streams(), |_, body| {
+        let tools = body["messages"]
+            .as_array()
+            .map_or(0, |m| m.iter().filter(|m| m["role"] == "tool").count());
+        Reply::Json(match tools {
+            0 => automesh_testkit::tool_call_completion(
+                "call_1",
+                "search_capabilities",
+                r#"{"query":"downloads"}"#,
+            ),
+            _ => text_completion("tidied"),
+        })
+    })
+    .await;
+    let runner = desk.start_runner(&[&desk.mesh.runner_gateways[0]]);
+    let run = desk
+        .mesh
+        .desktop_run_now_of("acme", "alice", PRICED_MODEL)
+        .await;
+    let ended = desk.terminal(&run.id).await;
+    assert_eq!(ended.state, RunState::Succeeded, "{ended:?}");
+    let first = assert_charged(desk.mesh.store(), &run.id, PRICE).await;
+    // Two model calls: 100/20 and 7/3 tokens (the fake's figures).
+    assert_eq!(
+        (first.usage.input_tokens, first.usage.output_tokens),
+        (107, 23)
+    );
+    for body in desk.provider.bodies.lock().expect("lock").iter() {
+        assert_eq!(body["model"], "echo", "the catalogue's provider name");
+    }
+
+    let doubled = automesh_domain::Price {
+        input_micros_per_million_tokens: 2 * PRICE.input_micros_per_million_tokens,
+        output_micros_per_million_tokens: 2 * PRICE.output_micros_per_million_tokens,
+    };
+    reprice_keeps_history(&mut desk.mesh, &first, doubled).await;
+    let second = desk
+        .mesh
+        .desktop_run_now_of("acme", "alice", PRICED_MODEL)
+        .await;
+    let ended = desk.terminal(&second.id).await;
+    assert_eq!(ended.state, RunState::Succeeded, "{ended:?}");
+    let second = assert_charged(desk.mesh.store(), &second.id, doubled).await;
+    assert!(second.usage.cost_micros > first.usage.cost_micros);
+    runner.task.abort();
+    desk.stop().await;
+}
+
 fn opencode_binary() -> PathBuf {
     std::env::var("AUTOMESH_OPENCODE_BIN").map_or_else(
         |_| {
@@ -447,7 +501,7 @@ async fn a_desktop_run_executes_through_the_opencode_adapter_under_the_runners_p
         OpenCodeConfig, OpenCodeEngine, OpenCodeServer, PermissionPolicy, PermissionRule,
         PolicyBook, isolated_env,
     };
-    let desk = desk(Duration::from_secs(120), streams(), opencode_model).await;
+    let mut desk = desk(Duration::from_secs(120), streams(), opencode_model).await;
     let bin = opencode_binary();
     assert!(
         bin.exists(),
@@ -493,17 +547,27 @@ async fn a_desktop_run_executes_through_the_opencode_adapter_under_the_runners_p
     settings.reconnect_min = Duration::from_millis(50);
     let runner = Runner::new(settings, Arc::new(engine)).expect("runner");
     let task = tokio::spawn(async move { runner.run(CancellationToken::new()).await });
-    let run = desk.run_now().await;
+    // The priced model: OpenCode is asked for `fake/echo` (the catalogue's
+    // provider prefix and provider name), the mesh charges its tokens.
+    let run = desk
+        .mesh
+        .desktop_run_now_of("acme", "alice", automesh_e2e_tests::PRICED_MODEL)
+        .await;
     let ended = desk.terminal(&run.id).await;
     assert_eq!(ended.state, RunState::Succeeded, "{ended:?}");
-    let receipt = desk
-        .mesh
-        .store()
-        .get_receipt(&run.id)
-        .await
-        .expect("get")
-        .expect("receipt");
+    let receipt =
+        automesh_e2e_tests::assert_charged(desk.mesh.store(), &run.id, automesh_e2e_tests::PRICE)
+            .await;
     assert_eq!(receipt.engine.as_deref(), Some("opencode-1.18"));
+    automesh_e2e_tests::reprice_keeps_history(
+        &mut desk.mesh,
+        &receipt,
+        automesh_domain::Price {
+            input_micros_per_million_tokens: 1,
+            output_micros_per_million_tokens: 1,
+        },
+    )
+    .await;
     let events = desk
         .mesh
         .store()

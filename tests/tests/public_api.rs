@@ -76,29 +76,8 @@ fn expect_field(result: Result<impl std::fmt::Debug, tonic::Status>, code: Code,
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reflection_sees_the_public_api() {
-    use tonic_reflection::pb::v1::ServerReflectionRequest;
-    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
-    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
-    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
-
     let mesh = Mesh::start(Backend::Sqlite).await.expect("mesh");
-    let mut client =
-        ServerReflectionClient::new(automesh_rpc::client::channel(&mesh.gateway).expect("channel"));
-    let request = ServerReflectionRequest {
-        host: String::new(),
-        message_request: Some(MessageRequest::ListServices(String::new())),
-    };
-    let mut stream = client
-        .server_reflection_info(tokio_stream::iter([request]))
-        .await
-        .expect("reflection")
-        .into_inner();
-    let response = stream.message().await.expect("answer").expect("one answer");
-    let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
-        panic!("unexpected reflection answer {response:?}");
-    };
-    let mut names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
-    names.sort();
+    let names = automesh_e2e_tests::reflected_services(&mesh.gateway).await;
     assert_eq!(
         names,
         [
@@ -946,6 +925,9 @@ async fn watch_run_resumes_without_gaps_or_repeats(backend: Backend) {
         thread_id: None,
         message_id: None,
         created_at: Utc::now(),
+        model: None,
+        provider_model: None,
+        price: None,
     };
     store
         .finish_run(&receipt, Utc::now())

@@ -187,25 +187,69 @@ async fn the_first_message_must_be_hello() {
     mesh.stop().await.expect("stop");
 }
 
+/// The port desktops reach serves the runner stream and health, and
+/// nothing internal: reflection lists nothing else, and the desktop
+/// executor and the token service are not there, with or without the
+/// internal credential. They live on the internal listener, behind it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_token_service_beside_the_stream_requires_the_internal_credential() {
-    let mesh = mesh().await;
-    // The runner-facing service needs no internal credential; the token
-    // service beside it does.
+async fn the_runner_port_serves_runners_only_and_the_internal_services_sit_behind_the_credential() {
+    use automesh_proto::executor::v1 as epb;
+    use automesh_proto::executor::v1::executor_service_client::ExecutorServiceClient;
     use automesh_proto::runner::v1::runner_token_service_client::RunnerTokenServiceClient;
-    let mut tokens = RunnerTokenServiceClient::new(
-        automesh_rpc::client::channel(&mesh.runner_gateway).expect("channel"),
+    let mesh = mesh().await;
+    assert_eq!(
+        automesh_e2e_tests::reflected_services(&mesh.runner_gateway).await,
+        [
+            "automesh.runner.v1.DesktopRunnerService",
+            "grpc.health.v1.Health"
+        ]
     );
-    let refused = tokens
-        .create_runner_token(rpb::CreateRunnerTokenRequest {
-            caller: Some(automesh_rpc::convert::caller(
-                &automesh_domain::Principal::new("acme", "alice"),
-            )),
-            runner_name: "x".into(),
+    assert_eq!(
+        automesh_e2e_tests::reflected_services(&mesh.runner_gateway_internal).await,
+        [
+            "automesh.executor.v1.ExecutorService",
+            "automesh.runner.v1.RunnerTokenService",
+            "grpc.health.v1.Health"
+        ]
+    );
+    let token_request = || rpb::CreateRunnerTokenRequest {
+        caller: Some(automesh_rpc::convert::caller(
+            &automesh_domain::Principal::new("acme", "alice"),
+        )),
+        runner_name: "x".into(),
+    };
+    // On the runner port, even the right credential reaches nothing.
+    let credentialed =
+        automesh_rpc::internal_channel(&mesh.runner_gateway, &mesh.credential).expect("channel");
+    let refused = ExecutorServiceClient::new(credentialed.clone())
+        .get_run_status(epb::GetRunStatusRequest {
+            run_id: "run-1".into(),
         })
         .await
-        .expect_err("internal only");
+        .expect_err("no executor on the runner port");
+    assert_eq!(refused.code(), Code::Unimplemented, "{refused:?}");
+    let refused = RunnerTokenServiceClient::new(credentialed)
+        .create_runner_token(token_request())
+        .await
+        .expect_err("no token service on the runner port");
+    assert_eq!(refused.code(), Code::Unimplemented, "{refused:?}");
+    // On the internal listener: refused without the credential, served
+    // with it.
+    let refused = RunnerTokenServiceClient::new(
+        automesh_rpc::client::channel(&mesh.runner_gateway_internal).expect("channel"),
+    )
+    .create_runner_token(token_request())
+    .await
+    .expect_err("internal only");
     assert_eq!(refused.code(), Code::Unauthenticated);
+    let minted = RunnerTokenServiceClient::new(
+        automesh_rpc::internal_channel(&mesh.runner_gateway_internal, &mesh.credential)
+            .expect("channel"),
+    )
+    .create_runner_token(token_request())
+    .await
+    .expect("minted on the internal listener");
+    assert!(minted.get_ref().token.starts_with("amr_"));
     mesh.stop().await.expect("stop");
 }
 

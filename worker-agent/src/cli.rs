@@ -80,8 +80,20 @@ pub struct Args {
     /// Where the agent keeps its MCP registrations.
     #[arg(long, env = "AUTOMESH_AGENT_STATE_DIR", default_value = ".")]
     pub state_dir: PathBuf,
-    #[arg(long, default_value_t = 32)]
+    /// The agent loop's step limit.
+    #[arg(long, env = "AUTOMESH_AGENT_MAX_STEPS", default_value_t = 32)]
     pub max_steps: u32,
+    /// Bound on one provider request.
+    #[arg(
+        long,
+        env = "AUTOMESH_AGENT_REQUEST_TIMEOUT",
+        default_value = "120s",
+        value_parser = automesh_rpc::runtime::parse_duration
+    )]
+    pub request_timeout: Duration,
+    /// Use streaming completions.
+    #[arg(long, env = "AUTOMESH_AGENT_STREAM")]
+    pub stream: bool,
     /// Exit after this long without a call from the lifecycle service.
     #[arg(
         long,
@@ -113,7 +125,8 @@ impl Args {
                 provider_key: self.provider_key,
                 state_dir: self.state_dir,
                 max_steps: self.max_steps,
-                request_timeout: Duration::from_secs(120),
+                request_timeout: self.request_timeout,
+                stream: self.stream,
                 orphan_after: Some(self.orphan_after),
             },
             DualCredential::new(

@@ -31,7 +31,7 @@ use std::time::Duration;
 use automesh_domain::ErrorCode;
 use automesh_engine::adapter::{EngineAdapter, EngineRequest, NativeEngine};
 use automesh_engine::connect::ConnectConfig;
-use automesh_engine::native::{NativeRun, Price};
+use automesh_engine::native::NativeRun;
 use automesh_engine::provider::ProviderConfig;
 use automesh_engine::wire::{finished_parts, run_event};
 use automesh_proto::agent::v1 as apb;
@@ -66,6 +66,8 @@ pub struct Settings {
     pub state_dir: PathBuf,
     pub max_steps: u32,
     pub request_timeout: Duration,
+    /// Streaming completions.
+    pub stream: bool,
     /// The agent exits after this long without an authenticated call
     /// (`None`: never; only for tests that hold the agent in-process).
     pub orphan_after: Option<Duration>,
@@ -248,7 +250,7 @@ impl Agent {
                     base_url: self.settings.provider_url.clone(),
                     api_key: self.settings.provider_key.expose().to_owned(),
                     request_timeout: self.settings.request_timeout,
-                    stream: false,
+                    stream: self.settings.stream,
                 },
                 connect: ConnectConfig {
                     url: url.to_owned(),
@@ -258,7 +260,6 @@ impl Agent {
                 connect_token_expires_at: None,
                 model_authorized: true,
                 max_steps: self.settings.max_steps,
-                price: Price::default(),
                 deadline: tokio::time::Instant::now(),
                 resume_from: None,
             },
@@ -361,6 +362,7 @@ impl WorkerAgentService for Agent {
         let engine_request = EngineRequest {
             prompt: req.prompt.clone(),
             model: req.model.clone(),
+            provider_model: req.provider_model.clone(),
             automation_id: String::new(),
             guidance: (!req.guidance.is_empty()).then(|| req.guidance.clone()),
             deadline: tokio::time::Instant::now() + deadline,

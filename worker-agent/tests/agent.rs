@@ -56,6 +56,7 @@ async fn agent(
             state_dir: dir.clone(),
             max_steps: 8,
             request_timeout: Duration::from_secs(60),
+            stream: false,
             orphan_after: None,
         },
         DualCredential::new(COLLABORATOR, HOST),
@@ -129,6 +130,7 @@ fn submit(message_id: &str) -> apb::SubmitMessageRequest {
         traceparent: String::new(),
         connect_token: MCP_TOKEN.into(),
         guidance: String::new(),
+        provider_model: String::new(),
     }
 }
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use automesh_cloud_worker_lifecycle::cloud::{Cloud, CloudSettings, ConnectSettings};
-use automesh_cloud_worker_lifecycle::driver::LocalProcessDriver;
+use automesh_cloud_worker_lifecycle::driver::{EngineSettings, LocalProcessDriver};
 use automesh_domain::automation::NewAutomation;
 use automesh_domain::{
     AutomationState, ErrorCode, Principal, RunState, Schedule, Surface, WorkerState,
@@ -38,7 +38,7 @@ fn owner() -> Principal {
 
 async fn env(
     script: impl Fn(usize, &serde_json::Value) -> Reply + Send + Sync + 'static,
-    tune: impl FnOnce(&mut CloudSettings, &mut Vec<String>),
+    tune: impl FnOnce(&mut CloudSettings, &mut Vec<String>, &mut EngineSettings),
 ) -> Env {
     let (provider_url, fake) = provider(script).await;
     let (mcp_url, mcp_stop) = mcp(
@@ -62,10 +62,12 @@ async fn env(
         keepalive_every: Duration::from_secs(1),
     };
     let mut command = vec![env!("CARGO_BIN_EXE_automesh-worker-agent").to_owned()];
-    tune(&mut settings, &mut command);
+    let mut engine = EngineSettings::default();
+    tune(&mut settings, &mut command, &mut engine);
     let driver = Arc::new(
         LocalProcessDriver::new(command, workers.clone(), provider_url, PROVIDER_KEY.into())
-            .with_orphan_after(Duration::from_secs(10)),
+            .with_orphan_after(Duration::from_secs(10))
+            .with_engine(engine),
     );
     let mesh = Mesh::start_with(
         Backend::Postgres,
@@ -97,6 +99,11 @@ async fn env(
 impl Env {
     /// A cloud automation of carol's, due once at `at`.
     async fn automation(&self, id: &str, at: chrono::DateTime<Utc>) {
+        self.automation_of(id, at, "fake/echo").await
+    }
+
+    /// The same, of `model`.
+    async fn automation_of(&self, id: &str, at: chrono::DateTime<Utc>, model: &str) {
         let o = owner();
         self.mesh
             .store()
@@ -107,7 +114,7 @@ impl Env {
                     owner_id: o.user_id.clone(),
                     name: "cloud".into(),
                     prompt: "summarise my inbox".into(),
-                    model: "fake/echo".into(),
+                    model: model.into(),
                     surface: Surface::Web,
                     schedule: Schedule::Once { at },
                 },
@@ -218,7 +225,7 @@ impl Env {
 async fn a_stopped_worker_is_woken_for_a_due_run_and_stopped_again_when_idle() {
     let env = env(
         |_, _| Reply::Json(text_completion("inbox summarised")),
-        |_, _| {},
+        |_, _, _| {},
     )
     .await;
     assert_eq!(env.worker_state().await, WorkerState::Stopped);
@@ -302,7 +309,7 @@ async fn a_stopped_worker_is_woken_for_a_due_run_and_stopped_again_when_idle() {
 async fn a_worker_that_never_becomes_ready_ends_readiness_timeout_and_needs_attention() {
     let env = env(
         |_, _| Reply::Json(text_completion("never")),
-        |settings, command| {
+        |settings, command, _| {
             settings.readiness_cap = Duration::from_secs(2);
             // A real process that never listens.
             *command = vec!["/bin/sh".into(), "-c".into(), "sleep 600".into()];
@@ -325,7 +332,7 @@ async fn a_worker_that_never_becomes_ready_ends_readiness_timeout_and_needs_atte
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_whose_owner_has_no_worker_ends_runtime_missing() {
-    let env = env(|_, _| Reply::Json(text_completion("never")), |_, _| {}).await;
+    let env = env(|_, _| Reply::Json(text_completion("never")), |_, _, _| {}).await;
     let at = Utc::now() + chrono::Duration::seconds(1);
     env.automation("no-worker", at).await;
     sqlx::query("DELETE FROM cloud_workers")
@@ -347,7 +354,7 @@ async fn a_run_whose_owner_has_no_worker_ends_runtime_missing() {
 async fn a_coordinator_killed_after_submission_is_replaced_and_the_prompt_is_sent_once() {
     let mut env = env(
         |_, _| Reply::Delayed(Duration::from_secs(3), text_completion("done once")),
-        |_, _| {},
+        |_, _, _| {},
     )
     .await;
     let at = Utc::now() + chrono::Duration::seconds(1);
@@ -374,7 +381,7 @@ async fn a_coordinator_killed_after_submission_is_replaced_and_the_prompt_is_sen
 async fn a_drifted_mcp_registration_is_repaired_before_admission() {
     let env = env(
         |_, _| Reply::Json(text_completion("ok")),
-        |s, _| {
+        |s, _, _| {
             s.idle_after = Duration::from_secs(600);
         },
     )
@@ -413,7 +420,7 @@ async fn a_drifted_mcp_registration_is_repaired_before_admission() {
 async fn without_a_connect_configuration_a_run_ends_mcp_config_missing_and_never_calls_the_model() {
     let env = env(
         |_, _| Reply::Json(text_completion("never")),
-        |s, _| s.connect = None,
+        |s, _, _| s.connect = None,
     )
     .await;
     let at = Utc::now() + chrono::Duration::seconds(1);
@@ -432,7 +439,7 @@ async fn without_a_connect_configuration_a_run_ends_mcp_config_missing_and_never
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_stop_racing_an_admission_never_stops_a_worker_the_admission_holds() {
-    let env = env(|_, _| Reply::Json(text_completion("ok")), |_, _| {}).await;
+    let env = env(|_, _| Reply::Json(text_completion("ok")), |_, _, _| {}).await;
     let store = env.mesh.store().clone();
     let worker = store
         .get_worker(&owner())
@@ -520,7 +527,7 @@ async fn idle_stop_racing_an_admission_never_stops_a_worker_the_admission_holds(
 async fn concurrent_runs_waking_one_worker_start_it_once() {
     let env = env(
         |_, _| Reply::Json(text_completion("ok")),
-        |s, _| {
+        |s, _, _| {
             s.idle_after = Duration::from_secs(600);
         },
     )
@@ -544,7 +551,7 @@ async fn concurrent_runs_waking_one_worker_start_it_once() {
 async fn a_worker_that_cannot_run_ends_runtime_failed_and_needs_attention() {
     let env = env(
         |_, _| Reply::Json(text_completion("never")),
-        |_, command| *command = vec!["/bin/false".into()],
+        |_, command, _| *command = vec!["/bin/false".into()],
     )
     .await;
     let at = Utc::now() + chrono::Duration::seconds(1);
@@ -565,7 +572,7 @@ async fn a_worker_that_cannot_run_ends_runtime_failed_and_needs_attention() {
 async fn cancelling_a_cloud_run_stops_the_thread_and_ends_once_it_is_idle() {
     let env = env(
         |_, _| Reply::Delayed(Duration::from_secs(30), text_completion("too late")),
-        |_, _| {},
+        |_, _, _| {},
     )
     .await;
     let at = Utc::now() + chrono::Duration::seconds(1);
@@ -609,7 +616,7 @@ async fn cancelling_a_cloud_run_stops_the_thread_and_ends_once_it_is_idle() {
 async fn a_cloud_run_is_running_while_its_agent_executes_it() {
     let env = env(
         |_, _| Reply::Delayed(Duration::from_secs(3), text_completion("slow answer")),
-        |_, _| {},
+        |_, _, _| {},
     )
     .await;
     let at = Utc::now() + chrono::Duration::seconds(1);
@@ -665,5 +672,99 @@ async fn a_cloud_run_is_running_while_its_agent_executes_it() {
         receipt.execution_micros >= 2_500_000,
         "the execution time covers the 3 s the engine spent: {receipt:?}"
     );
+    env.stop().await;
+}
+
+/// A cloud run is charged its tokens at the catalogue price of its model,
+/// the agent asks the provider for the catalogue's provider name, and the
+/// agent runs with the lifecycle's engine settings (streaming, step limit,
+/// request timeout), as a desktop runner does with its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cloud_runs_are_charged_at_the_catalogue_price_and_run_with_the_lifecycles_engine_settings()
+{
+    use automesh_e2e_tests::{PRICE, PRICED_MODEL, assert_charged, reprice_keeps_history};
+    let mut env = env(
+        |_, body| {
+            let tools = body["messages"]
+                .as_array()
+                .map_or(0, |m| m.iter().filter(|m| m["role"] == "tool").count());
+            let answer = match tools {
+                0 => automesh_testkit::tool_call_completion(
+                    "call_1",
+                    "search_capabilities",
+                    r#"{"query":"inbox"}"#,
+                ),
+                _ => text_completion("inbox summarised"),
+            };
+            // Streaming is what the lifecycle configured: answer in kind.
+            if body["stream"] == true {
+                Reply::Sse(automesh_testkit::as_sse(&answer))
+            } else {
+                Reply::Json(answer)
+            }
+        },
+        |s, _, engine| {
+            // Kept alive past the run, so its process can be looked at.
+            s.idle_after = Duration::from_secs(120);
+            *engine = EngineSettings {
+                request_timeout: Duration::from_secs(7),
+                stream: true,
+                max_steps: 5,
+            };
+        },
+    )
+    .await;
+    let at = Utc::now() + chrono::Duration::seconds(1);
+    env.automation_of("priced", at, PRICED_MODEL).await;
+    let run = env.run_of("priced", at).await;
+    assert_eq!(run.state, RunState::Succeeded, "{run:?}");
+    let first = assert_charged(env.mesh.store(), &run.id, PRICE).await;
+    assert_eq!(
+        (first.usage.input_tokens, first.usage.output_tokens),
+        (107, 23)
+    );
+    let bodies = env.provider.bodies.lock().expect("lock").clone();
+    assert_eq!(bodies.len(), 2);
+    for body in &bodies {
+        assert_eq!(body["model"], "echo", "the catalogue's provider name");
+        assert_eq!(body["stream"], true, "the lifecycle's streaming setting");
+    }
+    // The agent process was started with the lifecycle's engine settings.
+    let worker = env
+        .mesh
+        .store()
+        .get_worker(&owner())
+        .await
+        .expect("read")
+        .expect("worker");
+    let pid = std::fs::read_to_string(
+        env.workers
+            .join(&worker.id)
+            .join(automesh_worker_agent::PID_FILE),
+    )
+    .expect("agent.pid");
+    let environ = std::fs::read(format!("/proc/{}/environ", pid.trim())).expect("environ");
+    let environ: Vec<String> = environ
+        .split(|b| *b == 0)
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .collect();
+    for want in [
+        "AUTOMESH_AGENT_MAX_STEPS=5",
+        "AUTOMESH_AGENT_STREAM=true",
+        "AUTOMESH_AGENT_REQUEST_TIMEOUT=7000ms",
+    ] {
+        assert!(environ.iter().any(|v| v == want), "{want} in {environ:?}");
+    }
+
+    let doubled = automesh_domain::Price {
+        input_micros_per_million_tokens: 2 * PRICE.input_micros_per_million_tokens,
+        output_micros_per_million_tokens: 2 * PRICE.output_micros_per_million_tokens,
+    };
+    reprice_keeps_history(&mut env.mesh, &first, doubled).await;
+    let at = Utc::now() + chrono::Duration::seconds(1);
+    env.automation_of("priced-again", at, PRICED_MODEL).await;
+    let run = env.run_of("priced-again", at).await;
+    assert_eq!(run.state, RunState::Succeeded, "{run:?}");
+    assert_charged(env.mesh.store(), &run.id, doubled).await;
     env.stop().await;
 }

@@ -208,6 +208,7 @@ fn driver(socket: PathBuf, image: &str, provider_url: &str) -> DockerDriver {
         image: image.into(),
         provider_url: provider_url.into(),
         provider_key: "sk-docker-provider-key".into(),
+        engine: Default::default(),
     }
 }
 

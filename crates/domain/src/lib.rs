@@ -19,7 +19,7 @@ pub use automation::{
     Automation, AutomationPatch, AutomationState, NewAutomation, Placement, StateChange, Surface,
 };
 pub use error_code::ErrorCode;
-pub use models::{ModelCatalog, ModelSpec};
+pub use models::{ModelCatalog, ModelSpec, Price};
 pub use principal::Principal;
 pub use run::{NewRun, Receipt, Run, RunEvent, RunEventPayload, RunState, RunTrigger, Usage};
 pub use schedule::{Schedule, TimeOfDay, WeekdaySet};

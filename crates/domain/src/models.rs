@@ -1,48 +1,148 @@
-//! The model catalogue: which model ids exist and which organisations they
-//! are authorised for. Creation rejects an unknown model as bad input and an
-//! unauthorised one (for cloud placement) as a failed precondition.
+//! The model catalogue: which model ids exist, which organisations they are
+//! authorised for, the name each provider is asked for, and each model's
+//! price. Creation rejects an unknown model as bad input and an unauthorised
+//! one (for cloud placement) as a failed precondition; the run-coordinator
+//! prices every run from it.
+//!
+//! ```json
+//! {"models": [{"id": "openai/gpt-4.1-mini",
+//!              "provider_model": "gpt-4.1-mini",
+//!              "price": {"input_micros_per_million_tokens": 400000,
+//!                        "output_micros_per_million_tokens": 1600000},
+//!              "authorized_orgs": ["*"]}]}
+//! ```
 
 use serde::{Deserialize, Serialize};
 
+/// A model's price: millionths of the billing currency unit per million
+/// tokens, for input (prompt) and output (completion) tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Price {
+    pub input_micros_per_million_tokens: i64,
+    pub output_micros_per_million_tokens: i64,
+}
+
+impl Price {
+    /// What `input` and `output` tokens cost, in micro-units, rounded up to
+    /// the next micro-unit (never negative, saturating instead of wrapping).
+    pub fn cost_micros(&self, input: i64, output: i64) -> i64 {
+        let raw = i128::from(input.max(0)) * i128::from(self.input_micros_per_million_tokens)
+            + i128::from(output.max(0)) * i128::from(self.output_micros_per_million_tokens);
+        let micros = (raw.max(0) + 999_999) / 1_000_000;
+        i64::try_from(micros).unwrap_or(i64::MAX)
+    }
+}
+
 /// One model the mesh can run.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
 pub struct ModelSpec {
-    /// The id users pick, such as `openai/gpt-4.1-mini`.
+    /// The id users pick, `<provider>/<model>`, such as `openai/gpt-4.1-mini`.
     pub id: String,
     /// Organisations the model is authorised for; `*` means every one.
     #[serde(default = "all_orgs")]
     pub authorized_orgs: Vec<String>,
+    /// The model name the provider expects (the `model` of an
+    /// OpenAI-compatible request; OpenCode's `modelID`). Without it, the id
+    /// after its first `/`: `openai/gpt-4.1-mini` asks for `gpt-4.1-mini`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider_model: Option<String>,
+    /// The price runs of this model are charged at. Without one, runs of the
+    /// model are unpriced: their cost is 0 and their receipts carry no price.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub price: Option<Price>,
 }
 
 fn all_orgs() -> Vec<String> {
     vec!["*".to_owned()]
 }
 
+impl ModelSpec {
+    /// A model every organisation may use, without a price.
+    pub fn new(id: &str) -> Self {
+        ModelSpec {
+            id: id.to_owned(),
+            authorized_orgs: all_orgs(),
+            provider_model: None,
+            price: None,
+        }
+    }
+
+    /// The same model at `price`.
+    pub fn priced(mut self, input: i64, output: i64) -> Self {
+        self.price = Some(Price {
+            input_micros_per_million_tokens: input,
+            output_micros_per_million_tokens: output,
+        });
+        self
+    }
+
+    /// The name the provider is asked for.
+    pub fn provider_model(&self) -> &str {
+        match &self.provider_model {
+            Some(name) if !name.is_empty() => name,
+            _ => self
+                .id
+                .split_once('/')
+                .map_or(self.id.as_str(), |(_, model)| model),
+        }
+    }
+}
+
 /// The models known to the mesh.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
 pub struct ModelCatalog {
     pub models: Vec<ModelSpec>,
 }
 
 impl ModelCatalog {
-    /// The catalogue `dev` mode starts with when none is configured.
+    /// The catalogue used when none is configured (`dev`, tests): two
+    /// OpenAI models at their list prices in USD micro-units, and an
+    /// unpriced `fake/echo`.
     pub fn development() -> Self {
-        let model = |id: &str| ModelSpec {
-            id: id.to_owned(),
-            authorized_orgs: all_orgs(),
-        };
         Self {
             models: vec![
-                model("openai/gpt-4.1-mini"),
-                model("openai/gpt-4.1"),
-                model("fake/echo"),
+                ModelSpec::new("openai/gpt-4.1-mini").priced(400_000, 1_600_000),
+                ModelSpec::new("openai/gpt-4.1").priced(2_000_000, 8_000_000),
+                ModelSpec::new("fake/echo"),
             ],
         }
     }
 
-    /// Reads a catalogue from its JSON form (`{"models": [...]}`).
-    pub fn from_json(json: &str) -> Result<Self, serde_json::Error> {
-        serde_json::from_str(json)
+    /// Reads a catalogue from its JSON form (`{"models": [...]}`) and checks
+    /// it: ids unique and non-empty, prices not negative.
+    pub fn from_json(json: &str) -> Result<Self, String> {
+        let catalog: ModelCatalog = serde_json::from_str(json).map_err(|e| e.to_string())?;
+        let mut seen = std::collections::HashSet::new();
+        for m in &catalog.models {
+            if m.id.trim().is_empty() {
+                return Err("a model has an empty id".into());
+            }
+            if !seen.insert(m.id.as_str()) {
+                return Err(format!("model {:?} is listed twice", m.id));
+            }
+            if let Some(p) = m.price
+                && (p.input_micros_per_million_tokens < 0 || p.output_micros_per_million_tokens < 0)
+            {
+                return Err(format!("model {:?} has a negative price", m.id));
+            }
+        }
+        Ok(catalog)
+    }
+
+    /// Reads the catalogue at `path`, or the development one without a path.
+    pub fn load(path: Option<&std::path::Path>) -> Result<Self, String> {
+        match path {
+            None => Ok(Self::development()),
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .map_err(|e| format!("cannot read model catalogue {}: {e}", p.display()))?;
+                Self::from_json(&text)
+                    .map_err(|e| format!("invalid model catalogue {}: {e}", p.display()))
+            }
+        }
     }
 
     pub fn get(&self, id: &str) -> Option<&ModelSpec> {
@@ -56,5 +156,64 @@ impl ModelCatalog {
                 .iter()
                 .any(|o| o == "*" || o.as_str() == org)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cost_rounds_up_to_the_micro_unit() {
+        let p = Price {
+            input_micros_per_million_tokens: 400_000,
+            output_micros_per_million_tokens: 1_600_000,
+        };
+        // 1000 × 0.4 + 10 × 1.6 = 416 micro-units exactly.
+        assert_eq!(p.cost_micros(1000, 10), 416);
+        // 1 × 0.4 rounds up to 1.
+        assert_eq!(p.cost_micros(1, 0), 1);
+        assert_eq!(p.cost_micros(0, 0), 0);
+        assert_eq!(p.cost_micros(-5, -5), 0);
+        assert_eq!(
+            Price {
+                input_micros_per_million_tokens: i64::MAX,
+                output_micros_per_million_tokens: i64::MAX
+            }
+            .cost_micros(i64::MAX, i64::MAX),
+            i64::MAX
+        );
+    }
+
+    #[test]
+    fn provider_names_default_to_the_id_after_its_provider() {
+        let catalog = ModelCatalog::from_json(
+            r#"{"models": [
+                {"id": "openai/gpt-4.1-mini"},
+                {"id": "azure/mini", "provider_model": "gpt-4.1-mini-2025-04-14"},
+                {"id": "bare"}]}"#,
+        )
+        .expect("catalogue");
+        let name = |id| catalog.get(id).map(ModelSpec::provider_model);
+        assert_eq!(name("openai/gpt-4.1-mini"), Some("gpt-4.1-mini"));
+        assert_eq!(name("azure/mini"), Some("gpt-4.1-mini-2025-04-14"));
+        assert_eq!(name("bare"), Some("bare"));
+        assert_eq!(catalog.get("bare").and_then(|m| m.price), None);
+    }
+
+    #[test]
+    fn bad_catalogues_are_refused_with_a_reason() {
+        for (json, want) in [
+            (r#"{"models": [{"id": "a"}, {"id": "a"}]}"#, "twice"),
+            (r#"{"models": [{"id": " "}]}"#, "empty id"),
+            (
+                r#"{"models": [{"id": "a", "price": {"input_micros_per_million_tokens": -1, "output_micros_per_million_tokens": 0}}]}"#,
+                "negative",
+            ),
+            (r#"{"models": [{"id": "a", "prise": {}}]}"#, "unknown field"),
+        ] {
+            let e = ModelCatalog::from_json(json).expect_err(json);
+            assert!(e.contains(want), "{json}: {e}");
+        }
     }
 }

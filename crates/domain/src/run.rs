@@ -161,6 +161,13 @@ pub struct Receipt {
     pub thread_id: Option<String>,
     pub message_id: Option<String>,
     pub created_at: DateTime<Utc>,
+    /// The catalogue model the run was priced by.
+    pub model: Option<String>,
+    /// The name the provider was asked for.
+    pub provider_model: Option<String>,
+    /// The price `usage.cost_micros` was computed at; `None` for an
+    /// unpriced model (cost 0).
+    pub price: Option<crate::Price>,
 }
 
 /// What happened in a run, as the event log records it.

@@ -13,7 +13,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use automesh_engine::connect::{Connect, ConnectConfig};
-use automesh_engine::native::{self, Ending, NativeRun, Price};
+use automesh_engine::native::{self, Ending, NativeRun};
 use automesh_engine::provider::ProviderConfig;
 use common::{FakeMcp, Reply, mcp, provider, text_completion, tool_call_completion};
 use tokio_util::sync::CancellationToken;
@@ -101,7 +101,6 @@ async fn main() {
             connect_token_expires_at: None,
             model_authorized: true,
             max_steps: STEPS + 1,
-            price: Price::default(),
             deadline: tokio::time::Instant::now() + Duration::from_secs(60),
             resume_from: None,
         };

@@ -15,7 +15,11 @@ use crate::native::{self, Checkpoint, EngineEvent, NativeRun, Outcome};
 #[derive(Debug, Clone)]
 pub struct EngineRequest {
     pub prompt: String,
+    /// The catalogue model id, such as `openai/gpt-4.1-mini`.
     pub model: String,
+    /// The name the provider expects for it (the catalogue's mapping, such
+    /// as `gpt-4.1-mini`); empty when the mesh sent none.
+    pub provider_model: String,
     /// The automation the run belongs to (engines may configure per
     /// automation, such as OpenCode's permission policy).
     pub automation_id: String,
@@ -24,6 +28,19 @@ pub struct EngineRequest {
     pub deadline: Instant,
     /// Resume from a checkpoint instead of starting from the prompt.
     pub resume_from: Option<Checkpoint>,
+}
+
+impl EngineRequest {
+    /// The name to ask the provider for: the catalogue's mapping, or, from
+    /// a mesh that sends none, the id after its first `/`.
+    pub fn provider_name(&self) -> &str {
+        if !self.provider_model.is_empty() {
+            return &self.provider_model;
+        }
+        self.model
+            .split_once('/')
+            .map_or(self.model.as_str(), |(_, m)| m)
+    }
 }
 
 /// An engine: runs a request to its end, reporting events as it goes.
@@ -59,9 +76,10 @@ impl EngineAdapter for NativeEngine {
         events: mpsc::Sender<EngineEvent>,
         cancel: CancellationToken,
     ) -> Pin<Box<dyn Future<Output = Outcome> + Send + 'a>> {
+        let model = request.provider_name().to_owned();
         let run = NativeRun {
             prompt: request.prompt,
-            model: request.model,
+            model,
             guidance: request.guidance,
             deadline: request.deadline,
             resume_from: request.resume_from,

@@ -1,5 +1,5 @@
 //! The native engine's loop: model call → tool calls → tool results, up to a
-//! bounded number of steps, with usage and cost per step, an event per
+//! bounded number of steps, with token usage per step, an event per
 //! assistant message, tool call and tool result, and a transcript checkpoint
 //! at every step boundary that a reattached run can resume from.
 //!
@@ -23,21 +23,6 @@ use crate::provider::{ChatRequest, Message, Provider, ProviderConfig};
 /// The default bound on model calls per run.
 pub const DEFAULT_MAX_STEPS: u32 = 32;
 
-/// Prices in millionths of the currency unit per million tokens.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Price {
-    pub input_micros_per_million: i64,
-    pub output_micros_per_million: i64,
-}
-
-impl Price {
-    /// The cost of a step, rounded up to the micro-unit.
-    pub fn cost_micros(&self, input: i64, output: i64) -> i64 {
-        let raw = input * self.input_micros_per_million + output * self.output_micros_per_million;
-        (raw + 999_999) / 1_000_000
-    }
-}
-
 /// What a step boundary leaves behind: enough to resume instead of restart.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Checkpoint {
@@ -49,6 +34,7 @@ pub struct Checkpoint {
 /// One native run.
 #[derive(Debug, Clone)]
 pub struct NativeRun {
+    /// The model name the provider is asked for.
     pub model: String,
     pub prompt: String,
     /// Runtime guidance (where the agent runs, what it may do).
@@ -61,7 +47,6 @@ pub struct NativeRun {
     /// against its catalogue; a run refuses to start otherwise).
     pub model_authorized: bool,
     pub max_steps: u32,
-    pub price: Price,
     pub deadline: Instant,
     /// Resume from here instead of from the prompt.
     pub resume_from: Option<Checkpoint>,
@@ -319,10 +304,9 @@ async fn steps_loop(
         let step_usage = Usage {
             input_tokens: response.usage.prompt_tokens,
             output_tokens: response.usage.completion_tokens,
-            cost_micros: run.price.cost_micros(
-                response.usage.prompt_tokens,
-                response.usage.completion_tokens,
-            ),
+            // Priced by the run-coordinator from the catalogue: an engine
+            // knows tokens, not prices.
+            cost_micros: 0,
         };
         usage.input_tokens += step_usage.input_tokens;
         usage.output_tokens += step_usage.output_tokens;

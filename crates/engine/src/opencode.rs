@@ -1015,8 +1015,15 @@ fn without_url(e: &reqwest::Error) -> String {
     s
 }
 
-fn split_model(model: &str) -> Option<Value> {
-    let (provider, model) = model.split_once('/')?;
+/// OpenCode's model: the provider is the catalogue id's prefix, the model
+/// the catalogue's provider name (or the id's rest).
+fn split_model(model: &str, provider_model: &str) -> Option<Value> {
+    let (provider, rest) = model.split_once('/')?;
+    let model = if provider_model.is_empty() {
+        rest
+    } else {
+        provider_model
+    };
     (!provider.is_empty() && !model.is_empty())
         .then(|| json!({ "providerID": provider, "modelID": model }))
 }
@@ -1094,7 +1101,7 @@ async fn drive(d: &mut Drive<'_>, request: &EngineRequest, cancel: &Cancellation
     d.root = root.clone();
     d.sessions.insert(root.clone());
     let mut body = json!({ "parts": [{ "type": "text", "text": request.prompt }] });
-    if let Some(m) = split_model(&request.model) {
+    if let Some(m) = split_model(&request.model, &request.provider_model) {
         body["model"] = m;
     }
     if let Some(g) = &request.guidance {
@@ -1280,9 +1287,13 @@ mod tests {
     #[test]
     fn models_split_into_provider_and_model() {
         assert_eq!(
-            split_model("fake/fake-model"),
+            split_model("fake/fake-model", ""),
             Some(json!({"providerID": "fake", "modelID": "fake-model"}))
         );
-        assert_eq!(split_model("bare"), None);
+        assert_eq!(
+            split_model("fake/alias", "fake-model-2026"),
+            Some(json!({"providerID": "fake", "modelID": "fake-model-2026"}))
+        );
+        assert_eq!(split_model("bare", ""), None);
     }
 }

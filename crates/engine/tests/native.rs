@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use automesh_domain::ErrorCode;
 use automesh_engine::connect::ConnectConfig;
-use automesh_engine::native::{self, Checkpoint, Ending, EngineEvent, NativeRun, Outcome, Price};
+use automesh_engine::native::{self, Checkpoint, Ending, EngineEvent, NativeRun, Outcome};
 use automesh_engine::provider::ProviderConfig;
 use common::{FakeMcp, Reply, as_sse, mcp, provider, text_completion, tool_call_completion};
 use tokio::sync::mpsc;
@@ -65,10 +65,6 @@ fn run_config(provider_url: &str, mcp_url: &str, stream: bool) -> NativeRun {
         connect_token_expires_at: None,
         model_authorized: true,
         max_steps: native::DEFAULT_MAX_STEPS,
-        price: Price {
-            input_micros_per_million: 2_000_000,
-            output_micros_per_million: 8_000_000,
-        },
         deadline: Instant::now() + Duration::from_secs(30),
         resume_from: None,
     }
@@ -118,8 +114,8 @@ async fn happy_path(stream: bool) {
         (outcome.usage.input_tokens, outcome.usage.output_tokens),
         (207, 43)
     );
-    // Cost rounds each step up to the micro-unit: 2 × (200 + 160) + (14 + 24).
-    assert_eq!(outcome.usage.cost_micros, 2 * 360 + 38);
+    // The engine counts tokens; the run-coordinator prices them.
+    assert_eq!(outcome.usage.cost_micros, 0);
     let calls: Vec<String> = fake
         .calls
         .lock()
@@ -459,35 +455,49 @@ async fn no_credential_reaches_events_checkpoints_errors_logs_or_spans() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_native_engine_runs_behind_the_adapter_contract() {
     use automesh_engine::{EngineAdapter, EngineRequest, NativeEngine};
-    let (purl, _p) = provider(happy(false)).await;
+    let (purl, p) = provider(happy(false)).await;
     let (murl, _stop) = mcp(FakeMcp::with_tools(&PAIR), TOKEN).await;
     let engine: Box<dyn EngineAdapter> = Box::new(NativeEngine {
         template: run_config(&purl, &murl, false),
     });
     assert_eq!(engine.engine_id(), "native-v1");
-    let (tx, mut rx) = mpsc::channel(64);
-    let drain = tokio::spawn(async move { while rx.recv().await.is_some() {} });
-    let outcome = engine
-        .run(
-            EngineRequest {
-                prompt: "Send it.".into(),
-                model: "fake-model".into(),
-                automation_id: "aut-1".into(),
-                guidance: None,
-                deadline: Instant::now() + Duration::from_secs(30),
-                resume_from: None,
-            },
-            tx,
-            CancellationToken::new(),
-        )
-        .await;
-    drain.await.expect("drain");
-    assert_eq!(
-        outcome.ending,
-        Ending::Succeeded {
-            answer: "Mail sent.".into()
+    // The provider is asked for the catalogue's provider name; without one,
+    // for the catalogue id after its provider prefix, never the id itself.
+    for (model, provider_model, asked) in [
+        ("fake/alias", "fake-model-2026", "fake-model-2026"),
+        ("openai/gpt-4.1-mini", "", "gpt-4.1-mini"),
+    ] {
+        let before = p.calls();
+        let (tx, mut rx) = mpsc::channel(64);
+        let drain = tokio::spawn(async move { while rx.recv().await.is_some() {} });
+        let outcome = engine
+            .run(
+                EngineRequest {
+                    prompt: "Send it.".into(),
+                    model: model.into(),
+                    provider_model: provider_model.into(),
+                    automation_id: "aut-1".into(),
+                    guidance: None,
+                    deadline: Instant::now() + Duration::from_secs(30),
+                    resume_from: None,
+                },
+                tx,
+                CancellationToken::new(),
+            )
+            .await;
+        drain.await.expect("drain");
+        assert_eq!(
+            outcome.ending,
+            Ending::Succeeded {
+                answer: "Mail sent.".into()
+            }
+        );
+        let bodies = p.bodies.lock().expect("lock");
+        assert!(bodies.len() > before);
+        for body in &bodies[before..] {
+            assert_eq!(body["model"], asked, "{model}");
         }
-    );
+    }
 }
 
 /// Model and tool calls are CLIENT spans under the OpenTelemetry GenAI

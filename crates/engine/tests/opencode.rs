@@ -130,6 +130,7 @@ fn request(deadline: Duration) -> EngineRequest {
     EngineRequest {
         prompt: "What is 2+2? Use bash.".into(),
         model: "fake/fake-model".into(),
+        provider_model: String::new(),
         automation_id: "aut-1".into(),
         guidance: None,
         deadline: Instant::now() + deadline,

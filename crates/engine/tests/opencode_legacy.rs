@@ -187,6 +187,7 @@ async fn run(
     let request = EngineRequest {
         prompt: "say hi".into(),
         model: "old/model".into(),
+        provider_model: String::new(),
         automation_id: "aut-1".into(),
         guidance: None,
         deadline: Instant::now() + Duration::from_secs(30),

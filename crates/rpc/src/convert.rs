@@ -564,6 +564,12 @@ pub fn receipt_to_pb(r: &Receipt) -> pb::Receipt {
         usage: Some(usage_to_pb(&r.usage)),
         native_thread: thread,
         create_time: Some(timestamp(r.created_at)),
+        model: r.model.clone().unwrap_or_default(),
+        provider_model: r.provider_model.clone().unwrap_or_default(),
+        price: r.price.map(|p| pb::Price {
+            input_micros_per_million_tokens: p.input_micros_per_million_tokens,
+            output_micros_per_million_tokens: p.output_micros_per_million_tokens,
+        }),
     }
 }
 

@@ -39,6 +39,12 @@ const MIGRATIONS: &[(i64, &str, &str, &str)] = &[
         include_str!("../../../migrations/postgres/0005_worker_claims.sql"),
         include_str!("../../../migrations/sqlite/0005_worker_claims.sql"),
     ),
+    (
+        6,
+        "receipt prices",
+        include_str!("../../../migrations/postgres/0006_receipt_prices.sql"),
+        include_str!("../../../migrations/sqlite/0006_receipt_prices.sql"),
+    ),
 ];
 
 pub(crate) fn migrator(backend: Backend) -> Migrator {

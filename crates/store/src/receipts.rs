@@ -3,23 +3,26 @@
 //! transaction: a process that dies after the commit leaves nothing to
 //! finish, and one that dies before it leaves the run live, to be taken over.
 
-use automesh_domain::{ErrorCode, Receipt, Run, RunState, Usage};
+use automesh_domain::{ErrorCode, Price, Receipt, Run, RunState, Usage};
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
 use crate::events::{append_in, status_event};
-use crate::rows::{instant, int, micros, opt_parsed, opt_text, parsed, text};
+use crate::rows::{instant, int, micros, opt_int, opt_parsed, opt_text, parsed, text};
 use crate::{Result, Store, StoreError};
 
 const INSERT: &str = "INSERT INTO receipts (run_id, outcome, error_code, error_message, placement, \
      engine, queued_us, wake_us, admission_us, execution_us, input_tokens, output_tokens, \
-     cost_micros, worker_id, workspace_id, thread_id, message_id, created_at) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18) \
+     cost_micros, worker_id, workspace_id, thread_id, message_id, created_at, model, \
+     provider_model, price_input_micros_per_mtok, price_output_micros_per_mtok) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, \
+     $19, $20, $21, $22) \
      ON CONFLICT (run_id) DO NOTHING";
 
 const GET: &str = "SELECT run_id, outcome, error_code, error_message, placement, engine, queued_us, \
      wake_us, admission_us, execution_us, input_tokens, output_tokens, cost_micros, worker_id, \
-     workspace_id, thread_id, message_id, created_at FROM receipts WHERE run_id = $1";
+     workspace_id, thread_id, message_id, created_at, model, provider_model, \
+     price_input_micros_per_mtok, price_output_micros_per_mtok FROM receipts WHERE run_id = $1";
 
 const FINISH: &str = "UPDATE runs SET state = $2, error_code = $3, error_message = $4, \
      updated_at = $5 WHERE id = $1 AND state IN ('pending', 'waking', 'admitted', 'running')";
@@ -53,6 +56,18 @@ fn decode(row: &AnyRow) -> Result<Receipt> {
         thread_id: opt_text(row, "thread_id")?,
         message_id: opt_text(row, "message_id")?,
         created_at: instant(row, "created_at")?,
+        model: opt_text(row, "model")?,
+        provider_model: opt_text(row, "provider_model")?,
+        price: match (
+            opt_int(row, "price_input_micros_per_mtok")?,
+            opt_int(row, "price_output_micros_per_mtok")?,
+        ) {
+            (Some(input), Some(output)) => Some(Price {
+                input_micros_per_million_tokens: input,
+                output_micros_per_million_tokens: output,
+            }),
+            _ => None,
+        },
     })
 }
 
@@ -166,6 +181,10 @@ pub(crate) async fn insert(
         .bind(r.thread_id.as_deref())
         .bind(r.message_id.as_deref())
         .bind(micros(r.created_at))
+        .bind(r.model.as_deref())
+        .bind(r.provider_model.as_deref())
+        .bind(r.price.map(|p| p.input_micros_per_million_tokens))
+        .bind(r.price.map(|p| p.output_micros_per_million_tokens))
         .execute(&mut **tx)
         .await?;
     if done.rows_affected() == 1 {

@@ -42,6 +42,10 @@ pub(crate) fn int(row: &AnyRow, col: &str) -> Result<i64> {
     Ok(row.try_get(col)?)
 }
 
+pub(crate) fn opt_int(row: &AnyRow, col: &str) -> Result<Option<i64>> {
+    Ok(row.try_get(col)?)
+}
+
 /// A text column holding one of a closed set of names.
 pub(crate) fn parsed<T: FromStr>(row: &AnyRow, col: &str) -> Result<T> {
     let v: String = row.try_get(col)?;

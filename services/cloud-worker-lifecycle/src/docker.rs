@@ -30,6 +30,7 @@ pub struct DockerDriver {
     pub provider_url: String,
     /// Redacted in `Debug`.
     pub provider_key: automesh_rpc::auth::Secret,
+    pub engine: crate::driver::EngineSettings,
 }
 
 fn container_name(worker_id: &str) -> String {
@@ -109,8 +110,10 @@ impl DockerDriver {
             format!("AUTOMESH_PROVIDER_API_KEY={}", self.provider_key.expose()),
         ];
         env.extend(
-            crate::driver::telemetry_env(&launch.worker_id)
+            self.engine
+                .env()
                 .into_iter()
+                .chain(crate::driver::telemetry_env(&launch.worker_id))
                 .map(|(k, v)| format!("{k}={v}")),
         );
         json!({

@@ -109,6 +109,46 @@ fn log_file(dir: &std::path::Path) -> Stdio {
 /// How long a stopped agent gets to exit on SIGTERM before SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
+/// The native engine's settings every worker agent is started with, the
+/// same knobs a desktop runner has (`automesh runner --request-timeout
+/// --stream --max-steps`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineSettings {
+    /// Bound on one provider request.
+    pub request_timeout: Duration,
+    /// Streaming completions.
+    pub stream: bool,
+    /// The agent loop's step limit.
+    pub max_steps: u32,
+}
+
+impl Default for EngineSettings {
+    fn default() -> Self {
+        Self {
+            request_timeout: Duration::from_secs(120),
+            stream: false,
+            max_steps: 32,
+        }
+    }
+}
+
+impl EngineSettings {
+    /// The agent's environment variables carrying these settings.
+    pub fn env(&self) -> Vec<(String, String)> {
+        vec![
+            (
+                "AUTOMESH_AGENT_REQUEST_TIMEOUT".into(),
+                format!("{}ms", self.request_timeout.as_millis()),
+            ),
+            ("AUTOMESH_AGENT_STREAM".into(), self.stream.to_string()),
+            (
+                "AUTOMESH_AGENT_MAX_STEPS".into(),
+                self.max_steps.to_string(),
+            ),
+        ]
+    }
+}
+
 /// Runs worker agents as child processes of this service.
 #[derive(Debug)]
 pub struct LocalProcessDriver {
@@ -123,6 +163,7 @@ pub struct LocalProcessDriver {
     pub provider_key: automesh_rpc::auth::Secret,
     /// An agent that hears from no lifecycle for this long exits.
     pub orphan_after: Duration,
+    pub engine: EngineSettings,
     /// The pid of each worker's agent this process started.
     children: Mutex<HashMap<String, u32>>,
     starts: std::sync::atomic::AtomicUsize,
@@ -141,6 +182,7 @@ impl LocalProcessDriver {
             provider_url,
             provider_key,
             orphan_after: Duration::from_secs(60),
+            engine: EngineSettings::default(),
             children: Mutex::default(),
             starts: Default::default(),
         }
@@ -149,6 +191,12 @@ impl LocalProcessDriver {
     /// The same, with agents that exit after `bound` without a call.
     pub fn with_orphan_after(mut self, bound: Duration) -> Self {
         self.orphan_after = bound;
+        self
+    }
+
+    /// The same, with agents whose engine runs with `engine`.
+    pub fn with_engine(mut self, engine: EngineSettings) -> Self {
+        self.engine = engine;
         self
     }
 
@@ -271,6 +319,7 @@ impl WorkerDriver for LocalProcessDriver {
             .env("AUTOMESH_AGENT_HOST_CREDENTIAL", &launch.host_credential)
             .env("AUTOMESH_PROVIDER_URL", &self.provider_url)
             .env("AUTOMESH_PROVIDER_API_KEY", self.provider_key.expose())
+            .envs(self.engine.env())
             .envs(telemetry_env(&launch.worker_id))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -112,9 +112,31 @@ pub struct WorkerEnv {
         default_value = ""
     )]
     pub connect_token: automesh_rpc::auth::Secret,
+    /// Bound on one provider request of a cloud worker's engine.
+    #[arg(long = "worker-request-timeout", env = "AUTOMESH_WORKER_REQUEST_TIMEOUT", default_value = "120s", value_parser = automesh_rpc::runtime::parse_duration)]
+    pub request_timeout: std::time::Duration,
+    /// Cloud workers' engines use streaming completions.
+    #[arg(long = "worker-stream", env = "AUTOMESH_WORKER_STREAM")]
+    pub stream: bool,
+    /// The step limit of a cloud worker's agent loop.
+    #[arg(
+        long = "worker-max-steps",
+        env = "AUTOMESH_WORKER_MAX_STEPS",
+        default_value_t = 32
+    )]
+    pub max_steps: u32,
 }
 
 impl WorkerEnv {
+    /// The engine settings every agent is started with.
+    pub fn engine(&self) -> driver::EngineSettings {
+        driver::EngineSettings {
+            request_timeout: self.request_timeout,
+            stream: self.stream,
+            max_steps: self.max_steps,
+        }
+    }
+
     /// The Connect configuration, if any.
     pub fn connect(&self) -> Option<cloud::ConnectSettings> {
         self.connect_url.clone().map(|url| cloud::ConnectSettings {
@@ -135,6 +157,7 @@ impl WorkerEnv {
             self.provider_url.clone(),
             self.provider_key.clone(),
         )
+        .with_engine(self.engine())
     }
 }
 
@@ -165,6 +188,7 @@ impl Config {
                 image: self.worker_image.clone(),
                 provider_url: self.worker.provider_url.clone(),
                 provider_key: self.worker.provider_key.clone(),
+                engine: self.worker.engine(),
             }),
             other => anyhow::bail!("unknown worker driver {other:?} (local-process or docker)"),
         };

@@ -255,6 +255,7 @@ pub fn assignment(spec: &epb::RunSpec) -> rpb::ConnectResponse {
                 model: spec.model.clone(),
                 deadline_time: spec.deadline_time,
                 traceparent: spec.traceparent.clone(),
+                provider_model: spec.provider_model.clone(),
             },
         )),
     }

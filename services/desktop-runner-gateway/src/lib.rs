@@ -2,6 +2,14 @@
 //! bidirectional streams (authentication, presence, assignment, events,
 //! cancellation) and mints and revokes their per-runner credentials.
 //!
+//! It listens twice. The runner listener (`--listen`, the port desktops
+//! reach and compose publishes) serves only `DesktopRunnerService` and
+//! health. The internal listener (`--internal-listen`, for the mesh only)
+//! serves the desktop `ExecutorService` (to the run-coordinator) and
+//! `RunnerTokenService` (to the gateway), both behind the internal
+//! credential: nothing internal is reachable, or even listed by reflection,
+//! where runners connect.
+//!
 //! Runner tokens are shown once and stored only as a SHA-256 hash: a token is
 //! 256 bits of OS randomness, so a fast hash is enough to make the stored
 //! value useless to a reader of the database.
@@ -38,6 +46,16 @@ pub struct Config {
         default_value = "127.0.0.1:50052"
     )]
     pub listen: SocketAddr,
+    /// Address of the internal listener: the desktop executor (for the
+    /// run-coordinator's AUTOMESH_DESKTOP_EXECUTOR_ADDR) and the runner
+    /// token service (for the gateway's AUTOMESH_RUNNER_GATEWAY_ADDR). Keep it
+    /// off the network desktops reach.
+    #[arg(
+        long = "internal-listen",
+        env = "AUTOMESH_RUNNER_GATEWAY_INTERNAL_LISTEN",
+        default_value = "127.0.0.1:50056"
+    )]
+    pub internal_listen: SocketAddr,
     /// Database URL: postgres://… or sqlite:….
     #[arg(long, env = "AUTOMESH_DATABASE_URL")]
     pub database_url: String,
@@ -122,20 +140,46 @@ impl RunnerTokenService for RunnerTokens {
     }
 }
 
-/// Serves the runner gateway on `listener` until `shutdown` is cancelled.
+/// Serves the runner gateway, runners on `listener` and the mesh on the
+/// configured internal listener, until `shutdown` is cancelled.
 pub async fn run(
     config: Config,
     credential: InternalCredential,
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        config.internal_listen.port() == 0 || config.internal_listen != config.listen,
+        "the internal listener ({}) must differ from the runner listener",
+        config.internal_listen
+    );
+    let internal = automesh_rpc::runtime::bind(config.internal_listen).await?;
     let store = Store::connect_lazy(&config.database_url, StoreOptions::from_env())?;
     let settings = stream::StreamSettings {
         heartbeat_interval: config.heartbeat_interval,
         dead_after: config.dead_after,
         ..Default::default()
     };
-    serve_with(store, settings, credential, listener, shutdown).await
+    serve_with(
+        store,
+        settings,
+        credential,
+        Listeners {
+            runners: listener,
+            internal,
+        },
+        shutdown,
+    )
+    .await
+}
+
+/// The gateway's two listeners.
+#[derive(Debug)]
+pub struct Listeners {
+    /// Where desktop runners connect: the runner stream and health only.
+    pub runners: TcpListener,
+    /// For the mesh only: the desktop executor and the runner token service.
+    pub internal: TcpListener,
 }
 
 /// Serves over an existing store with default stream bounds (used by `dev`
@@ -143,29 +187,31 @@ pub async fn run(
 pub async fn serve(
     store: Store,
     credential: InternalCredential,
-    listener: TcpListener,
+    listeners: Listeners,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     serve_with(
         store,
         stream::StreamSettings::default(),
         credential,
-        listener,
+        listeners,
         shutdown,
     )
     .await
 }
 
-/// Serves the runner streams (runner-token authenticated) and the token
-/// service (internal credential) on one listener.
+/// Serves the runner streams (runner-token authenticated) on the runner
+/// listener, and the desktop executor and the token service (internal
+/// credential) on the internal one.
 pub async fn serve_with(
     store: Store,
     settings: stream::StreamSettings,
     credential: InternalCredential,
-    listener: TcpListener,
+    listeners: Listeners,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let mut server = GrpcServer::new(ServerSettings::default())?;
+    let mut internal = GrpcServer::new(ServerSettings::default())?;
     store.observe_pool(&automesh_rpc::metrics::meter());
     let streams = stream::RunnerStreams::new(store.clone(), settings, shutdown.clone());
     metrics::observe_streams(streams.sessions.clone());
@@ -183,24 +229,40 @@ pub async fn serve_with(
             streams,
         ),
     );
-    server.add_service(
+    internal.add_service(
         automesh_proto::executor::v1::executor_service_server::ExecutorServiceServer::with_interceptor(
             desktop,
             RequireInternal(credential.clone()),
         ),
     );
-    server.add_service(RunnerTokenServiceServer::with_interceptor(
+    internal.add_service(RunnerTokenServiceServer::with_interceptor(
         RunnerTokens {
             store: store.clone(),
         },
         RequireInternal(credential),
     ));
-    let served = server
-        .serve(listener, shutdown.clone(), store.readiness_probe())
-        .await;
+    // One stopping stops the other: half a gateway is no gateway.
+    let stop = shutdown.child_token();
+    let (served, served_internal) = tokio::join!(
+        async {
+            let r = server
+                .serve(listeners.runners, stop.clone(), store.readiness_probe())
+                .await;
+            stop.cancel();
+            r
+        },
+        async {
+            let r = internal
+                .serve(listeners.internal, stop.clone(), store.readiness_probe())
+                .await;
+            stop.cancel();
+            r
+        },
+    );
     tasks.cancel();
     let _ = tokio::join!(relay, deliver);
     served?;
+    served_internal?;
     Ok(())
 }
 

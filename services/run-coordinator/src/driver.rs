@@ -12,7 +12,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use automesh_domain::{AutomationState, ErrorCode, Placement, Receipt, Run, RunState, Usage};
+use automesh_domain::{
+    AutomationState, ErrorCode, ModelCatalog, ModelSpec, Placement, Price, Receipt, Run,
+    RunEventPayload, RunState, Usage,
+};
 use automesh_proto::executor::v1 as epb;
 use automesh_proto::executor::v1::executor_service_client::ExecutorServiceClient;
 use automesh_rpc::{InternalChannel, convert, propagation};
@@ -41,6 +44,9 @@ pub struct Settings {
     /// How long past its deadline a submitted run waits for a coordinator
     /// with its executor before any coordinator ends it.
     pub orphan_grace: Duration,
+    /// The model catalogue: the provider name each run's model is asked
+    /// for, and the price its usage is charged at.
+    pub models: Arc<ModelCatalog>,
 }
 
 impl Default for Settings {
@@ -52,6 +58,7 @@ impl Default for Settings {
             max_concurrent: 1024,
             call_timeout: Duration::from_secs(10),
             orphan_grace: Duration::from_secs(300),
+            models: Arc::new(ModelCatalog::development()),
         }
     }
 }
@@ -358,7 +365,7 @@ fn sleep_until(t: DateTime<Utc>) -> tokio::time::Sleep {
     tokio::time::sleep((t - Utc::now()).to_std().unwrap_or(Duration::ZERO))
 }
 
-fn spec(run: &Run, message_id: &str) -> epb::RunSpec {
+fn spec(ctx: &Context, run: &Run, message_id: &str) -> epb::RunSpec {
     epb::RunSpec {
         run_id: run.id.clone(),
         automation_id: run.automation_id.clone(),
@@ -370,6 +377,33 @@ fn spec(run: &Run, message_id: &str) -> epb::RunSpec {
         traceparent: run.traceparent.clone().unwrap_or_default(),
         message_id: message_id.to_owned(),
         placement: convert::placement_to_pb(run.placement) as i32,
+        provider_model: ctx
+            .model(run)
+            .map(|m| m.provider_model().to_owned())
+            .unwrap_or_default(),
+    }
+}
+
+impl Context {
+    /// The catalogue entry of the run's model (a model removed from the
+    /// catalogue since the run was created has none: its run is unpriced).
+    fn model(&self, run: &Run) -> Option<&ModelSpec> {
+        self.settings.models.get(&run.model)
+    }
+
+    fn price(&self, run: &Run) -> Option<Price> {
+        self.model(run).and_then(|m| m.price)
+    }
+}
+
+/// `usage` as the mesh charges it: the executor's tokens at the run's
+/// price (0 for an unpriced model), whatever cost the engine reported.
+fn priced(usage: Usage, price: Option<Price>) -> Usage {
+    Usage {
+        cost_micros: price.map_or(0, |p| {
+            p.cost_micros(usage.input_tokens, usage.output_tokens)
+        }),
+        ..usage
     }
 }
 
@@ -418,7 +452,7 @@ async fn execute(
         .store
         .ensure_message_id(&run.id, &message_id_for(run))
         .await?;
-    let spec = spec(run, &message_id);
+    let spec = spec(ctx, run, &message_id);
 
     // Start (or observe) the message, retrying until the deadline.
     let mut backoff = Duration::from_millis(100);
@@ -792,9 +826,12 @@ async fn record_event(
     run: &Run,
     e: &automesh_proto::v1::RunEvent,
 ) -> Result<(), Stop> {
-    let Some(payload) = convert::event_payload_from_pb(e) else {
+    let Some(mut payload) = convert::event_payload_from_pb(e) else {
         return Ok(());
     };
+    if let RunEventPayload::Usage(usage) = &mut payload {
+        *usage = priced(*usage, ctx.price(run));
+    }
     if e.event_id.is_empty() {
         tracing::warn!("executor event without an id dropped");
         return Ok(());
@@ -839,6 +876,11 @@ async fn finish(ctx: &Context, run: &Run, ending: Ending) -> Result<(), StoreErr
     let current = ctx.store.get_run_unscoped(&run.id).await?;
     let thread = ending.thread.clone().unwrap_or_default();
     let some = |s: String| (!s.is_empty()).then_some(s);
+    let price = ctx.price(run);
+    let ending = Ending {
+        usage: priced(ending.usage, price),
+        ..ending
+    };
     let receipt = Receipt {
         run_id: run.id.clone(),
         outcome: ending.state,
@@ -856,6 +898,9 @@ async fn finish(ctx: &Context, run: &Run, ending: Ending) -> Result<(), StoreErr
         thread_id: some(thread.thread_id),
         message_id: some(thread.message_id).or(current.message_id.clone()),
         created_at: now,
+        model: some(run.model.clone()),
+        provider_model: ctx.model(run).map(|m| m.provider_model().to_owned()),
+        price,
     };
     match ctx.store.finish_run_as(&receipt, &ctx.owner, now).await {
         Ok(_) => {

@@ -46,6 +46,11 @@ pub struct Config {
     /// How long to wait for an executor to be idle after a cancellation.
     #[arg(long, env = "AUTOMESH_CANCEL_BOUND", default_value = "30s", value_parser = parse_duration)]
     pub cancel_bound: Duration,
+    /// The model catalogue (JSON, docs/models.md), the same file the gateway
+    /// reads: runs are asked of their provider by its names and priced at
+    /// its prices. Without it, the development catalogue.
+    #[arg(long, env = "AUTOMESH_MODELS_FILE")]
+    pub models_file: Option<std::path::PathBuf>,
 }
 
 pub use automesh_rpc::runtime::parse_duration;
@@ -99,6 +104,8 @@ pub async fn run(
         "the run-coordinator needs an executor for each placement; set {}",
         missing.join(" and ")
     );
+    let models = automesh_domain::ModelCatalog::load(config.models_file.as_deref())
+        .map_err(anyhow::Error::msg)?;
     let store = Store::connect_lazy(&config.database_url, StoreOptions::from_env())?;
     let executors = executors(
         config.desktop_executor_addr.as_deref(),
@@ -108,6 +115,7 @@ pub async fn run(
     let settings = driver::Settings {
         lease: config.lease,
         cancel_bound: config.cancel_bound,
+        models: Arc::new(models),
         ..driver::Settings::default()
     };
     serve(store, settings, executors, credential, listener, shutdown).await

@@ -281,6 +281,9 @@ async fn record_terminal(
             thread_id: None,
             message_id: None,
             created_at: now,
+            model: None,
+            provider_model: None,
+            price: None,
         })
         .await?;
         created.push(Created {

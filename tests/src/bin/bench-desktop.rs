@@ -49,13 +49,17 @@ fn rss_kib(pid: u32) -> anyhow::Result<u64> {
 async fn serve_gateway(url: &str) -> anyhow::Result<()> {
     let store = Store::connect_lazy(url, StoreOptions::default())?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let internal = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     println!("listening http://{}", listener.local_addr()?);
     let credential = automesh_rpc::InternalCredential::new("test-internal-credential-0123")?;
     automesh_desktop_runner_gateway::serve_with(
         store,
         Default::default(),
         credential,
-        listener,
+        automesh_desktop_runner_gateway::Listeners {
+            runners: listener,
+            internal,
+        },
         tokio_util::sync::CancellationToken::new(),
     )
     .await

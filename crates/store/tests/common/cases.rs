@@ -93,6 +93,12 @@ fn receipt(run_id: &str, outcome: RunState) -> Receipt {
         thread_id: None,
         message_id: None,
         created_at: t(100),
+        model: Some("openai/gpt-4.1-mini".into()),
+        provider_model: Some("gpt-4.1-mini".into()),
+        price: Some(automesh_domain::Price {
+            input_micros_per_million_tokens: 400_000,
+            output_micros_per_million_tokens: 1_600_000,
+        }),
     }
 }
 

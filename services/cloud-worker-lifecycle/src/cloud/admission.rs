@@ -286,6 +286,7 @@ impl Cloud {
                 traceparent: spec.traceparent.clone(),
                 connect_token: connect.token.expose().to_owned(),
                 guidance: guidance(),
+                provider_model: spec.provider_model.clone(),
             })
             .instrument(tracing::info_span!("automesh.cloud.submit", message_id = %d.message_id))
             .await;
