@@ -346,12 +346,37 @@ fn print_run(r: &pb::Run) {
         println!("trace:      {}", r.trace_id);
     }
     if let Some(receipt) = &r.receipt {
-        let usage = receipt.usage.unwrap_or_default();
-        println!(
-            "receipt:    engine={} tokens in/out={}/{} cost={}µ",
-            receipt.engine, usage.input_tokens, usage.output_tokens, usage.cost_micros
-        );
+        print_receipt(receipt);
     }
+}
+
+/// A receipt in two lines: what ran it, and what it used and cost.
+fn print_receipt(receipt: &pb::Receipt) {
+    let usage = receipt.usage.unwrap_or_default();
+    let model = match (receipt.model.as_str(), receipt.provider_model.as_str()) {
+        ("", _) => String::new(),
+        (m, "") => format!("  model {m}"),
+        (m, p) => format!("  model {m} (asked of the provider as {p})"),
+    };
+    println!(
+        "receipt:    engine {}{model}",
+        if receipt.engine.is_empty() {
+            "-"
+        } else {
+            &receipt.engine
+        }
+    );
+    let price = match &receipt.price {
+        Some(p) => format!(
+            " at {}/{} µ per million input/output tokens",
+            p.input_micros_per_million_tokens, p.output_micros_per_million_tokens
+        ),
+        None => " (the model has no price)".into(),
+    };
+    println!(
+        "            tokens in/out {}/{}  cost {} µ{price}",
+        usage.input_tokens, usage.output_tokens, usage.cost_micros
+    );
 }
 
 fn print_event(e: &pb::RunEvent) {
@@ -376,7 +401,7 @@ fn print_event(e: &pb::RunEvent) {
             }
         ),
         Some(Payload::Usage(u)) => format!(
-            "usage in={} out={} cost={}µ",
+            "usage: tokens in/out {}/{}  cost {} µ",
             u.input_tokens, u.output_tokens, u.cost_micros
         ),
         Some(Payload::StatusChange(s)) => format!(
@@ -641,7 +666,7 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
         CtlCommand::Watch { id, after } => {
             let mut stream = runs
                 .watch_run(pb::WatchRunRequest {
-                    run_id: id,
+                    run_id: id.clone(),
                     after_sequence: after,
                 })
                 .await
@@ -666,6 +691,17 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
                     }
                     None => {}
                 }
+            }
+            // The stream ends after the terminal state: the receipt is there.
+            let run = runs
+                .get_run(pb::GetRunRequest { id })
+                .await
+                .map_err(explain)?
+                .into_inner()
+                .run
+                .unwrap_or_default();
+            if let Some(receipt) = &run.receipt {
+                print_receipt(receipt);
             }
         }
         CtlCommand::RunnerToken { name } => {

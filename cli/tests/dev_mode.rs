@@ -33,6 +33,8 @@ struct Dev {
     data_dir: PathBuf,
     /// The desktop runners' gateway, `http://…`.
     runners: String,
+    /// Everything it printed up to `ready`.
+    banner: Vec<String>,
 }
 
 impl Drop for Dev {
@@ -69,10 +71,25 @@ fn json_field(json: &str, key: &str) -> String {
 /// Starts `automesh dev` on ephemeral ports with `env`, waits (bounded) for
 /// `ready`, and returns it with the gateway address and the printed token.
 fn start_dev(name: &str, env: &[(&str, String)]) -> (Dev, String, String) {
+    start_dev_with(name, env, &[], false)
+}
+
+/// The same, with more arguments, and (`clean`) with nothing of this
+/// process's environment: exactly what a fresh shell would give it.
+fn start_dev_with(
+    name: &str,
+    env: &[(&str, String)],
+    extra: &[&str],
+    clean: bool,
+) -> (Dev, String, String) {
     let data_dir =
         std::env::temp_dir().join(format!("automesh-dev-test-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&data_dir);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_automesh"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_automesh"));
+    if clean {
+        command.env_clear();
+    }
+    let mut child = command
         .arg("dev")
         .arg("--data-dir")
         .arg(&data_dir)
@@ -80,6 +97,8 @@ fn start_dev(name: &str, env: &[(&str, String)]) -> (Dev, String, String) {
             "--gateway-listen",
             "127.0.0.1:0",
             "--runner-gateway-listen",
+            "127.0.0.1:0",
+            "--runner-gateway-internal-listen",
             "127.0.0.1:0",
             "--scheduler-listen",
             "127.0.0.1:0",
@@ -90,6 +109,7 @@ fn start_dev(name: &str, env: &[(&str, String)]) -> (Dev, String, String) {
             "--metrics-listen",
             "127.0.0.1:0",
         ])
+        .args(extra)
         .env("RUST_LOG", "warn")
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .stdout(Stdio::piped())
@@ -101,6 +121,7 @@ fn start_dev(name: &str, env: &[(&str, String)]) -> (Dev, String, String) {
         child,
         data_dir,
         runners: String::new(),
+        banner: vec![],
     };
 
     // Read the banner on a thread, so the wait for it is bounded.
@@ -119,6 +140,7 @@ fn start_dev(name: &str, env: &[(&str, String)]) -> (Dev, String, String) {
         let line = rx
             .recv_timeout(Duration::from_secs(60))
             .expect("automesh dev printed `ready` within 60 s");
+        dev.banner.push(line.clone());
         if expect_token {
             token = Some(line.trim().to_owned());
             expect_token = false;
@@ -335,8 +357,8 @@ async fn traces_are_exported_over_otlp_and_one_trace_crosses_the_services() {
             &[
                 ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
                 ("OTEL_BSP_SCHEDULE_DELAY", "100".to_owned()),
-                // Dev mode has no executors yet: the run waits, bounded by
-                // its deadline, and the coordinator's span of it then ends.
+                // Bounded either way: the dev runner runs it against the
+                // demo model, or its deadline ends it.
                 ("AUTOMESH_DEV_RUN_DEADLINE", "2s".to_owned()),
             ],
         )
@@ -450,7 +472,8 @@ async fn a_runner_process_killed_mid_run_never_runs_it_again_after_a_restart() {
         MCP_TOKEN,
     )
     .await;
-    let (dev, gateway, token) = start_dev("runner-kill", &[]);
+    // This test's runner is the dev user's only one.
+    let (dev, gateway, token) = start_dev_with("runner-kill", &[], &["--no-runner"], false);
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{gateway}"))
         .expect("endpoint")
         .connect()
@@ -644,4 +667,204 @@ fn a_coordinator_without_executors_refuses_to_start() {
         !stderr.contains("AUTOMESH_DESKTOP_EXECUTOR_ADDR"),
         "{stderr}"
     );
+}
+
+/// A newcomer's first run: the real `automesh dev` binary with an empty
+/// environment — no provider, no Connect endpoint, no runner set up — and,
+/// through the public API only, a web and a desktop automation run now. Both
+/// succeed against the built-in demo model and demo Connect endpoint (the
+/// web one in a cloud worker, the desktop one on dev's own runner), with
+/// assistant text, two tool calls and their results, usage, and a receipt
+/// that costs something and says the demo model served it. `automesh ctl
+/// watch` shows one of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_run_succeeds_out_of_the_box_on_both_placements() {
+    use automesh_proto::v1 as pb;
+    let (dev, gateway, token) =
+        tokio::task::spawn_blocking(|| start_dev_with("first-run", &[], &[], true))
+            .await
+            .expect("start");
+    let banner = dev.banner.join("\n");
+    for label in ["model provider", "connect (MCP)", "desktop runner"] {
+        assert!(banner.contains(label), "{label} in:\n{banner}");
+    }
+    assert_eq!(
+        banner.matches("DEMO").count(),
+        2,
+        "both demos labelled:\n{banner}"
+    );
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{gateway}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    let mut automations = pb::automations_client::AutomationsClient::new(channel.clone());
+    let mut runs = pb::runs_client::RunsClient::new(channel);
+    let mut started = vec![];
+    for (name, surface, prompt) in [
+        ("inbox", pb::Surface::Web, "summarise my unread inbox"),
+        (
+            "forecast",
+            pb::Surface::Desktop,
+            "what is the weather in Paris",
+        ),
+    ] {
+        let automation = automations
+            .create_automation(with_bearer(
+                &token,
+                tonic::Request::new(pb::CreateAutomationRequest {
+                    automation: Some(pb::Automation {
+                        name: name.into(),
+                        prompt: prompt.into(),
+                        model: "openai/gpt-4.1-mini".into(),
+                        schedule: Some(pb::Schedule {
+                            kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
+                                time_of_day: Some(pb::TimeOfDay {
+                                    hours: 9,
+                                    minutes: 30,
+                                }),
+                                time_zone: "Europe/Paris".into(),
+                            })),
+                        }),
+                        ..Default::default()
+                    }),
+                    surface: surface as i32,
+                }),
+            ))
+            .await
+            .unwrap_or_else(|e| panic!("create {name}: {e:?}"))
+            .into_inner()
+            .automation
+            .expect("automation");
+        let run = automations
+            .run_automation_now(with_bearer(
+                &token,
+                tonic::Request::new(pb::RunAutomationNowRequest {
+                    id: automation.id.clone(),
+                    idempotency_key: format!("first-{name}"),
+                }),
+            ))
+            .await
+            .expect("run now")
+            .into_inner()
+            .run
+            .expect("run");
+        started.push((name, automation.placement, run.id));
+    }
+    assert_eq!(started[0].1, pb::Placement::Cloud as i32);
+    assert_eq!(started[1].1, pb::Placement::Desktop as i32);
+
+    for (name, _, run_id) in &started {
+        let give_up = std::time::Instant::now() + Duration::from_secs(90);
+        let run = loop {
+            let run = runs
+                .get_run(with_bearer(
+                    &token,
+                    tonic::Request::new(pb::GetRunRequest { id: run_id.clone() }),
+                ))
+                .await
+                .expect("get run")
+                .into_inner()
+                .run
+                .expect("run");
+            if run.receipt.is_some() {
+                break run;
+            }
+            assert!(
+                std::time::Instant::now() < give_up,
+                "{name}: no end within 90 s: {run:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        assert_eq!(run.state, pb::RunState::Succeeded as i32, "{name}: {run:?}");
+        let events = runs
+            .list_run_events(with_bearer(
+                &token,
+                tonic::Request::new(pb::ListRunEventsRequest {
+                    run_id: run_id.clone(),
+                    after_sequence: 0,
+                    page_size: 500,
+                }),
+            ))
+            .await
+            .expect("events")
+            .into_inner()
+            .events;
+        use pb::run_event::Payload;
+        let calls: Vec<&pb::ToolCall> = events
+            .iter()
+            .filter_map(|e| match &e.payload {
+                Some(Payload::ToolCall(c)) => Some(c),
+                _ => None,
+            })
+            .collect();
+        let results: Vec<&pb::ToolResult> = events
+            .iter()
+            .filter_map(|e| match &e.payload {
+                Some(Payload::ToolResult(r)) => Some(r),
+                _ => None,
+            })
+            .collect();
+        let texts: Vec<&str> = events
+            .iter()
+            .filter_map(|e| match &e.payload {
+                Some(Payload::AssistantText(t)) => Some(t.text.as_str()),
+                _ => None,
+            })
+            .collect();
+        let usage: Vec<&pb::Usage> = events
+            .iter()
+            .filter_map(|e| match &e.payload {
+                Some(Payload::Usage(u)) => Some(u),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            calls.iter().map(|c| c.tool.as_str()).collect::<Vec<_>>(),
+            ["search_capabilities", "execute_capability"],
+            "{name}: {events:?}"
+        );
+        assert_eq!(results.len(), 2, "{name}: {events:?}");
+        assert!(results.iter().all(|r| !r.is_error && !r.output.is_empty()));
+        assert!(
+            results[1].output.contains("(demo data)"),
+            "{name}: {results:?}"
+        );
+        assert!(
+            texts.iter().any(|t| t.starts_with("[automesh demo model]")),
+            "{name}: {texts:?}"
+        );
+        assert!(!usage.is_empty() && usage.iter().all(|u| u.cost_micros > 0));
+        let receipt = run.receipt.expect("receipt");
+        let total = receipt.usage.expect("usage");
+        assert!(
+            total.input_tokens > 0 && total.output_tokens > 0,
+            "{receipt:?}"
+        );
+        assert!(total.cost_micros > 0, "{name}: {receipt:?}");
+        assert_eq!(receipt.model, "openai/gpt-4.1-mini");
+        assert_eq!(receipt.provider_model, "automesh-demo", "labelled as demo");
+        assert!(receipt.price.is_some());
+    }
+
+    // `automesh ctl watch` replays the desktop run and prints its receipt.
+    let watched = Command::new(env!("CARGO_BIN_EXE_automesh"))
+        .args(["ctl", "watch", &started[1].2])
+        .env("AUTOMESH_ADDR", format!("http://{gateway}"))
+        .env("AUTOMESH_TOKEN", &token)
+        .output()
+        .expect("ctl watch");
+    let out = String::from_utf8_lossy(&watched.stdout);
+    assert!(watched.status.success(), "{out}");
+    for want in [
+        "tool call search_capabilities",
+        "tool result execute_capability",
+        "assistant: [automesh demo model]",
+        "is succeeded",
+        "receipt:",
+        "asked of the provider as automesh-demo",
+    ] {
+        assert!(out.contains(want), "{want:?} in:\n{out}");
+    }
+    drop(dev);
 }

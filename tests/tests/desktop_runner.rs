@@ -445,6 +445,30 @@ async fn desktop_runs_are_charged_at_the_catalogue_price_and_keep_it() {
     for body in desk.provider.bodies.lock().expect("lock").iter() {
         assert_eq!(body["model"], "echo", "the catalogue's provider name");
     }
+    // The run reads `running` before its engine's first event.
+    let events = desk
+        .mesh
+        .store()
+        .list_events(&run.id, 0, 100)
+        .await
+        .expect("events");
+    let position = |want: &dyn Fn(&automesh_domain::RunEventPayload) -> bool| {
+        events
+            .iter()
+            .position(|e| want(&e.payload))
+            .unwrap_or_else(|| panic!("missing event in {events:?}"))
+    };
+    let running = position(
+        &|p| matches!(p, automesh_domain::RunEventPayload::StatusChange { state, .. } if state == "running"),
+    );
+    let first_engine_event = position(&|p| {
+        matches!(
+            p,
+            automesh_domain::RunEventPayload::Usage(_)
+                | automesh_domain::RunEventPayload::ToolCall { .. }
+        )
+    });
+    assert!(running < first_engine_event, "{events:?}");
 
     let doubled = automesh_domain::Price {
         input_micros_per_million_tokens: 2 * PRICE.input_micros_per_million_tokens,

@@ -87,13 +87,10 @@ pub struct Config {
 /// (MCP) endpoint of the users' tools.
 #[derive(Debug, Clone, clap::Args)]
 pub struct WorkerEnv {
-    /// The model provider (OpenAI-compatible) cloud workers use.
-    #[arg(
-        long = "worker-provider-url",
-        env = "AUTOMESH_WORKER_PROVIDER_URL",
-        default_value = "https://api.openai.com/v1"
-    )]
-    pub provider_url: String,
+    /// The model provider (OpenAI-compatible) cloud workers use
+    /// [default: https://api.openai.com/v1; in `dev`, the built-in demo model].
+    #[arg(long = "worker-provider-url", env = "AUTOMESH_WORKER_PROVIDER_URL")]
+    pub provider_url: Option<String>,
     #[arg(
         long = "worker-provider-key",
         env = "AUTOMESH_WORKER_PROVIDER_API_KEY",
@@ -127,7 +124,18 @@ pub struct WorkerEnv {
     pub max_steps: u32,
 }
 
+/// The provider cloud workers use when none is configured.
+pub const DEFAULT_PROVIDER_URL: &str = "https://api.openai.com/v1";
+
 impl WorkerEnv {
+    /// The configured provider, or OpenAI's.
+    pub fn provider_url(&self) -> String {
+        self.provider_url
+            .clone()
+            .filter(|u| !u.trim().is_empty())
+            .unwrap_or_else(|| DEFAULT_PROVIDER_URL.to_owned())
+    }
+
     /// The engine settings every agent is started with.
     pub fn engine(&self) -> driver::EngineSettings {
         driver::EngineSettings {
@@ -154,7 +162,7 @@ impl WorkerEnv {
         driver::LocalProcessDriver::new(
             command,
             root,
-            self.provider_url.clone(),
+            self.provider_url(),
             self.provider_key.clone(),
         )
         .with_engine(self.engine())
@@ -186,7 +194,7 @@ impl Config {
             "docker" => std::sync::Arc::new(docker::DockerDriver {
                 socket: self.docker_socket.clone(),
                 image: self.worker_image.clone(),
-                provider_url: self.worker.provider_url.clone(),
+                provider_url: self.worker.provider_url(),
                 provider_key: self.worker.provider_key.clone(),
                 engine: self.worker.engine(),
             }),

@@ -406,6 +406,24 @@ impl ExecutorService for DesktopExecutor {
                 };
                 let Some(a) = a else { return };
                 let more = events.len() as u32 == EVENTS_PAGE;
+                // A live phase change comes before the events read with it
+                // (the run is `running` before its engine's first event); a
+                // finished status comes after them, and ends the stream.
+                let status = status_of(Some(&a));
+                let finished = status.phase == epb::ExecutionPhase::Finished as i32;
+                if !finished && last.as_ref() != Some(&status) {
+                    last = Some(status.clone());
+                    let update = epb::observe_run_response::Update::Status(status);
+                    if tx
+                        .send(Ok(epb::ObserveRunResponse {
+                            update: Some(update),
+                        }))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
                 for e in events {
                     after = e.sequence;
                     let Ok(mut event) = pb::RunEvent::decode(e.body.as_slice()) else {

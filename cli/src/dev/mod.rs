@@ -1,5 +1,10 @@
 //! `automesh dev`: the whole mesh in one process, on SQLite under a data
-//! directory, each service on its own loopback port.
+//! directory, each service on its own loopback port, with a desktop runner
+//! for the `dev` user. Without a configured model provider or Connect
+//! endpoint it serves the built-in demo ones ([`demo`]), so a first run
+//! succeeds on a fresh machine.
+
+mod demo;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -59,8 +64,143 @@ pub struct DevArgs {
     /// for a user who has no cloud worker.
     #[arg(long)]
     pub no_dev_worker: bool,
+    /// Do not start the desktop runner of the `dev` user (desktop runs then
+    /// wait for a runner you start, and end `runner_offline` at their
+    /// deadline without one).
+    #[arg(long)]
+    pub no_runner: bool,
+    /// The model catalogue (JSON, docs/models.md) of the gateway and the
+    /// run-coordinator; without it, the development catalogue.
+    #[arg(long, env = "AUTOMESH_MODELS_FILE")]
+    pub models_file: Option<PathBuf>,
+    /// The model provider, the Connect endpoint and the engine settings of
+    /// cloud workers and of the dev runner. Without a provider URL, the
+    /// built-in demo model serves; without a Connect URL, the demo Connect
+    /// endpoint.
     #[command(flatten)]
     pub worker: automesh_cloud_worker_lifecycle::WorkerEnv,
+}
+
+/// The model provider and Connect endpoint the dev mesh's engines use, and
+/// whether each is the built-in demo.
+struct Outside {
+    worker: automesh_cloud_worker_lifecycle::WorkerEnv,
+    demo_model: bool,
+    demo_connect: bool,
+}
+
+impl Outside {
+    /// Starts the demo model and the demo Connect endpoint where nothing is
+    /// configured, on loopback ports of their own.
+    async fn resolve(
+        configured: &automesh_cloud_worker_lifecycle::WorkerEnv,
+        shutdown: &tokio_util::sync::CancellationToken,
+    ) -> anyhow::Result<Outside> {
+        let mut worker = configured.clone();
+        let demo_model = worker
+            .provider_url
+            .as_deref()
+            .is_none_or(|u| u.trim().is_empty());
+        if demo_model {
+            let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+            let key = random_secret("demo_key_");
+            worker.provider_url = Some(format!("http://{}/v1", listener.local_addr()?));
+            worker.provider_key = key.clone().into();
+            tokio::spawn(demo::serve_model(listener, key, shutdown.clone()));
+        }
+        let demo_connect = worker
+            .connect_url
+            .as_deref()
+            .is_none_or(|u| u.trim().is_empty());
+        if demo_connect {
+            let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+            let token = random_secret("demo_connect_");
+            worker.connect_url = Some(format!("http://{}/mcp", listener.local_addr()?));
+            worker.connect_token = token.clone().into();
+            tokio::spawn(demo::serve_connect(listener, token, shutdown.clone()));
+        }
+        Ok(Outside {
+            worker,
+            demo_model,
+            demo_connect,
+        })
+    }
+
+    fn provider_url(&self) -> String {
+        self.worker.provider_url()
+    }
+
+    fn connect_url(&self) -> String {
+        self.worker.connect_url.clone().unwrap_or_default()
+    }
+}
+
+/// The dev user's runner token: the one kept in `<data-dir>/runner-token`
+/// while the database still knows it, otherwise a new one, recorded there.
+async fn dev_runner_token(store: &Store, data_dir: &Path) -> anyhow::Result<String> {
+    let path = data_dir.join("runner-token");
+    if let Ok(token) = std::fs::read_to_string(&path) {
+        let token = token.trim().to_owned();
+        let known = store
+            .find_runner_by_token_hash(&automesh_desktop_runner_gateway::hash_token(&token))
+            .await?;
+        if known.is_some_and(|r| r.revoked_at.is_none()) {
+            return Ok(token);
+        }
+    }
+    let token = random_secret(automesh_desktop_runner_gateway::TOKEN_PREFIX);
+    store
+        .create_runner(
+            &Principal::new(DEV_ORG, DEV_USER),
+            &automesh_domain::ids::new_runner_id(),
+            "dev runner",
+            &automesh_desktop_runner_gateway::hash_token(&token),
+            chrono::Utc::now(),
+        )
+        .await?;
+    write_private(&path, &token)?;
+    Ok(token)
+}
+
+/// The dev user's desktop runner, in this process: the native engine
+/// against `outside`'s provider and Connect endpoint.
+fn dev_runner(
+    outside: &Outside,
+    token: String,
+    gateway: String,
+    state_dir: PathBuf,
+) -> anyhow::Result<automesh_runner::Runner> {
+    use automesh_engine::adapter::NativeEngine;
+    use automesh_engine::connect::ConnectConfig;
+    use automesh_engine::native::NativeRun;
+    use automesh_engine::provider::ProviderConfig;
+    let engine = outside.worker.engine();
+    let native = NativeEngine {
+        template: NativeRun {
+            model: String::new(),
+            prompt: String::new(),
+            guidance: None,
+            provider: ProviderConfig {
+                kind: "openai-compatible".into(),
+                base_url: outside.provider_url(),
+                api_key: outside.worker.provider_key.expose().to_owned(),
+                request_timeout: engine.request_timeout,
+                stream: engine.stream,
+            },
+            connect: ConnectConfig {
+                url: outside.connect_url(),
+                token: outside.worker.connect_token.expose().to_owned(),
+                call_timeout: Duration::from_secs(30),
+            },
+            connect_token_expires_at: None,
+            model_authorized: true,
+            max_steps: engine.max_steps,
+            deadline: tokio::time::Instant::now(),
+            resume_from: None,
+        },
+    };
+    let settings = automesh_runner::Settings::new(vec![gateway], token.into(), state_dir);
+    automesh_runner::Runner::new(settings, std::sync::Arc::new(native))
 }
 
 /// Reads a secret from `path`, creating it (mode 0600) on first use.
@@ -108,9 +248,21 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             args.data_dir.join("automesh.db").display()
         )
     });
-    let store = Store::connect_and_migrate(&database_url, StoreOptions::default())
+    let store = Store::connect_and_migrate(&database_url, StoreOptions::from_env())
         .await
         .with_context(|| format!("cannot open the database at {database_url}"))?;
+    let shutdown = shutdown_on_signal();
+    let outside = Outside::resolve(&args.worker, &shutdown).await?;
+    let mut models = automesh_domain::ModelCatalog::load(args.models_file.as_deref())
+        .map_err(anyhow::Error::msg)?;
+    if outside.demo_model {
+        // Whatever model a run names, the demo model answers it, and its
+        // receipt says so.
+        for m in &mut models.models {
+            m.provider_model = Some(demo::DEMO_MODEL.to_owned());
+        }
+    }
+    let gateway_models = models.clone();
 
     // Bind every port before serving anything, so a taken port fails fast.
     let gateway_l = bind(args.gateway_listen).await?;
@@ -141,7 +293,6 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             .await?;
     }
 
-    let shutdown = shutdown_on_signal();
     tokio::spawn(automesh_rpc::metrics::serve(
         telemetry.scrape(),
         metrics_listener,
@@ -179,7 +330,10 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
                     )?;
                     automesh_run_coordinator::serve(
                         s,
-                        automesh_run_coordinator::driver::Settings::default(),
+                        automesh_run_coordinator::driver::Settings {
+                            models: std::sync::Arc::new(models),
+                            ..Default::default()
+                        },
                         executors,
                         c,
                         coordinator_l,
@@ -194,7 +348,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     {
         let (s, c, sd) = (store.clone(), credential.clone(), shutdown.clone());
         // The local-process driver runs this binary's `worker-agent`.
-        let driver = args.worker.local_driver(
+        let driver = outside.worker.local_driver(
             vec![
                 std::env::current_exe()?.to_string_lossy().into_owned(),
                 "worker-agent".into(),
@@ -202,7 +356,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             args.data_dir.join("workers"),
         );
         let settings = automesh_cloud_worker_lifecycle::cloud::CloudSettings {
-            connect: args.worker.connect(),
+            connect: outside.worker.connect(),
             ..Default::default()
         };
         tasks.spawn(async move {
@@ -241,7 +395,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     {
         let gateway = automesh_gateway::Gateway::new(
             automesh_gateway::Authenticator::hs256(jwt_secret.as_bytes())?,
-            automesh_gateway::load_models(None)?,
+            gateway_models,
             automesh_gateway::Upstreams::new(&upstreams, &credential)?,
         );
         let sd = shutdown.clone();
@@ -252,6 +406,24 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             )
         });
     }
+
+    let runner_line = if args.no_runner {
+        "none (--no-runner): start one with `automesh runner`".to_owned()
+    } else {
+        let token = dev_runner_token(&store, &args.data_dir).await?;
+        let runner = dev_runner(
+            &outside,
+            token,
+            runners.clone(),
+            args.data_dir.join("runner"),
+        )?;
+        let sd = shutdown.clone();
+        tasks.spawn(async move {
+            runner.run(sd).await;
+            ("desktop runner", Ok(()))
+        });
+        format!("for user {DEV_USER:?}, in this process (native engine; --no-runner turns it off)")
+    };
 
     let token = automesh_gateway::mint(
         jwt_secret.as_bytes(),
@@ -270,6 +442,25 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     println!("  run-coordinator       {}", upstreams.coordinator_addr);
     println!("  cloud-worker-lifecycle {}", upstreams.lifecycle_addr);
     println!("  metrics               http://{metrics_addr}/metrics");
+    println!(
+        "  model provider        {}{}",
+        outside.provider_url(),
+        if outside.demo_model {
+            "   DEMO: the built-in deterministic demo model (set AUTOMESH_WORKER_PROVIDER_URL for a real one)"
+        } else {
+            ""
+        }
+    );
+    println!(
+        "  connect (MCP)         {}{}",
+        outside.connect_url(),
+        if outside.demo_connect {
+            "   DEMO: two tools over a demo catalogue (set AUTOMESH_CONNECT_URL for real tools)"
+        } else {
+            ""
+        }
+    );
+    println!("  desktop runner        {runner_line}");
     println!();
     println!(
         "development token for user {DEV_USER:?} of org {DEV_ORG:?} (30 days; also in {}):",
@@ -277,7 +468,11 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     );
     println!("{token}");
     println!();
-    println!("try:  automesh ctl list");
+    println!(
+        "try:  automesh ctl create --name inbox --prompt \"summarise my unread inbox\" --surface desktop --daily 09:30 --tz Europe/Paris"
+    );
+    println!("      automesh ctl run-now <automation id>");
+    println!("      automesh ctl watch <run id>");
     println!(
         "      grpcurl -plaintext -H \"authorization: Bearer $(cat {})\" {} list",
         token_path.display(),
