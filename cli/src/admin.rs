@@ -34,12 +34,18 @@ pub struct AdminArgs {
 
 #[derive(Debug, Subcommand)]
 enum AdminCommand {
-    /// Record that a user has a cloud worker (it starts stopped).
+    /// Record that a user has a cloud worker (it starts stopped; the
+    /// lifecycle wakes it for the user's first cloud run). Creating a cloud
+    /// automation needs one: nothing is allocated silently. Registering an
+    /// existing worker again changes nothing.
     RegisterWorker {
+        /// The user (the `sub` of their bearer tokens).
         #[arg(long)]
         user: String,
+        /// The user's organisation (the `org` of their bearer tokens).
         #[arg(long)]
         org: String,
+        /// The cloud-worker-lifecycle service (any replica).
         #[arg(
             long,
             env = "AUTOMESH_LIFECYCLE_ADDR",

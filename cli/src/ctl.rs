@@ -404,12 +404,20 @@ fn print_event(e: &pb::RunEvent) {
             "usage: tokens in/out {}/{}  cost {} µ",
             u.input_tokens, u.output_tokens, u.cost_micros
         ),
-        Some(Payload::StatusChange(s)) => format!(
-            "status {:?} {} {}",
-            pb::RunState::try_from(s.state).unwrap_or_default(),
-            s.error_code,
-            s.message
-        ),
+        Some(Payload::StatusChange(s)) => {
+            let state = pb::RunState::try_from(s.state)
+                .map(|s| enum_name(s.as_str_name(), "RUN_STATE_"))
+                .unwrap_or_default();
+            [
+                format!("status {state}"),
+                s.error_code.clone(),
+                s.message.clone(),
+            ]
+            .into_iter()
+            .filter(|p| !p.is_empty())
+            .collect::<Vec<_>>()
+            .join(" ")
+        }
         None => "(empty)".into(),
     };
     println!("{:>5}  {}  {what}", e.sequence, ts(&e.create_time));

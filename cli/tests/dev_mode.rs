@@ -868,3 +868,218 @@ async fn a_first_run_succeeds_out_of_the_box_on_both_placements() {
     }
     drop(dev);
 }
+
+/// The README's quick start is what the binary does: its commands exist and
+/// take the flags it shows (they are run, in order, against a real `automesh
+/// dev` with an empty environment), and where the README shows output, the
+/// binary prints exactly that, up to ids, times, ports, tokens and the data
+/// directory (and the live state lines of `ctl watch`, which depend on when
+/// it attaches; its last one is kept).
+#[test]
+fn the_readme_quick_start_is_what_the_binary_prints() {
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"))
+            .expect("README.md");
+    let start = readme.find("## Quick start").expect("a quick start");
+    let end = readme[start..]
+        .find("\n## ")
+        .map_or(readme.len(), |i| start + i);
+    let blocks = code_blocks(&readme[start..end]);
+    assert!(blocks.len() >= 4, "{blocks:?}");
+    assert!(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../scripts/test")
+            .exists(),
+        "the quick start's test command exists"
+    );
+
+    let (dev, gateway, _token) = start_dev_with("readme", &[], &[], true);
+    let data_dir = dev.data_dir.display().to_string();
+    let mut ids: std::collections::BTreeMap<String, String> = Default::default();
+    let mut compared = 0;
+    let mut ran = 0;
+    let mut i = 0;
+    while i < blocks.len() {
+        let (lang, body) = &blocks[i];
+        let expected = blocks
+            .get(i + 1)
+            .filter(|(l, _)| l == "text")
+            .map(|(_, b)| b.clone());
+        i += if expected.is_some() { 2 } else { 1 };
+        if lang != "sh" {
+            continue;
+        }
+        let commands: Vec<Vec<String>> = body
+            .lines()
+            .map(|l| l.split(" #").next().unwrap_or_default().trim())
+            .filter_map(|l| {
+                l.strip_prefix("cargo run -p automesh -- ")
+                    .or_else(|| l.strip_prefix("automesh "))
+            })
+            .map(shell_words)
+            .collect();
+        if let Some(expected) = &expected {
+            assert_eq!(commands.len(), 1, "one command before shown output: {body}");
+        }
+        for args in commands {
+            let output = if args[0] == "dev" {
+                dev.banner.join("\n")
+            } else {
+                let args: Vec<String> = args
+                    .iter()
+                    .map(
+                        |a| match a.strip_prefix('<').and_then(|a| a.strip_suffix(" id>")) {
+                            Some(name) => ids
+                                .get(name)
+                                .unwrap_or_else(|| panic!("no {name} id yet for {a}"))
+                                .clone(),
+                            None => a.clone(),
+                        },
+                    )
+                    .collect();
+                let out = Command::new(env!("CARGO_BIN_EXE_automesh"))
+                    .env_clear()
+                    .args(&args)
+                    .env("AUTOMESH_ADDR", format!("http://{gateway}"))
+                    .env("AUTOMESH_DATA_DIR", &dev.data_dir)
+                    .output()
+                    .expect("run the README's command");
+                let text = String::from_utf8_lossy(&out.stdout).into_owned();
+                assert!(
+                    out.status.success(),
+                    "`automesh {}` failed: {}{}",
+                    args.join(" "),
+                    text,
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                let field = |name: &str| {
+                    text.lines()
+                        .find_map(|l| l.strip_prefix(name))
+                        .map(|v| v.trim().to_owned())
+                };
+                if args.get(1).map(String::as_str) == Some("create") {
+                    let name = args
+                        .iter()
+                        .position(|a| a == "--name")
+                        .map(|p| args[p + 1].clone())
+                        .expect("--name");
+                    ids.insert(name, field("id:").expect("an id"));
+                }
+                if args.get(1).map(String::as_str) == Some("run-now") {
+                    ids.insert("run".into(), field("run:").expect("a run id"));
+                }
+                ran += 1;
+                text
+            };
+            if let Some(expected) = &expected {
+                assert_eq!(
+                    normalize(&output, &data_dir),
+                    normalize(expected, &data_dir),
+                    "`automesh {}` printed something else than the README shows",
+                    args.join(" ")
+                );
+                compared += 1;
+            }
+        }
+    }
+    assert!(ran >= 5, "ran {ran} commands");
+    assert!(compared >= 4, "compared {compared} outputs");
+    drop(dev);
+}
+
+/// The fenced code blocks of a Markdown text: (language, body).
+fn code_blocks(markdown: &str) -> Vec<(String, String)> {
+    let mut blocks = vec![];
+    // (language, the fence's indentation, lines)
+    let mut open: Option<(String, String, Vec<&str>)> = None;
+    for line in markdown.lines() {
+        let fence = line.trim_start();
+        let indent = &line[..line.len() - fence.len()];
+        match (&mut open, fence.strip_prefix("```")) {
+            (None, Some(lang)) => open = Some((lang.trim().to_owned(), indent.to_owned(), vec![])),
+            (Some(_), Some(_)) => {
+                let (lang, _, body) = open.take().expect("open");
+                blocks.push((lang, body.join("\n")));
+            }
+            (Some((_, indent, body)), None) => {
+                body.push(line.strip_prefix(indent.as_str()).unwrap_or(line))
+            }
+            (None, None) => {}
+        }
+    }
+    blocks
+}
+
+/// Words as a POSIX shell splits them, with double and single quotes; a
+/// `<placeholder with spaces>` is one word.
+fn shell_words(line: &str) -> Vec<String> {
+    let (mut words, mut word, mut quote, mut any) = (vec![], String::new(), None, false);
+    for c in line.chars() {
+        match (quote, c) {
+            (None, '<') if !any => {
+                quote = Some('>');
+                word.push(c);
+                any = true;
+            }
+            (Some('>'), '>') => {
+                word.push(c);
+                quote = None;
+            }
+            (None, '"' | '\'') => {
+                quote = Some(c);
+                any = true;
+            }
+            (Some(q), c) if c == q => quote = None,
+            (None, c) if c.is_whitespace() => {
+                if any {
+                    words.push(std::mem::take(&mut word));
+                    any = false;
+                }
+            }
+            (_, c) => {
+                word.push(c);
+                any = true;
+            }
+        }
+    }
+    if any {
+        words.push(word);
+    }
+    words
+}
+
+/// Output with what varies from run to run replaced.
+fn normalize(text: &str, data_dir: &str) -> String {
+    let text = text.replace(data_dir, ".automesh");
+    let rules = [
+        (
+            r"eyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+",
+            "<token>",
+        ),
+        (
+            r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+            "<id>",
+        ),
+        (r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z", "<time>"),
+        (r"127\.0\.0\.1:\d+", "127.0.0.1:<port>"),
+        (r"\b[0-9a-f]{32}\b", "<trace>"),
+    ];
+    let mut text = text;
+    for (pattern, with) in rules {
+        text = regex::Regex::new(pattern)
+            .expect("pattern")
+            .replace_all(&text, with)
+            .into_owned();
+    }
+    let lines: Vec<&str> = text.lines().map(str::trim_end).collect();
+    let last_state = lines.iter().rposition(|l| l.starts_with("-- run "));
+    lines
+        .iter()
+        .enumerate()
+        .filter(|(i, l)| !l.starts_with("-- run ") || Some(*i) == last_state)
+        .map(|(_, l)| *l)
+        .collect::<Vec<_>>()
+        .join("\n")
+        .trim()
+        .to_owned()
+}

@@ -434,33 +434,48 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let token_path = args.data_dir.join("dev-token");
     write_private(&token_path, &token)?;
 
+    let line = |label: &str, value: &str| println!("  {label:<24}{value}");
+    let demo = |is_demo: bool, what: &str| {
+        if is_demo {
+            format!("   DEMO: {what}")
+        } else {
+            String::new()
+        }
+    };
     println!("automesh dev mesh");
-    println!("  database              {}", redact_url(&database_url));
-    println!("  public gateway        {public}   (automesh.v1.Automations, automesh.v1.Runs)");
-    println!("  desktop runners       {runners}");
-    println!("  scheduler             {}", upstreams.scheduler_addr);
-    println!("  run-coordinator       {}", upstreams.coordinator_addr);
-    println!("  cloud-worker-lifecycle {}", upstreams.lifecycle_addr);
-    println!("  metrics               http://{metrics_addr}/metrics");
-    println!(
-        "  model provider        {}{}",
-        outside.provider_url(),
-        if outside.demo_model {
-            "   DEMO: the built-in deterministic demo model (set AUTOMESH_WORKER_PROVIDER_URL for a real one)"
-        } else {
-            ""
-        }
+    line("database", &redact_url(&database_url));
+    line(
+        "public gateway",
+        &format!("{public}   (automesh.v1.Automations, automesh.v1.Runs)"),
     );
-    println!(
-        "  connect (MCP)         {}{}",
-        outside.connect_url(),
-        if outside.demo_connect {
-            "   DEMO: two tools over a demo catalogue (set AUTOMESH_CONNECT_URL for real tools)"
-        } else {
-            ""
-        }
+    line("desktop runners", &runners);
+    line("scheduler", &upstreams.scheduler_addr);
+    line("run-coordinator", &upstreams.coordinator_addr);
+    line("cloud-worker-lifecycle", &upstreams.lifecycle_addr);
+    line("metrics", &format!("http://{metrics_addr}/metrics"));
+    line(
+        "model provider",
+        &format!(
+            "{}{}",
+            outside.provider_url(),
+            demo(
+                outside.demo_model,
+                "the built-in deterministic demo model (set AUTOMESH_WORKER_PROVIDER_URL for a real one)"
+            )
+        ),
     );
-    println!("  desktop runner        {runner_line}");
+    line(
+        "connect (MCP)",
+        &format!(
+            "{}{}",
+            outside.connect_url(),
+            demo(
+                outside.demo_connect,
+                "two tools over a demo catalogue (set AUTOMESH_CONNECT_URL for real tools)"
+            )
+        ),
+    );
+    line("desktop runner", &runner_line);
     println!();
     println!(
         "development token for user {DEV_USER:?} of org {DEV_ORG:?} (30 days; also in {}):",
