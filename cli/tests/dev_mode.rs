@@ -918,7 +918,7 @@ fn the_readme_quick_start_is_what_the_binary_prints() {
             })
             .map(shell_words)
             .collect();
-        if let Some(expected) = &expected {
+        if expected.is_some() {
             assert_eq!(commands.len(), 1, "one command before shown output: {body}");
         }
         for args in commands {
