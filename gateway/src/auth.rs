@@ -20,7 +20,14 @@ pub struct Claims {
     /// Issued at, seconds since the Unix epoch.
     #[serde(default)]
     pub iat: i64,
+    /// Not before, seconds since the Unix epoch: honoured with the same
+    /// leeway as `exp`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbf: Option<i64>,
 }
+
+/// How far `exp` and `nbf` may be off (clock skew between issuer and mesh).
+pub const LEEWAY_SECONDS: u64 = 30;
 
 /// Verifies bearer tokens.
 #[derive(Clone)]
@@ -48,7 +55,8 @@ impl Authenticator {
         }
         let mut validation = Validation::new(Algorithm::HS256);
         validation.set_required_spec_claims(&["exp", "sub"]);
-        validation.leeway = 30;
+        validation.leeway = LEEWAY_SECONDS;
+        validation.validate_nbf = true;
         Ok(Self {
             key: DecodingKey::from_secret(secret).map_err(|_| WeakKey)?,
             validation,
@@ -72,6 +80,7 @@ impl Authenticator {
                 let why = match e.kind() {
                     ErrorKind::InvalidSignature => "bad signature",
                     ErrorKind::ExpiredSignature => "expired",
+                    ErrorKind::ImmatureSignature => "not valid yet (nbf)",
                     ErrorKind::InvalidAlgorithm => "wrong algorithm",
                     ErrorKind::MissingRequiredClaim(_) => "missing claim",
                     _ => "malformed",
@@ -82,6 +91,11 @@ impl Authenticator {
         if sub.is_empty() || org.is_empty() || sub.len() > 200 || org.len() > 200 {
             return Err(Status::unauthenticated(
                 "invalid bearer token: sub and org must be 1..=200 bytes",
+            ));
+        }
+        if sub.chars().chain(org.chars()).any(char::is_control) {
+            return Err(Status::unauthenticated(
+                "invalid bearer token: sub and org must not contain control characters",
             ));
         }
         Ok(Principal::new(org, sub))
@@ -101,6 +115,7 @@ pub fn mint(
         org: org.to_owned(),
         exp: now + ttl.num_seconds(),
         iat: now,
+        nbf: None,
     };
     jsonwebtoken::encode(
         &Header::new(Algorithm::HS256),
@@ -152,5 +167,36 @@ mod tests {
         );
         assert!(auth.principal(&MetadataMap::new()).is_err());
         assert!(Authenticator::hs256(b"short").is_err());
+
+        // `nbf` is honoured, with the leeway `exp` has.
+        let signed = |nbf: i64, sub: &str| {
+            let now = chrono::Utc::now().timestamp();
+            jsonwebtoken::encode(
+                &Header::new(Algorithm::HS256),
+                &Claims {
+                    sub: sub.into(),
+                    org: "acme".into(),
+                    exp: now + 3600,
+                    iat: now,
+                    nbf: Some(now + nbf),
+                },
+                &EncodingKey::from_secret(KEY).expect("key"),
+            )
+            .expect("sign")
+        };
+        let early = auth
+            .principal(&md(&signed(600, "ada")))
+            .expect_err("not valid yet");
+        assert!(early.message().contains("nbf"), "{early:?}");
+        assert!(
+            auth.principal(&md(&signed(10, "ada"))).is_ok(),
+            "within the leeway"
+        );
+        assert!(auth.principal(&md(&signed(-10, "ada"))).is_ok());
+        // A NUL in `sub` is refused up front, never sent to a database.
+        let nul = auth
+            .principal(&md(&signed(0, "a\u{0}da")))
+            .expect_err("control character");
+        assert_eq!(nul.code(), tonic::Code::Unauthenticated);
     }
 }

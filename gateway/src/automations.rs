@@ -96,6 +96,7 @@ impl Automations for Gateway {
         let owner = self.principal(&request)?;
         let req = request.into_inner();
         convert::page_size(req.page_size, 50, "page_size").map_err(invalid)?;
+        convert::check_optional_text(&[("page_token", &req.page_token)]).map_err(invalid)?;
         let mut scheduler = self.upstreams.scheduler.clone();
         let resp = scheduler
             .list_automations(spb::ListAutomationsRequest {

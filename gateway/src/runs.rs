@@ -44,6 +44,11 @@ impl Runs for Gateway {
         let owner = self.principal(&request)?;
         let req = request.into_inner();
         convert::page_size(req.page_size, 50, "page_size").map_err(invalid)?;
+        convert::check_optional_text(&[
+            ("automation_id", &req.automation_id),
+            ("page_token", &req.page_token),
+        ])
+        .map_err(invalid)?;
         let mut coordinator = self.upstreams.coordinator.clone();
         let resp = coordinator
             .list_runs(cpb::ListRunsRequest {

@@ -330,6 +330,9 @@ impl Runner {
             match message.message {
                 Some(Down::Assignment(a)) => self.on_assignment(a, &tx).await,
                 Some(Down::CancelAssignment(c)) => self.on_cancel(&c, &tx).await,
+                Some(Down::ProtocolError(e)) => {
+                    tracing::warn!(run_id = %e.run_id, code = %e.code, message = %e.message, "the gateway refused a report");
+                }
                 Some(Down::HeartbeatAck(_)) | Some(Down::Welcome(_)) | None => {}
             }
         }

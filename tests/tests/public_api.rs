@@ -966,7 +966,151 @@ async fn watch_run_resumes_without_gaps_or_repeats(backend: Backend) {
     mesh.stop().await.expect("stop");
 }
 
+/// Input the database cannot store, or a client cannot read back, gets the
+/// same answer on both backends: INVALID_ARGUMENT naming the field, never a
+/// retryable code. Limits count what the contract documents (characters).
+async fn nul_and_out_of_range_input_is_invalid_on_both_backends(backend: Backend) {
+    let mesh = Mesh::start(backend).await.expect("mesh");
+    let token = mesh.token("acme", "alice");
+    let mut api = mesh.automations(Some(&token));
+    let mut runs = mesh.runs(Some(&token));
+    let with = |f: &dyn Fn(&mut pb::Automation)| {
+        let mut a = automation("a", "fake/echo", daily(9, 0, "UTC"));
+        f(&mut a);
+        create_req(a, pb::Surface::Desktop)
+    };
+    let once = |seconds: i64, nanos: i32| pb::Schedule {
+        kind: Some(pb::schedule::Kind::Once(pb::OnceSchedule {
+            at: Some(prost_types::Timestamp { seconds, nanos }),
+        })),
+    };
+    expect_field(
+        api.create_automation(with(&|a| a.name = "in\0box".into()))
+            .await,
+        Code::InvalidArgument,
+        "automation.name",
+    );
+    expect_field(
+        api.create_automation(with(&|a| a.prompt = "sum\0marise".into()))
+            .await,
+        Code::InvalidArgument,
+        "automation.prompt",
+    );
+    // After 9999-12-31T23:59:59Z, and with nanos out of range.
+    expect_field(
+        api.create_automation(with(&|a| a.schedule = Some(once(253_402_300_800, 0))))
+            .await,
+        Code::InvalidArgument,
+        "automation.schedule.once.at",
+    );
+    expect_field(
+        api.create_automation(with(&|a| {
+            a.schedule = Some(once(Utc::now().timestamp() + 3600, -1))
+        }))
+        .await,
+        Code::InvalidArgument,
+        "automation.schedule.once.at",
+    );
+    // 200 Greek characters (400 bytes) are a valid name; 201 are not.
+    let greek = api
+        .create_automation(with(&|a| a.name = "λ".repeat(200)))
+        .await
+        .expect("a 200-character name")
+        .into_inner()
+        .automation
+        .expect("automation");
+    expect_field(
+        api.create_automation(with(&|a| a.name = "λ".repeat(201)))
+            .await,
+        Code::InvalidArgument,
+        "automation.name",
+    );
+    expect_field(
+        api.run_automation_now(pb::RunAutomationNowRequest {
+            id: greek.id.clone(),
+            idempotency_key: "k\0".into(),
+        })
+        .await,
+        Code::InvalidArgument,
+        "idempotency_key",
+    );
+    api.run_automation_now(pb::RunAutomationNowRequest {
+        id: greek.id.clone(),
+        idempotency_key: "鍵".repeat(200),
+    })
+    .await
+    .expect("a 200-character idempotency key");
+    expect_field(
+        api.get_automation(pb::GetAutomationRequest { id: "x\0".into() })
+            .await,
+        Code::InvalidArgument,
+        "id",
+    );
+    expect_field(
+        api.list_automations(pb::ListAutomationsRequest {
+            page_token: "\0".into(),
+            ..Default::default()
+        })
+        .await,
+        Code::InvalidArgument,
+        "page_token",
+    );
+    expect_field(
+        api.create_runner_token(pb::CreateRunnerTokenRequest {
+            runner_name: "lap\0top".into(),
+        })
+        .await,
+        Code::InvalidArgument,
+        "runner_name",
+    );
+    api.create_runner_token(pb::CreateRunnerTokenRequest {
+        runner_name: "ノートパソコン".repeat(28),
+    })
+    .await
+    .expect("a 196-character runner name");
+    expect_field(
+        runs.get_run(pb::GetRunRequest { id: "r\0".into() }).await,
+        Code::InvalidArgument,
+        "id",
+    );
+    expect_field(
+        runs.list_runs(pb::ListRunsRequest {
+            automation_id: "a\0".into(),
+            ..Default::default()
+        })
+        .await,
+        Code::InvalidArgument,
+        "automation_id",
+    );
+    expect_field(
+        runs.list_runs(pb::ListRunsRequest {
+            page_token: "\0".into(),
+            ..Default::default()
+        })
+        .await,
+        Code::InvalidArgument,
+        "page_token",
+    );
+    // A token whose `sub` holds U+0000 is not a token.
+    let nul_sub = mesh.token("acme", "ali\0ce");
+    let refused = mesh
+        .automations(Some(&nul_sub))
+        .list_automations(pb::ListAutomationsRequest::default())
+        .await
+        .expect_err("refused");
+    assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+    // Every listing still decodes: nothing out of range was stored.
+    let listed = api
+        .list_automations(pb::ListAutomationsRequest::default())
+        .await
+        .expect("list")
+        .into_inner();
+    assert_eq!(listed.automations.len(), 1);
+    mesh.stop().await.expect("stop");
+}
+
 on_both_backends!(
+    nul_and_out_of_range_input_is_invalid_on_both_backends,
     automation_lifecycle,
     bad_input_changes_nothing,
     run_now_is_idempotent_and_cancellable,

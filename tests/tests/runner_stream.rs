@@ -353,3 +353,195 @@ async fn revoking_a_runner_through_the_public_api_ends_its_live_stream() {
     beating.abort();
     mesh.stop().await.expect("stop");
 }
+
+/// A mesh whose desktop runs go through the real runner gateway.
+async fn dispatching_mesh() -> Mesh {
+    Mesh::start_with(
+        Backend::Sqlite,
+        MeshOptions {
+            desktop_via_runner_gateway: true,
+            runner_streams: StreamSettings {
+                heartbeat_interval: Duration::from_millis(200),
+                dead_after: Duration::from_secs(2),
+                hello_timeout: Duration::from_secs(2),
+            },
+            ..MeshOptions::default()
+        },
+    )
+    .await
+    .expect("mesh")
+}
+
+/// Connects a runner of `token` that says it holds `held`; returns its
+/// sender and the gateway's stream, the Welcome read.
+async fn connect_holding(
+    mesh: &Mesh,
+    token: &str,
+    held: &[&str],
+) -> (
+    mpsc::Sender<rpb::ConnectRequest>,
+    tonic::Streaming<rpb::ConnectResponse>,
+) {
+    let mut client = DesktopRunnerServiceClient::new(
+        automesh_rpc::client::channel(&mesh.runner_gateway).expect("channel"),
+    );
+    let (tx, rx) = mpsc::channel(64);
+    tx.send(rpb::ConnectRequest {
+        message: Some(rpb::connect_request::Message::Hello(rpb::Hello {
+            runner_version: "third-party".into(),
+            held_runs: held
+                .iter()
+                .map(|id| rpb::HeldRun {
+                    run_id: (*id).into(),
+                    finished: false,
+                })
+                .collect(),
+        })),
+    })
+    .await
+    .expect("hello");
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {token}").parse().expect("ascii"),
+    );
+    let mut stream = tokio::time::timeout(Duration::from_secs(10), client.connect(request))
+        .await
+        .expect("answered in time")
+        .expect("connected")
+        .into_inner();
+    let welcome = next(&mut stream).await;
+    assert!(
+        matches!(welcome, rpb::connect_response::Message::Welcome(_)),
+        "{welcome:?}"
+    );
+    (tx, stream)
+}
+
+/// The gateway's next message that is not a heartbeat ack, bounded.
+async fn next(
+    stream: &mut tonic::Streaming<rpb::ConnectResponse>,
+) -> rpb::connect_response::Message {
+    loop {
+        let m = tokio::time::timeout(Duration::from_secs(10), stream.message())
+            .await
+            .expect("a message within 10 s")
+            .expect("the stream is healthy")
+            .expect("the stream is open");
+        match m.message {
+            Some(rpb::connect_response::Message::HeartbeatAck(_)) | None => {}
+            Some(other) => return other,
+        }
+    }
+}
+
+fn up(message: rpb::connect_request::Message) -> rpb::ConnectRequest {
+    rpb::ConnectRequest {
+        message: Some(message),
+    }
+}
+
+/// A RunFinished whose outcome is not terminal, and reports about runs the
+/// runner does not hold, are refused with a named ProtocolError on the
+/// stream; the stream stays open, the run is unaffected and still finishes
+/// with a proper report.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protocol_violations_are_named_on_the_stream_and_leave_the_run_alone() {
+    use rpb::connect_request::Message as Up;
+    use rpb::connect_response::Message as Down;
+    let mesh = dispatching_mesh().await;
+    let minted = mint(&mesh).await;
+    let (tx, mut stream) = connect_holding(&mesh, &minted.token, &[]).await;
+    let run = mesh.desktop_run_now("acme", "alice").await;
+    let Down::Assignment(a) = next(&mut stream).await else {
+        panic!("an assignment")
+    };
+    assert_eq!(a.run_id, run.id);
+    tx.send(up(Up::AssignmentAccepted(rpb::AssignmentAccepted {
+        run_id: run.id.clone(),
+    })))
+    .await
+    .expect("accept");
+    for outcome in [
+        pb::RunState::Running,
+        pb::RunState::Pending,
+        pb::RunState::Unspecified,
+    ] {
+        tx.send(up(Up::RunFinished(rpb::RunFinished {
+            run_id: run.id.clone(),
+            outcome: outcome as i32,
+            ..Default::default()
+        })))
+        .await
+        .expect("send");
+        let Down::ProtocolError(e) = next(&mut stream).await else {
+            panic!("a protocol error for {outcome:?}")
+        };
+        assert_eq!(
+            (e.run_id.as_str(), e.code.as_str()),
+            (run.id.as_str(), "non_terminal_outcome")
+        );
+        assert!(e.message.contains(outcome.as_str_name()), "{e:?}");
+    }
+    // Reports about a run this runner was never assigned.
+    for report in [
+        Up::RunFinished(rpb::RunFinished {
+            run_id: "run-never-assigned".into(),
+            outcome: pb::RunState::Succeeded as i32,
+            ..Default::default()
+        }),
+        Up::AssignmentAccepted(rpb::AssignmentAccepted {
+            run_id: "run-never-assigned".into(),
+        }),
+        Up::IdleObserved(rpb::IdleObserved {
+            run_id: "run-never-assigned".into(),
+        }),
+    ] {
+        tx.send(up(report)).await.expect("send");
+        let Down::ProtocolError(e) = next(&mut stream).await else {
+            panic!("a protocol error")
+        };
+        assert_eq!(e.code, "not_assigned", "{e:?}");
+    }
+    // The run was not touched: still live, and a terminal report ends it.
+    let live = mesh.store().get_run_unscoped(&run.id).await.expect("run");
+    assert!(!live.state.is_terminal(), "{live:?}");
+    tx.send(up(Up::RunFinished(rpb::RunFinished {
+        run_id: run.id.clone(),
+        outcome: pb::RunState::Succeeded as i32,
+        engine: "third-party".into(),
+        ..Default::default()
+    })))
+    .await
+    .expect("finish");
+    let ended = mesh.until_terminal(&run.id, Duration::from_secs(30)).await;
+    assert_eq!(ended.state, automesh_domain::RunState::Succeeded);
+    drop(tx);
+    mesh.stop().await.expect("stop");
+}
+
+/// A runner whose Hello names another organisation's run learns nothing
+/// about it: the cancellation it gets says exactly what an unknown id gets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_tenants_run_id_gets_the_answer_an_unknown_id_gets() {
+    use rpb::connect_response::Message as Down;
+    let mesh = dispatching_mesh().await;
+    // bob's desktop run waits for bob's runner, which never comes.
+    let bobs = mesh.desktop_run_now("globex", "bob").await;
+    let minted = mint(&mesh).await;
+    let (tx, mut stream) =
+        connect_holding(&mesh, &minted.token, &[&bobs.id, "run-that-never-existed"]).await;
+    let mut reasons = std::collections::BTreeMap::new();
+    while reasons.len() < 2 {
+        tx.send(heartbeat()).await.expect("heartbeat");
+        if let Down::CancelAssignment(c) = next(&mut stream).await {
+            reasons.insert(c.run_id, c.reason);
+        }
+    }
+    assert_eq!(
+        reasons[&bobs.id], reasons["run-that-never-existed"],
+        "{reasons:?}"
+    );
+    drop(tx);
+    mesh.stop().await.expect("stop");
+}

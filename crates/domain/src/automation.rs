@@ -5,16 +5,18 @@ use chrono::{DateTime, Utc};
 
 use crate::error_code::ErrorCode;
 use crate::schedule::Schedule;
-use crate::validation::{Violations, check_text};
+use crate::validation::{Limit, Violations, check_text};
 
-/// Longest automation name, in bytes.
-pub const NAME_MAX_BYTES: usize = 200;
-/// Longest prompt, in bytes.
-pub const PROMPT_MAX_BYTES: usize = 32 * 1024;
-/// Longest model id, in bytes.
-pub const MODEL_MAX_BYTES: usize = 200;
-/// Longest run-now idempotency key, in bytes.
-pub const IDEMPOTENCY_KEY_MAX_BYTES: usize = 200;
+/// Longest automation name (the contract: 1..=200 characters).
+pub const NAME_LIMIT: Limit = Limit::Chars(200);
+/// Longest prompt (the contract: 1..=32768 bytes).
+pub const PROMPT_LIMIT: Limit = Limit::Bytes(32 * 1024);
+/// Longest model id.
+pub const MODEL_LIMIT: Limit = Limit::Chars(200);
+/// Longest run-now idempotency key (the contract: 1..=200 characters).
+pub const IDEMPOTENCY_KEY_LIMIT: Limit = Limit::Chars(200);
+/// Longest runner name (the contract: 1..=200 characters).
+pub const RUNNER_NAME_LIMIT: Limit = Limit::Chars(200);
 
 macro_rules! string_enum {
     ($(#[$m:meta])* $name:ident { $($variant:ident => $s:literal,)* }) => {
@@ -191,13 +193,13 @@ pub fn check_fields(
     model: Option<&str>,
 ) {
     if let Some(name) = name {
-        check_text(v, &format!("{prefix}.name"), name, NAME_MAX_BYTES);
+        check_text(v, &format!("{prefix}.name"), name, NAME_LIMIT);
     }
     if let Some(prompt) = prompt {
-        check_text(v, &format!("{prefix}.prompt"), prompt, PROMPT_MAX_BYTES);
+        check_text(v, &format!("{prefix}.prompt"), prompt, PROMPT_LIMIT);
     }
     if let Some(model) = model {
-        check_text(v, &format!("{prefix}.model"), model, MODEL_MAX_BYTES);
+        check_text(v, &format!("{prefix}.model"), model, MODEL_LIMIT);
     }
 }
 

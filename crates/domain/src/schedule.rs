@@ -135,18 +135,27 @@ impl Schedule {
     }
 
     /// Validates a schedule for an automation being created or edited at
-    /// `now`: a `once` instant must be in the future.
+    /// `now`: a `once` instant must be in the future, and no later than the
+    /// last instant a protobuf Timestamp holds (9999-12-31T23:59:59Z).
     pub fn check_for_write(&self, now: DateTime<Utc>, field: &str, v: &mut Violations) {
-        if let Schedule::Once { at } = self
-            && *at <= now
-        {
-            v.push(FieldViolation::new(
-                format!("{field}.once.at"),
-                "must be in the future",
-            ));
+        if let Schedule::Once { at } = self {
+            if *at <= now {
+                v.push(FieldViolation::new(
+                    format!("{field}.once.at"),
+                    "must be in the future",
+                ));
+            } else if at.timestamp() > LATEST_INSTANT_SECONDS {
+                v.push(FieldViolation::new(
+                    format!("{field}.once.at"),
+                    "must be no later than 9999-12-31T23:59:59Z",
+                ));
+            }
         }
     }
 }
+
+/// 9999-12-31T23:59:59Z, the last second a protobuf Timestamp holds.
+pub const LATEST_INSTANT_SECONDS: i64 = 253_402_300_799;
 
 /// The instant at which the slot of local `date` at `time` in `zone` fires.
 pub fn slot_instant(zone: Tz, date: NaiveDate, time: TimeOfDay) -> DateTime<Utc> {

@@ -64,11 +64,59 @@ impl fmt::Display for Violations {
 
 impl std::error::Error for Violations {}
 
-/// Checks a required, bounded text field.
-pub fn check_text(v: &mut Violations, field: &str, value: &str, max_bytes: usize) {
+/// How long a text field may be, in the unit its contract documents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    /// Unicode characters (scalar values): a 200-character Greek or CJK name
+    /// fits a 200-character limit.
+    Chars(usize),
+    /// UTF-8 bytes.
+    Bytes(usize),
+}
+
+/// Checks a required, bounded text field: not blank, within its limit, and
+/// without U+0000 (which PostgreSQL cannot store in text, so no backend
+/// accepts it).
+pub fn check_text(v: &mut Violations, field: &str, value: &str, limit: Limit) {
     if value.trim().is_empty() {
         v.field(field, "must not be empty");
-    } else if value.len() > max_bytes {
-        v.field(field, format!("must be at most {max_bytes} bytes"));
+        return;
+    }
+    match limit {
+        Limit::Chars(max) if value.chars().count() > max => {
+            v.field(field, format!("must be at most {max} characters"));
+        }
+        Limit::Bytes(max) if value.len() > max => {
+            v.field(field, format!("must be at most {max} bytes"));
+        }
+        _ => {}
+    }
+    check_no_nul(v, field, value);
+}
+
+/// Refuses U+0000 in any text a request carries (ids, tokens, names).
+pub fn check_no_nul(v: &mut Violations, field: &str, value: &str) {
+    if value.contains('\0') {
+        v.field(field, "must not contain the NUL character (U+0000)");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_count_what_the_contract_says() {
+        let mut v = Violations::default();
+        // 200 Greek letters are 400 bytes, and fit 200 characters.
+        check_text(&mut v, "name", &"λ".repeat(200), Limit::Chars(200));
+        check_text(&mut v, "key", &"語".repeat(200), Limit::Chars(200));
+        assert!(v.is_empty(), "{v}");
+        check_text(&mut v, "name", &"λ".repeat(201), Limit::Chars(200));
+        check_text(&mut v, "prompt", &"λ".repeat(101), Limit::Bytes(200));
+        check_text(&mut v, "nul", "a\0b", Limit::Chars(200));
+        check_text(&mut v, "blank", "  ", Limit::Chars(200));
+        let fields: Vec<&str> = v.iter().map(|f| f.field.as_str()).collect();
+        assert_eq!(fields, ["name", "prompt", "nul", "blank"], "{v}");
     }
 }

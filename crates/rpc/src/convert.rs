@@ -3,7 +3,7 @@
 //! protobuf types never reach the store.
 
 use automesh_domain::automation::{
-    AutomationPatch, IDEMPOTENCY_KEY_MAX_BYTES, check_fields, parse_etag,
+    AutomationPatch, IDEMPOTENCY_KEY_LIMIT, check_fields, parse_etag,
 };
 use automesh_domain::schedule::parse_time_zone;
 use automesh_domain::{
@@ -39,14 +39,43 @@ pub fn caller(p: &Principal) -> ipb::Caller {
 
 // ---- time ----
 
+/// The first and last second a `google.protobuf.Timestamp` may hold
+/// (0001-01-01T00:00:00Z and 9999-12-31T23:59:59Z): clients reject whole
+/// messages carrying anything outside.
+pub const TIMESTAMP_MIN_SECONDS: i64 = -62_135_596_800;
+pub const TIMESTAMP_MAX_SECONDS: i64 = 253_402_300_799;
+
+/// An instant as a protobuf Timestamp, clamped into the Timestamp range so
+/// that no message ever carries an invalid one (what is stored is checked at
+/// write time; this is the last line).
 pub fn timestamp(t: DateTime<Utc>) -> prost_types::Timestamp {
+    let seconds = t.timestamp();
+    if seconds > TIMESTAMP_MAX_SECONDS {
+        return prost_types::Timestamp {
+            seconds: TIMESTAMP_MAX_SECONDS,
+            nanos: 999_999_999,
+        };
+    }
+    if seconds < TIMESTAMP_MIN_SECONDS {
+        return prost_types::Timestamp {
+            seconds: TIMESTAMP_MIN_SECONDS,
+            nanos: 0,
+        };
+    }
     prost_types::Timestamp {
-        seconds: t.timestamp(),
+        seconds,
         nanos: t.timestamp_subsec_nanos() as i32,
     }
 }
 
+/// A protobuf Timestamp as an instant; `None` outside the Timestamp range or
+/// with nanos outside 0..=999,999,999 (an invalid Timestamp).
 pub fn from_timestamp(ts: &prost_types::Timestamp) -> Option<DateTime<Utc>> {
+    if !(TIMESTAMP_MIN_SECONDS..=TIMESTAMP_MAX_SECONDS).contains(&ts.seconds)
+        || !(0..=999_999_999).contains(&ts.nanos)
+    {
+        return None;
+    }
     u32::try_from(ts.nanos)
         .ok()
         .and_then(|n| DateTime::from_timestamp(ts.seconds, n))
@@ -202,12 +231,22 @@ pub fn schedule_from_pb(
     };
     let before = v.iter().count();
     let schedule = match kind {
-        Kind::Once(o) => match o.at.as_ref().and_then(from_timestamp) {
-            Some(at) => Some(Schedule::Once { at }),
+        Kind::Once(o) => match o.at.as_ref() {
             None => {
                 v.field(format!("{field}.once.at"), "required");
                 None
             }
+            Some(ts) => match from_timestamp(ts) {
+                Some(at) => Some(Schedule::Once { at }),
+                None => {
+                    v.field(
+                        format!("{field}.once.at"),
+                        "not a valid timestamp: it must lie between \
+                         0001-01-01T00:00:00Z and 9999-12-31T23:59:59Z",
+                    );
+                    None
+                }
+            },
         },
         Kind::Daily(d) => {
             let time = time_of_day(
@@ -399,6 +438,7 @@ pub fn parse_update(
     if a.id.is_empty() {
         v.field("automation.id", "required");
     }
+    automesh_domain::validation::check_no_nul(&mut v, "automation.id", &a.id);
     let paths: Vec<&str> = match &req.update_mask {
         Some(mask) if !mask.paths.is_empty() => mask.paths.iter().map(String::as_str).collect(),
         _ => UPDATABLE_PATHS.to_vec(),
@@ -466,6 +506,17 @@ pub fn require_id(id: &str, field: &str) -> Result<(), Violations> {
     } else if id.len() > 200 {
         v.field(field, "must be at most 200 bytes");
     }
+    automesh_domain::validation::check_no_nul(&mut v, field, id);
+    v.into_result(())
+}
+
+/// Validates optional text fields that reach the database as they are
+/// (filters, page tokens): no NUL.
+pub fn check_optional_text(fields: &[(&str, &str)]) -> Result<(), Violations> {
+    let mut v = Violations::default();
+    for (field, value) in fields {
+        automesh_domain::validation::check_no_nul(&mut v, field, value);
+    }
     v.into_result(())
 }
 
@@ -475,15 +526,18 @@ pub fn parse_run_now(req: &pb::RunAutomationNowRequest) -> Result<(), Violations
     if req.id.is_empty() {
         v.field("id", "required");
     }
+    automesh_domain::validation::check_no_nul(&mut v, "id", &req.id);
     if req.idempotency_key.trim().is_empty() {
         v.field(
             "idempotency_key",
             "required: the same key returns the same run",
         );
-    } else if req.idempotency_key.len() > IDEMPOTENCY_KEY_MAX_BYTES {
-        v.field(
+    } else {
+        automesh_domain::validation::check_text(
+            &mut v,
             "idempotency_key",
-            format!("must be at most {IDEMPOTENCY_KEY_MAX_BYTES} bytes"),
+            &req.idempotency_key,
+            IDEMPOTENCY_KEY_LIMIT,
         );
     }
     v.into_result(())
@@ -675,4 +729,47 @@ pub fn event_payload_from_pb(e: &pb::RunEvent) -> Option<RunEventPayload> {
             message: (!s.message.is_empty()).then(|| s.message.clone()),
         },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_never_leave_the_protobuf_range() {
+        use chrono::TimeZone;
+        let far = Utc
+            .with_ymd_and_hms(10_000, 1, 1, 0, 0, 0)
+            .single()
+            .expect("instant");
+        let ts = timestamp(far);
+        assert_eq!((ts.seconds, ts.nanos), (TIMESTAMP_MAX_SECONDS, 999_999_999));
+        let early = Utc
+            .with_ymd_and_hms(-5, 1, 1, 0, 0, 0)
+            .single()
+            .expect("instant");
+        assert_eq!(timestamp(early).seconds, TIMESTAMP_MIN_SECONDS);
+        let now = Utc::now();
+        assert_eq!(from_timestamp(&timestamp(now)), Some(now));
+        for bad in [
+            prost_types::Timestamp {
+                seconds: TIMESTAMP_MAX_SECONDS + 1,
+                nanos: 0,
+            },
+            prost_types::Timestamp {
+                seconds: TIMESTAMP_MIN_SECONDS - 1,
+                nanos: 0,
+            },
+            prost_types::Timestamp {
+                seconds: 0,
+                nanos: -1,
+            },
+            prost_types::Timestamp {
+                seconds: 0,
+                nanos: 1_000_000_000,
+            },
+        ] {
+            assert_eq!(from_timestamp(&bad), None, "{bad:?}");
+        }
+    }
 }

@@ -95,6 +95,14 @@ impl Store {
         next_run_at: Option<DateTime<Utc>>,
         now: DateTime<Utc>,
     ) -> Result<Automation> {
+        for (field, value) in [
+            ("id", &new.id),
+            ("name", &new.name),
+            ("prompt", &new.prompt),
+            ("model", &new.model),
+        ] {
+            crate::error::storable(field, value)?;
+        }
         sqlx::query(INSERT)
             .bind(&new.id)
             .bind(&new.org_id)
@@ -167,6 +175,13 @@ impl Store {
         expected_version: i64,
         now: DateTime<Utc>,
     ) -> Result<Automation> {
+        for (field, value) in [
+            ("name", &updated.name),
+            ("prompt", &updated.prompt),
+            ("model", &updated.model),
+        ] {
+            crate::error::storable(field, value)?;
+        }
         let done = sqlx::query(UPDATE_IF_VERSION)
             .bind(&updated.id)
             .bind(&updated.org_id)

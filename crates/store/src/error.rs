@@ -26,8 +26,23 @@ pub enum StoreError {
     UnsupportedUrl,
     #[error("migration failed: {0}")]
     Migrate(#[source] sqlx::migrate::MigrateError),
+    /// A value the database refuses to store, or that no backend accepts
+    /// (U+0000 in text, a value out of range). Never worth retrying.
+    #[error("value refused: {0}")]
+    Refused(String),
     #[error("database error: {0}")]
     Database(#[source] sqlx::Error),
+}
+
+/// Refuses text no backend may store: PostgreSQL cannot hold U+0000 in
+/// text, so SQLite is not allowed to either, and both give one answer.
+pub(crate) fn storable(field: &str, value: &str) -> Result<()> {
+    if value.contains('\0') {
+        return Err(StoreError::Refused(format!(
+            "{field} contains the NUL character (U+0000)"
+        )));
+    }
+    Ok(())
 }
 
 impl From<sqlx::Error> for StoreError {
@@ -36,6 +51,12 @@ impl From<sqlx::Error> for StoreError {
             let msg = db.message();
             if msg.contains("placement is immutable") || msg.contains("is terminal") {
                 return StoreError::Invariant(msg.to_owned());
+            }
+            // SQLSTATE class 22 (data exception: a character not in the
+            // encoding, a value out of range): the data is at fault, not the
+            // database; retrying can never succeed.
+            if db.code().is_some_and(|c| c.starts_with("22")) {
+                return StoreError::Refused(msg.to_owned());
             }
         }
         StoreError::Database(e)

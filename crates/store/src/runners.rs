@@ -51,6 +51,7 @@ impl Store {
         token_hash: &str,
         now: DateTime<Utc>,
     ) -> Result<Runner> {
+        crate::error::storable("runner name", name)?;
         let mut tx = self.begin_write().await?;
         sqlx::query(INSERT_RUNNER)
             .bind(runner_id)

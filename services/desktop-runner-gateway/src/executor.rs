@@ -409,9 +409,24 @@ impl ExecutorService for DesktopExecutor {
                 // A live phase change comes before the events read with it
                 // (the run is `running` before its engine's first event); a
                 // finished status comes after them, and ends the stream.
-                let status = status_of(Some(&a));
-                let finished = status.phase == epb::ExecutionPhase::Finished as i32;
-                if !finished && last.as_ref() != Some(&status) {
+                // Events mean the runner's engine is at work: when they were
+                // read ahead of the acceptance that preceded them (the status
+                // is read first), the run is running all the same.
+                let mut status = status_of(Some(&a));
+                let running = epb::ExecutionPhase::Running as i32;
+                let seen_running = last.as_ref().is_some_and(|s| {
+                    s.phase == running || s.phase == epb::ExecutionPhase::Finished as i32
+                });
+                if !events.is_empty() && !seen_running && status.phase != running {
+                    status = epb::ExecutionStatus {
+                        phase: running,
+                        idle: false,
+                        outcome: None,
+                    };
+                }
+                if status.phase != epb::ExecutionPhase::Finished as i32
+                    && last.as_ref() != Some(&status)
+                {
                     last = Some(status.clone());
                     let update = epb::observe_run_response::Update::Status(status);
                     if tx

@@ -84,6 +84,7 @@ pub struct RunnerTokens {
 fn store_status(e: StoreError) -> Status {
     match e {
         StoreError::NotFound => status::not_found("runner"),
+        StoreError::Refused(why) => Status::invalid_argument(why),
         e @ StoreError::Database(_) => status::unavailable("database", &e),
         e => status::internal("runner store", &e),
     }
@@ -98,7 +99,12 @@ impl RunnerTokenService for RunnerTokens {
         let req = request.into_inner();
         let owner = convert::principal(req.caller.as_ref())?;
         let mut v = automesh_domain::Violations::default();
-        automesh_domain::validation::check_text(&mut v, "runner_name", &req.runner_name, 200);
+        automesh_domain::validation::check_text(
+            &mut v,
+            "runner_name",
+            &req.runner_name,
+            automesh_domain::automation::RUNNER_NAME_LIMIT,
+        );
         if !v.is_empty() {
             return Err(status::invalid_argument(&v));
         }
@@ -130,6 +136,12 @@ impl RunnerTokenService for RunnerTokens {
         let owner = convert::principal(req.caller.as_ref())?;
         if req.runner_id.is_empty() {
             return Err(status::invalid_field("runner_id", "required"));
+        }
+        if req.runner_id.contains('\0') {
+            return Err(status::invalid_field(
+                "runner_id",
+                "must not contain the NUL character (U+0000)",
+            ));
         }
         self.store
             .revoke_runner(&owner, &req.runner_id, Utc::now())

@@ -1,5 +1,6 @@
-//! The runner gateway's metrics: runner streams held by this replica, and
-//! assignments delivered (and delivered again after a reconnect).
+//! The runner gateway's metrics: runner streams held by this replica,
+//! assignments delivered (and delivered again after a reconnect), and runner
+//! reports refused as protocol errors.
 
 use std::sync::{Arc, OnceLock};
 
@@ -8,6 +9,7 @@ use opentelemetry::metrics::Counter;
 struct Metrics {
     deliveries: Counter<u64>,
     redeliveries: Counter<u64>,
+    protocol_errors: Counter<u64>,
 }
 
 fn metrics() -> &'static Metrics {
@@ -25,8 +27,19 @@ fn metrics() -> &'static Metrics {
                     "Assignments sent again to a reconnected runner that did not hold them",
                 )
                 .build(),
+            protocol_errors: m
+                .u64_counter("automesh.desktop.protocol_errors")
+                .with_description("Runner reports refused as protocol errors, by code")
+                .build(),
         }
     })
+}
+
+/// One runner report refused with `code`.
+pub(crate) fn protocol_error(code: &'static str) {
+    metrics()
+        .protocol_errors
+        .add(1, &[opentelemetry::KeyValue::new("code", code)]);
 }
 
 /// One assignment sent to a runner.

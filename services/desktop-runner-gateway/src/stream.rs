@@ -306,12 +306,17 @@ async fn reconcile(
         if mine.iter().any(|a| &a.run_id == run_id) {
             continue;
         }
+        // Another owner's run gets the very answer an unknown id gets: a
+        // runner learns nothing about runs that are not its owner's.
         let reason = match store.desktop_run(run_id).await? {
-            None => "the gateway does not know this run",
-            Some(a) if a.phase == automesh_store::desktop::DesktopPhase::Finished => {
-                "the run is finished"
+            Some(a) if a.org_id == session.org_id && a.owner_id == session.owner_id => {
+                if a.phase == automesh_store::desktop::DesktopPhase::Finished {
+                    "the run is finished"
+                } else {
+                    "the run belongs to another runner of its owner"
+                }
             }
-            Some(_) => "the run belongs to another runner",
+            _ => UNKNOWN_RUN,
         };
         if !send(&session.tx, cancel_message(run_id, reason)).await {
             tracing::warn!(
@@ -324,20 +329,97 @@ async fn reconcile(
     Ok(())
 }
 
+/// What a reconnecting runner is told about a run it holds that the
+/// gateway does not know for its owner.
+const UNKNOWN_RUN: &str = "the gateway does not know this run";
+
+/// A report the gateway refused, and why (sent back as `ProtocolError`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub run_id: String,
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl Refusal {
+    fn message(&self) -> rpb::ConnectResponse {
+        rpb::ConnectResponse {
+            message: Some(rpb::connect_response::Message::ProtocolError(
+                rpb::ProtocolError {
+                    run_id: self.run_id.clone(),
+                    code: self.code.to_owned(),
+                    message: self.message.clone(),
+                },
+            )),
+        }
+    }
+}
+
+/// The run ids of a report.
+fn report_run_id(message: &rpb::connect_request::Message) -> Option<&str> {
+    use rpb::connect_request::Message;
+    match message {
+        Message::AssignmentAccepted(a) => Some(&a.run_id),
+        Message::RunEvents(e) => Some(&e.run_id),
+        Message::RunFinished(f) => Some(&f.run_id),
+        Message::IdleObserved(i) => Some(&i.run_id),
+        Message::Hello(_) | Message::Heartbeat(_) => None,
+    }
+}
+
+/// Outcomes a runner may finish a run with.
+fn terminal_outcome(state: i32) -> bool {
+    use automesh_proto::v1::RunState;
+    matches!(
+        RunState::try_from(state),
+        Ok(RunState::Succeeded | RunState::Failed | RunState::Cancelled | RunState::TimedOut)
+    )
+}
+
 /// Records a runner's report about one of its runs. Only the runner a run is
-/// claimed for can change it (the store's updates are guarded by runner).
+/// claimed for can change it (the store's updates are guarded by runner). A
+/// report the protocol does not allow changes nothing and comes back as a
+/// [`Refusal`]; one that changed nothing because it was a redelivery (after a
+/// reconnect) is fine.
 async fn record(
     store: &Store,
     runner_id: &str,
     message: rpb::connect_request::Message,
-) -> Result<(), automesh_store::StoreError> {
+) -> Result<Option<Refusal>, automesh_store::StoreError> {
     use rpb::connect_request::Message;
     let now = Utc::now();
-    match message {
+    let Some(run_id) = report_run_id(&message).map(str::to_owned) else {
+        return Ok(None);
+    };
+    let refuse = |code: &'static str, message: String| {
+        Ok(Some(Refusal {
+            run_id: run_id.clone(),
+            code,
+            message,
+        }))
+    };
+    if run_id.is_empty() {
+        return refuse("invalid_report", "a report must name its run".into());
+    }
+    if let Message::RunFinished(f) = &message
+        && !terminal_outcome(f.outcome)
+    {
+        let name = automesh_proto::v1::RunState::try_from(f.outcome)
+            .map(|s| s.as_str_name().to_owned())
+            .unwrap_or_else(|_| format!("{}", f.outcome));
+        return refuse(
+            "non_terminal_outcome",
+            format!(
+                "RunFinished needs a terminal outcome (SUCCEEDED, FAILED, CANCELLED or \
+                 TIMED_OUT), not {name}; the run is unchanged"
+            ),
+        );
+    }
+    let applied = match message {
         Message::AssignmentAccepted(a) => {
             store
                 .desktop_run_accepted(&a.run_id, runner_id, now)
-                .await?;
+                .await?
         }
         Message::RunEvents(batch) => {
             let events: Vec<(String, Vec<u8>)> = batch
@@ -348,7 +430,8 @@ async fn record(
                 .collect();
             store
                 .append_desktop_events(&batch.run_id, runner_id, &events, now)
-                .await?;
+                .await?
+                > 0
         }
         Message::RunFinished(f) => {
             let outcome = epb::Outcome {
@@ -361,14 +444,29 @@ async fn record(
             };
             store
                 .desktop_run_finished(&f.run_id, runner_id, &outcome.encode_to_vec(), now)
-                .await?;
+                .await?
         }
-        Message::IdleObserved(i) => {
-            store.desktop_run_idle(&i.run_id, runner_id, now).await?;
-        }
-        Message::Hello(_) | Message::Heartbeat(_) => {}
+        Message::IdleObserved(i) => store.desktop_run_idle(&i.run_id, runner_id, now).await?,
+        Message::Hello(_) | Message::Heartbeat(_) => true,
+    };
+    if applied {
+        return Ok(None);
     }
-    Ok(())
+    // Nothing changed: a redelivery of a report already recorded, or a
+    // report about a run this runner does not hold (unknown, or another
+    // runner's: the same answer either way).
+    let holds = store
+        .desktop_run(&run_id)
+        .await?
+        .is_some_and(|a| a.runner_id.as_deref() == Some(runner_id));
+    if holds {
+        Ok(None)
+    } else {
+        refuse(
+            "not_assigned",
+            "this runner holds no run with that id; the report was ignored".into(),
+        )
+    }
 }
 
 /// Reads the runner's messages until it leaves, falls silent, or is replaced.
@@ -435,7 +533,19 @@ async fn follow(
                 )
                 .await
                 {
-                    Ok(Ok(())) => {}
+                    Ok(Ok(None)) => {}
+                    Ok(Ok(Some(refusal))) => {
+                        tracing::warn!(
+                            runner_id = %session.runner_id,
+                            run_id = %refusal.run_id,
+                            code = refusal.code,
+                            "a runner's report was refused"
+                        );
+                        crate::metrics::protocol_error(refusal.code);
+                        if !send(tx, refusal.message()).await {
+                            return Ok(());
+                        }
+                    }
                     Ok(Err(error)) => {
                         return Err(status::unavailable("recording the runner's report", &error));
                     }

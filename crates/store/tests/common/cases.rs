@@ -852,3 +852,57 @@ pub async fn desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_
             .is_empty()
     );
 }
+
+/// U+0000 cannot be stored in PostgreSQL text, so no backend stores it: both
+/// refuse it the same way, as `Refused` (never `Database`, which services
+/// answer UNAVAILABLE and clients retry), and nothing is written. A lookup
+/// by such an id is never a database failure either.
+pub async fn text_no_backend_can_store_is_refused_alike_and_never_as_retryable(store: &Store) {
+    let now = t(0);
+    for (field, mutate) in [
+        (
+            "name",
+            (|a: &mut NewAutomation| a.name = "in\0box".into()) as fn(&mut NewAutomation),
+        ),
+        ("prompt", |a| a.prompt = "sum\0marise".into()),
+        ("model", |a| a.model = "openai/\0".into()),
+        ("id", |a| a.id = "a\0".into()),
+    ] {
+        let mut new = new_automation(&alice(), "nul", Surface::Web);
+        mutate(&mut new);
+        match store.create_automation(&new, None, now).await {
+            Err(StoreError::Refused(why)) => assert!(why.contains(field), "{field}: {why}"),
+            other => panic!("{field}: expected Refused, got {other:?}"),
+        }
+    }
+    assert!(
+        store
+            .list_automations(&alice(), &Cursor::start(), 100, true)
+            .await
+            .expect("list")
+            .items
+            .is_empty(),
+        "nothing was written"
+    );
+    let a = create(store, &alice(), "a1", now).await;
+    let mut renamed = a.clone();
+    renamed.name = "re\0named".into();
+    assert!(matches!(
+        store
+            .update_automation_if_version(&renamed, a.version, now)
+            .await,
+        Err(StoreError::Refused(_))
+    ));
+    assert!(matches!(
+        store
+            .create_runner(&alice(), "runner-1", "lap\0top", "hash", now)
+            .await,
+        Err(StoreError::Refused(_))
+    ));
+    // Reading by an id no row can have is "not found" or a refusal, on
+    // either backend: never a database failure.
+    match store.get_automation(&alice(), "a\0").await {
+        Err(StoreError::NotFound | StoreError::Refused(_)) => {}
+        other => panic!("expected NotFound or Refused, got {other:?}"),
+    }
+}

@@ -28,6 +28,7 @@ macro_rules! conformance_suite {
             runner_tokens_resolve_until_revoked,
             invalid_page_token_is_rejected,
             desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_it,
+            text_no_backend_can_store_is_refused_alike_and_never_as_retryable,
         );
     };
     ($backend:expr; $($case:ident),* $(,)?) => {
