@@ -31,6 +31,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // The runner RPC is named `Connect`; the generated `connect` constructor
         // would collide with it. Clients build their channel and call `new`.
         .build_transport(false)
+        // Request decode errors are INVALID_ARGUMENT (src/codec.rs).
+        .codec_path("crate::codec::Codec")
         .compile_fds(fds)?;
     Ok(())
 }

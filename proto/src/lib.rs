@@ -4,6 +4,8 @@
 //! Proto types stay at the edges: services convert them into domain types in
 //! their handlers and never hand them to the store.
 
+pub mod codec;
+
 /// The encoded `FileDescriptorSet` of every automesh contract.
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/automesh_descriptor.bin"));

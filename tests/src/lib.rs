@@ -25,6 +25,9 @@ use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
+/// The internal credential of every test mesh.
+pub const INTERNAL_SECRET: &str = "test-internal-credential-0123";
+
 /// The JWT key of every test mesh.
 pub const JWT_SECRET: &[u8] = b"test-only-jwt-secret-0123456789abcdef";
 
@@ -232,7 +235,7 @@ impl Mesh {
         let db = TestDatabase::new(backend)
             .await
             .context("test database (is PostgreSQL running? see README)")?;
-        let credential = InternalCredential::new("test-internal-credential-0123")?;
+        let credential = InternalCredential::new(INTERNAL_SECRET)?;
         let shutdown = CancellationToken::new();
         let mut tasks = JoinSet::new();
         let (gl, gateway) = listener().await?;
@@ -545,6 +548,99 @@ fn spawn_coordinator(
         listener,
         shutdown.clone(),
     )))
+}
+
+/// Sends `body` (already protobuf-encoded, possibly invalid) as one unary
+/// call to `path` on `addr`, as a client that writes its own bytes would;
+/// returns the raw answer.
+pub async fn raw_unary(
+    addr: &str,
+    path: &'static str,
+    body: Vec<u8>,
+    token: Option<&str>,
+) -> Result<Vec<u8>, tonic::Status> {
+    #[derive(Debug, Clone, Default)]
+    struct Raw;
+    #[derive(Debug, Clone, Default)]
+    struct RawEncoder;
+    #[derive(Debug, Clone, Default)]
+    struct RawDecoder;
+    impl tonic::codec::Encoder for RawEncoder {
+        type Item = Vec<u8>;
+        type Error = tonic::Status;
+        fn encode(
+            &mut self,
+            item: Vec<u8>,
+            buf: &mut tonic::codec::EncodeBuf<'_>,
+        ) -> Result<(), tonic::Status> {
+            use bytes_put::Put;
+            buf.put(item.as_slice());
+            Ok(())
+        }
+    }
+    impl tonic::codec::Decoder for RawDecoder {
+        type Item = Vec<u8>;
+        type Error = tonic::Status;
+        fn decode(
+            &mut self,
+            buf: &mut tonic::codec::DecodeBuf<'_>,
+        ) -> Result<Option<Vec<u8>>, tonic::Status> {
+            use bytes_put::Take;
+            Ok(Some(buf.take_all()))
+        }
+    }
+    impl tonic::codec::Codec for Raw {
+        type Encode = Vec<u8>;
+        type Decode = Vec<u8>;
+        type Encoder = RawEncoder;
+        type Decoder = RawDecoder;
+        fn encoder(&mut self) -> RawEncoder {
+            RawEncoder
+        }
+        fn decoder(&mut self) -> RawDecoder {
+            RawDecoder
+        }
+    }
+    let channel = automesh_rpc::client::channel(addr).expect("channel");
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready()
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let mut request = tonic::Request::new(body);
+    if let Some(t) = token {
+        request.metadata_mut().insert(
+            "authorization",
+            format!("Bearer {t}").parse().expect("ascii"),
+        );
+    }
+    grpc.unary(request, http::uri::PathAndQuery::from_static(path), Raw)
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+/// The few `bytes::Buf`/`BufMut` calls `raw_unary` needs, through tonic's
+/// own re-exports.
+mod bytes_put {
+    pub trait Put {
+        fn put(&mut self, bytes: &[u8]);
+    }
+    impl Put for tonic::codec::EncodeBuf<'_> {
+        fn put(&mut self, bytes: &[u8]) {
+            use prost::bytes::BufMut;
+            self.put_slice(bytes);
+        }
+    }
+    pub trait Take {
+        fn take_all(&mut self) -> Vec<u8>;
+    }
+    impl Take for tonic::codec::DecodeBuf<'_> {
+        fn take_all(&mut self) -> Vec<u8> {
+            use prost::bytes::Buf;
+            let mut out = vec![0; self.remaining()];
+            self.copy_to_slice(&mut out);
+            out
+        }
+    }
 }
 
 /// The services `addr` lists through server reflection (v1), sorted.

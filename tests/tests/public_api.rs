@@ -1109,6 +1109,54 @@ async fn nul_and_out_of_range_input_is_invalid_on_both_backends(backend: Backend
     mesh.stop().await.expect("stop");
 }
 
+/// A request that does not decode (a string that is not UTF-8) is the
+/// caller's error, INVALID_ARGUMENT; one over the size limit is
+/// RESOURCE_EXHAUSTED, as gRPC's status table says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undecodable_and_oversized_requests_get_the_codes_grpc_prescribes() {
+    let mesh = Mesh::start(Backend::Sqlite).await.expect("mesh");
+    let token = mesh.token("acme", "alice");
+    // CreateAutomationRequest { automation: { name: b"\xff\xfe" } }
+    let invalid_utf8 = vec![0x0a, 0x04, 0x22, 0x02, 0xff, 0xfe];
+    let refused = automesh_e2e_tests::raw_unary(
+        &mesh.gateway,
+        "/automesh.v1.Automations/CreateAutomation",
+        invalid_utf8.clone(),
+        Some(&token),
+    )
+    .await
+    .expect_err("not UTF-8");
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    assert!(
+        refused.message().contains("CreateAutomationRequest"),
+        "{refused:?}"
+    );
+    // The same on an internal service, past its credential check:
+    // CreateRunnerTokenRequest { runner_name: b"\xff\xfe" }.
+    let internal = automesh_e2e_tests::raw_unary(
+        &mesh.runner_gateway_internal,
+        "/automesh.runner.v1.RunnerTokenService/CreateRunnerToken",
+        vec![0x12, 0x02, 0xff, 0xfe],
+        Some(automesh_e2e_tests::INTERNAL_SECRET),
+    )
+    .await
+    .expect_err("not UTF-8");
+    assert_eq!(internal.code(), Code::InvalidArgument, "{internal:?}");
+    let mut api = mesh.automations(Some(&token));
+    let huge = api
+        .create_automation(create_req(
+            pb::Automation {
+                prompt: "x".repeat(5 * 1024 * 1024),
+                ..automation("big", "fake/echo", daily(9, 0, "UTC"))
+            },
+            pb::Surface::Desktop,
+        ))
+        .await
+        .expect_err("over the size limit");
+    assert_eq!(huge.code(), Code::ResourceExhausted, "{huge:?}");
+    mesh.stop().await.expect("stop");
+}
+
 on_both_backends!(
     nul_and_out_of_range_input_is_invalid_on_both_backends,
     automation_lifecycle,

@@ -153,6 +153,9 @@ impl GrpcServer {
             .in_current_span(),
         );
         let result = Server::builder()
+            .layer(tower::util::MapResponseLayer::new(
+                oversized_is_resource_exhausted,
+            ))
             .timeout(settings.request_timeout)
             .max_concurrent_streams(Some(settings.max_concurrent_streams))
             .concurrency_limit_per_connection(settings.concurrency_per_connection)
@@ -166,6 +169,25 @@ impl GrpcServer {
         readiness.abort();
         Ok(result?)
     }
+}
+
+/// A request larger than the server accepts is RESOURCE_EXHAUSTED, as
+/// gRPC's status code table says; tonic answers OUT_OF_RANGE ("decoded
+/// message length too large"). Such an answer is trailers-only: its status
+/// is in the response headers, rewritten here.
+fn oversized_is_resource_exhausted<B>(mut response: http::Response<B>) -> http::Response<B> {
+    let headers = response.headers_mut();
+    let out_of_range = headers
+        .get("grpc-status")
+        .is_some_and(|s| s.as_bytes() == b"11");
+    let too_large = headers.get("grpc-message").is_some_and(|m| {
+        let m = String::from_utf8_lossy(m.as_bytes()).replace("%20", " ");
+        m.contains("message length too large")
+    });
+    if out_of_range && too_large {
+        headers.insert("grpc-status", http::HeaderValue::from_static("8"));
+    }
+    response
 }
 
 /// Calls that are probes, not work: never traced (they would otherwise be

@@ -494,6 +494,14 @@ async fn follow(
                 )));
             }
             Ok(None) => return Ok(()),
+            // A runner message over the size limit is RESOURCE_EXHAUSTED,
+            // as for every request (see the server builder).
+            Ok(Some(Err(status)))
+                if status.code() == tonic::Code::OutOfRange
+                    && status.message().contains("message length too large") =>
+            {
+                return Err(Status::resource_exhausted(status.message().to_owned()));
+            }
             Ok(Some(Err(status))) => return Err(status),
             Ok(Some(Ok(m))) => m,
         };
