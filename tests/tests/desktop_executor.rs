@@ -255,3 +255,66 @@ async fn cancel_reaches_the_runner_and_ends_once_it_is_idle() {
     assert!(answered.error_code.is_empty());
     mesh.stop().await.expect("stop");
 }
+
+/// Cancelling a run right after run-now, before any executor has it or
+/// while StartRun is in flight, ends it cancelled at once: never
+/// `cancel_unobserved` after waiting out the cancellation bound for an
+/// executor that was given the run after its cancellation.
+async fn cancel_right_after_run_now(backend: Backend) {
+    let mesh = Mesh::start_with(
+        backend,
+        MeshOptions {
+            desktop_via_runner_gateway: true,
+            cancel_bound: Duration::from_secs(2),
+            ..MeshOptions::default()
+        },
+    )
+    .await
+    .expect("mesh");
+    let token = mesh.token("acme", "alice");
+    let mut api = mesh.automations(Some(&token));
+    let mut runs = mesh.runs(Some(&token));
+    let automation = api
+        .create_automation(automesh_e2e_tests::daily_automation(
+            "cancel",
+            "p",
+            pb::Surface::Desktop,
+        ))
+        .await
+        .expect("create")
+        .into_inner()
+        .automation
+        .expect("automation");
+    let mut ids = vec![];
+    for i in 0..40 {
+        let run = api
+            .run_automation_now(pb::RunAutomationNowRequest {
+                id: automation.id.clone(),
+                idempotency_key: format!("k{i}"),
+            })
+            .await
+            .expect("run now")
+            .into_inner()
+            .run
+            .expect("run");
+        // Spread the cancellation over the driver's first moments.
+        if i % 4 != 0 {
+            tokio::time::sleep(Duration::from_millis(i % 7 * 3)).await;
+        }
+        runs.cancel_run(pb::CancelRunRequest { id: run.id.clone() })
+            .await
+            .expect("cancel");
+        ids.push(run.id);
+    }
+    for id in ids {
+        let ended = mesh.until_terminal(&id, Duration::from_secs(120)).await;
+        assert_eq!(
+            (ended.state, ended.error_code),
+            (RunState::Cancelled, None),
+            "{ended:?}"
+        );
+    }
+    mesh.stop().await.expect("stop");
+}
+
+automesh_e2e_tests::on_both_backends!(cancel_right_after_run_now);

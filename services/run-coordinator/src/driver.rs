@@ -445,6 +445,16 @@ async fn execute(
         return cancel_and_wait(ctx, &mut executor, run, lost, CancelCause::Deadline).await;
     }
     if cancel_seen.is_cancelled() {
+        // The message identity is persisted before the first StartRun: a
+        // run without one was never offered to any executor, so there is
+        // nothing to stop and it is cancelled at once.
+        if run.message_id.is_none() {
+            return Ok(Ending::new(
+                RunState::Cancelled,
+                None,
+                "cancelled before any executor had it",
+            ));
+        }
         return cancel_and_wait(ctx, &mut executor, run, lost, CancelCause::User).await;
     }
     // Identity first: a takeover must find it and observe, never resubmit.
@@ -454,7 +464,12 @@ async fn execute(
         .await?;
     let spec = spec(ctx, run, &message_id);
 
-    // Start (or observe) the message, retrying until the deadline.
+    // Start (or observe) the message, retrying until the deadline. Neither
+    // a cancellation nor the deadline abandons a StartRun in flight (it is
+    // bounded by the call timeout): the executor could take the run after
+    // the cancellation reached it, and hold it until the cancellation
+    // bound. Once the call has answered, the cancellation goes to an
+    // executor that has the run.
     let mut backoff = Duration::from_millis(100);
     let started = loop {
         let mut request = tonic::Request::new(epb::StartRunRequest {
@@ -465,8 +480,6 @@ async fn execute(
         let attempt = tokio::select! {
             biased;
             () = lost.cancelled() => return Err(Stop::LeaseLost),
-            () = sleep_until(deadline) => return never_started(ctx, &mut executor, run, lost).await,
-            () = cancel_seen.cancelled() => return cancel_and_wait(ctx, &mut executor, run, lost, CancelCause::User).await,
             r = executor.start_run(request) => r,
         };
         crate::metrics::metrics().call(
