@@ -132,6 +132,7 @@ impl TestExecutor {
             phase: e.phase,
             idle: e.idle,
             outcome: e.outcome.clone(),
+            unaccepted: false,
         }
     }
 
@@ -311,6 +312,7 @@ impl ExecutorService for TestExecutor {
                 phase: epb::ExecutionPhase::Unknown as i32,
                 idle: true,
                 outcome: None,
+                unaccepted: false,
             });
         Ok(Response::new(epb::GetRunStatusResponse {
             status: Some(status),

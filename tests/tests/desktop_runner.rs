@@ -162,6 +162,7 @@ fn streams() -> StreamSettings {
         heartbeat_interval: Duration::from_millis(300),
         dead_after: Duration::from_secs(2),
         hello_timeout: Duration::from_secs(2),
+        ..Default::default()
     }
 }
 

@@ -39,6 +39,7 @@ async fn mesh() -> Mesh {
                 heartbeat_interval: Duration::from_millis(200),
                 dead_after: Duration::from_secs(1),
                 hello_timeout: Duration::from_secs(1),
+                ..Default::default()
             },
             ..MeshOptions::default()
         },
@@ -364,6 +365,7 @@ async fn dispatching_mesh() -> Mesh {
                 heartbeat_interval: Duration::from_millis(200),
                 dead_after: Duration::from_secs(2),
                 hello_timeout: Duration::from_secs(2),
+                ..Default::default()
             },
             ..MeshOptions::default()
         },
@@ -543,5 +545,220 @@ async fn another_tenants_run_id_gets_the_answer_an_unknown_id_gets() {
         "{reasons:?}"
     );
     drop(tx);
+    mesh.stop().await.expect("stop");
+}
+
+/// Two runner-gateway replicas on PostgreSQL; desktop runs go through them.
+async fn two_replicas(run_deadline: Duration) -> Mesh {
+    Mesh::start_with(
+        Backend::Postgres,
+        MeshOptions {
+            desktop_via_runner_gateway: true,
+            runner_gateways: 2,
+            run_deadline,
+            runner_streams: StreamSettings {
+                heartbeat_interval: Duration::from_millis(200),
+                dead_after: Duration::from_secs(3),
+                hello_timeout: Duration::from_secs(2),
+                accept_within: Duration::from_secs(1),
+            },
+            ..MeshOptions::default()
+        },
+    )
+    .await
+    .expect("mesh")
+}
+
+/// Connects to replica `replica` of the runner gateway.
+async fn connect_to(
+    mesh: &Mesh,
+    replica: usize,
+    token: &str,
+) -> (
+    mpsc::Sender<rpb::ConnectRequest>,
+    tonic::Streaming<rpb::ConnectResponse>,
+) {
+    let mut client = DesktopRunnerServiceClient::new(
+        automesh_rpc::client::channel(&mesh.runner_gateways[replica]).expect("channel"),
+    );
+    let (tx, rx) = mpsc::channel(64);
+    tx.send(hello()).await.expect("hello");
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {token}").parse().expect("ascii"),
+    );
+    let mut stream = tokio::time::timeout(Duration::from_secs(10), client.connect(request))
+        .await
+        .expect("answered in time")
+        .expect("connected")
+        .into_inner();
+    assert!(matches!(
+        next(&mut stream).await,
+        rpb::connect_response::Message::Welcome(_)
+    ));
+    // Heartbeats keep it alive; the runner itself may do nothing else.
+    let beat = tx.clone();
+    tokio::spawn(async move {
+        while beat.send(heartbeat()).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    (tx, stream)
+}
+
+async fn mint_named(mesh: &Mesh, name: &str) -> String {
+    mesh.automations(Some(&mesh.token("acme", "alice")))
+        .create_runner_token(pb::CreateRunnerTokenRequest {
+            runner_name: name.into(),
+        })
+        .await
+        .expect("mint")
+        .into_inner()
+        .token
+}
+
+/// A runner that heartbeats but never accepts does not pin the run: past
+/// the acceptance bound it is told to drop it, and the owner's other,
+/// healthy runner (on the other replica) gets it and runs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wedged_runners_assignment_goes_to_the_owners_healthy_runner() {
+    use rpb::connect_request::Message as Up;
+    use rpb::connect_response::Message as Down;
+    let mesh = two_replicas(Duration::from_secs(120)).await;
+    let (wedged_token, healthy_token) = (
+        mint_named(&mesh, "wedged").await,
+        mint_named(&mesh, "healthy").await,
+    );
+    let (_wedged_tx, mut wedged) = connect_to(&mesh, 0, &wedged_token).await;
+    let run = mesh.desktop_run_now("acme", "alice").await;
+    let Down::Assignment(a) = next(&mut wedged).await else {
+        panic!("the wedged runner is sent the run first")
+    };
+    assert_eq!(a.run_id, run.id);
+    let (healthy_tx, mut healthy) = connect_to(&mesh, 1, &healthy_token).await;
+    // The wedged runner never accepts: it is told to drop the run…
+    let Down::CancelAssignment(c) = next(&mut wedged).await else {
+        panic!("the wedged runner is told to drop it")
+    };
+    assert_eq!(c.run_id, run.id);
+    assert!(c.reason.contains("not accepted"), "{c:?}");
+    // …and the healthy runner gets it, runs it, and the run succeeds.
+    let Down::Assignment(a) = next(&mut healthy).await else {
+        panic!("the healthy runner gets the run")
+    };
+    assert_eq!(a.run_id, run.id);
+    for m in [
+        Up::AssignmentAccepted(rpb::AssignmentAccepted {
+            run_id: run.id.clone(),
+        }),
+        Up::RunFinished(rpb::RunFinished {
+            run_id: run.id.clone(),
+            outcome: pb::RunState::Succeeded as i32,
+            engine: "healthy".into(),
+            ..Default::default()
+        }),
+    ] {
+        healthy_tx.send(up(m)).await.expect("send");
+    }
+    let ended = mesh.until_terminal(&run.id, Duration::from_secs(30)).await;
+    assert_eq!(
+        ended.state,
+        automesh_domain::RunState::Succeeded,
+        "{ended:?}"
+    );
+    mesh.stop().await.expect("stop");
+}
+
+/// With only a wedged runner, the run ends at its deadline naming what
+/// happened: `runner_unresponsive`, not `runner_offline`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_only_a_wedged_runner_was_sent_ends_runner_unresponsive() {
+    use rpb::connect_response::Message as Down;
+    let mesh = two_replicas(Duration::from_secs(4)).await;
+    let token = mint_named(&mesh, "wedged").await;
+    let (_tx, mut wedged) = connect_to(&mesh, 0, &token).await;
+    let run = mesh.desktop_run_now("acme", "alice").await;
+    let Down::Assignment(_) = next(&mut wedged).await else {
+        panic!("an assignment")
+    };
+    let ended = mesh.until_terminal(&run.id, Duration::from_secs(60)).await;
+    assert_eq!(
+        (ended.state, ended.error_code),
+        (
+            automesh_domain::RunState::TimedOut,
+            Some(automesh_domain::ErrorCode::RunnerUnresponsive)
+        ),
+        "{ended:?}"
+    );
+    mesh.stop().await.expect("stop");
+}
+
+/// One runner token, one stream on each of two replicas: the newest stream
+/// wins across replicas. The older one is closed, and no run is delivered
+/// to it, even in the moment before it closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_on_two_replicas_gets_each_run_once_on_its_newest_stream() {
+    use rpb::connect_request::Message as Up;
+    use rpb::connect_response::Message as Down;
+    let mesh = two_replicas(Duration::from_secs(120)).await;
+    let token = mint_named(&mesh, "laptop").await;
+    let (_old_tx, mut old) = connect_to(&mesh, 0, &token).await;
+    let (new_tx, mut new) = connect_to(&mesh, 1, &token).await;
+    let mut runs = vec![];
+    for _ in 0..20 {
+        runs.push(mesh.desktop_run_now("acme", "alice").await.id);
+    }
+    // The older stream ends (replaced), having been sent nothing.
+    let old_end = tokio::spawn(async move {
+        let mut assigned = vec![];
+        loop {
+            match tokio::time::timeout(Duration::from_secs(15), old.message()).await {
+                Ok(Ok(Some(m))) => {
+                    if let Some(Down::Assignment(a)) = m.message {
+                        assigned.push(a.run_id);
+                    }
+                }
+                Ok(Ok(None)) => return (assigned, None),
+                Ok(Err(status)) => return (assigned, Some(status)),
+                Err(_) => panic!("the older stream was not closed within 15 s"),
+            }
+        }
+    });
+    let mut delivered = std::collections::BTreeMap::<String, usize>::new();
+    while delivered.len() < runs.len() {
+        if let Down::Assignment(a) = next(&mut new).await {
+            *delivered.entry(a.run_id.clone()).or_default() += 1;
+            for m in [
+                Up::AssignmentAccepted(rpb::AssignmentAccepted {
+                    run_id: a.run_id.clone(),
+                }),
+                Up::RunFinished(rpb::RunFinished {
+                    run_id: a.run_id.clone(),
+                    outcome: pb::RunState::Succeeded as i32,
+                    engine: "laptop".into(),
+                    ..Default::default()
+                }),
+            ] {
+                new_tx.send(up(m)).await.expect("send");
+            }
+        }
+    }
+    let (old_assigned, old_status) = old_end.await.expect("old stream");
+    assert!(
+        old_assigned.is_empty(),
+        "sent to the older stream: {old_assigned:?}"
+    );
+    let status = old_status.expect("the older stream ends with a status");
+    assert_eq!(status.code(), tonic::Code::Aborted, "{status:?}");
+    assert!(delivered.values().all(|n| *n == 1), "{delivered:?}");
+    for id in &runs {
+        let ended = mesh.until_terminal(id, Duration::from_secs(30)).await;
+        assert_eq!(
+            ended.state,
+            automesh_domain::RunState::Succeeded,
+            "{ended:?}"
+        );
+    }
     mesh.stop().await.expect("stop");
 }

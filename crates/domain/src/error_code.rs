@@ -53,6 +53,7 @@ error_codes! {
     ConnectTokenExpired => "connect_token_expired": "The run's Connect token expired.",
     ConnectUnauthorized => "connect_unauthorized": "The Connect endpoint refused the run's token.",
     RunnerOffline => "runner_offline": "No desktop runner of the owner was connected before the deadline.",
+    RunnerUnresponsive => "runner_unresponsive": "A runner of the owner was connected but never accepted the run; no other runner took it before the deadline.",
     RunnerInterrupted => "runner_interrupted": "The desktop runner stopped while executing the run; it is not run again.",
     PermissionDenied => "permission_denied": "The agent asked for a permission the headless policy does not allow.",
     PermissionPending => "permission_pending": "A permission prompt was still unanswered when a bound was hit.",

@@ -12,7 +12,7 @@
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
-use crate::rows::{from_hex, int, micros, opt_text, text, to_hex};
+use crate::rows::{from_hex, instant, int, micros, opt_text, text, to_hex};
 use crate::signal::Topic;
 use crate::{Result, Store, StoreError};
 
@@ -63,6 +63,13 @@ pub struct DesktopAssignment {
     pub cancel_requested: bool,
     pub cancel_reason: Option<String>,
     pub event_count: i64,
+    /// The stream of `runner_id` that holds the claim.
+    pub stream_id: Option<String>,
+    /// When it was last claimed.
+    pub claimed_at: DateTime<Utc>,
+    /// The runner that held it without accepting it in time: it is not
+    /// offered to that runner again until the runner opens a new stream.
+    pub passed_over: Option<String>,
 }
 
 /// One event a runner reported, in the run's order.
@@ -75,28 +82,58 @@ pub struct DesktopEvent {
 }
 
 const COLUMNS: &str = "run_id, org_id, owner_id, spec, runner_id, phase, idle, outcome, \
-     cancel_requested, cancel_reason, event_count";
+     cancel_requested, cancel_reason, event_count, stream_id, claimed_at, passed_over";
 
 const OFFER: &str = "INSERT INTO desktop_assignments \
      (run_id, org_id, owner_id, spec, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $5) \
      ON CONFLICT (run_id) DO NOTHING";
 
-const CLAIM: &str = "UPDATE desktop_assignments SET runner_id = $2, updated_at = $3 \
-     WHERE run_id = $1 AND phase <> 'finished' AND cancel_requested = 0 \
-     AND (runner_id IS NULL OR runner_id = $2)";
+/// Only the runner's newest stream may claim, only a run no runner has
+/// accepted, and not for the runner that already sat on it.
+const CLAIM: &str = "UPDATE desktop_assignments SET runner_id = $2, stream_id = $3, \
+     claimed_at = $4, updated_at = $4 \
+     WHERE run_id = $1 AND phase = 'admitted' AND cancel_requested = 0 \
+     AND (runner_id IS NULL OR runner_id = $2) \
+     AND (passed_over IS NULL OR passed_over <> $2) \
+     AND EXISTS (SELECT 1 FROM runner_streams s WHERE s.runner_id = $2 AND s.stream_id = $3)";
 
-const RELEASE_UNACCEPTED: &str = "UPDATE desktop_assignments SET runner_id = NULL, updated_at = $2 \
-     WHERE runner_id = $1 AND phase = 'admitted'";
+const RELEASE_UNACCEPTED: &str = "UPDATE desktop_assignments \
+     SET runner_id = NULL, stream_id = NULL, updated_at = $3 \
+     WHERE runner_id = $1 AND stream_id = $2 AND phase = 'admitted'";
 
-const ACCEPTED: &str = "UPDATE desktop_assignments SET phase = 'running', updated_at = $3 \
-     WHERE run_id = $1 AND runner_id = $2 AND phase = 'admitted'";
+/// A claim not accepted in time goes back, the runner passed over.
+const EXPIRE_CLAIM: &str = "UPDATE desktop_assignments \
+     SET runner_id = NULL, stream_id = NULL, passed_over = runner_id, updated_at = $4 \
+     WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3 AND phase = 'admitted'";
+
+/// Claims left by a replica that died with them, older than `$1`.
+const EXPIRE_ORPHANED_CLAIMS: &str = "UPDATE desktop_assignments \
+     SET passed_over = runner_id, runner_id = NULL, stream_id = NULL, updated_at = $2 \
+     WHERE phase = 'admitted' AND runner_id IS NOT NULL AND claimed_at < $1";
+
+const OPEN_STREAM: &str = "INSERT INTO runner_streams (runner_id, stream_id, opened_at) \
+     VALUES ($1, $2, $3) ON CONFLICT (runner_id) \
+     DO UPDATE SET stream_id = excluded.stream_id, opened_at = excluded.opened_at";
+
+/// The newest stream takes over everything of its runner's that is live,
+/// and the runner gets a fresh chance at what it sat on.
+const TAKE_OVER_CLAIMS: &str = "UPDATE desktop_assignments SET stream_id = $2, updated_at = $3 \
+     WHERE runner_id = $1 AND phase <> 'finished'";
+const FORGIVE: &str = "UPDATE desktop_assignments SET passed_over = NULL \
+     WHERE passed_over = $1 AND phase = 'admitted'";
+
+const STREAMS_OPENED_SINCE: &str =
+    "SELECT runner_id, stream_id FROM runner_streams WHERE opened_at >= $1";
+
+const ACCEPTED: &str = "UPDATE desktop_assignments SET phase = 'running', updated_at = $4 \
+     WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3 AND phase = 'admitted'";
 
 const FINISHED: &str = "UPDATE desktop_assignments \
-     SET phase = 'finished', idle = 1, outcome = $3, updated_at = $4 \
-     WHERE run_id = $1 AND runner_id = $2 AND phase <> 'finished'";
+     SET phase = 'finished', idle = 1, outcome = $4, updated_at = $5 \
+     WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3 AND phase <> 'finished'";
 
-const IDLE: &str = "UPDATE desktop_assignments SET idle = 1, updated_at = $3 \
-     WHERE run_id = $1 AND runner_id = $2";
+const IDLE: &str = "UPDATE desktop_assignments SET idle = 1, updated_at = $4 \
+     WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3";
 
 /// A run no runner holds is idle the moment it is cancelled.
 const CANCEL: &str = "UPDATE desktop_assignments SET cancel_requested = 1, \
@@ -105,7 +142,7 @@ const CANCEL: &str = "UPDATE desktop_assignments SET cancel_requested = 1, \
      updated_at = $3 WHERE run_id = $1";
 
 const LOCK_EVENTS: &str = "UPDATE desktop_assignments SET event_count = event_count \
-     WHERE run_id = $1 AND runner_id = $2 RETURNING event_count";
+     WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3 RETURNING event_count";
 
 const FIND_EVENT: &str = "SELECT seq FROM desktop_events WHERE run_id = $1 AND event_id = $2";
 
@@ -139,6 +176,9 @@ fn decode(row: &AnyRow) -> Result<DesktopAssignment> {
         cancel_requested: int(row, "cancel_requested")? != 0,
         cancel_reason: opt_text(row, "cancel_reason")?,
         event_count: int(row, "event_count")?,
+        stream_id: opt_text(row, "stream_id")?,
+        claimed_at: instant(row, "claimed_at")?,
+        passed_over: opt_text(row, "passed_over")?,
     })
 }
 
@@ -239,33 +279,125 @@ impl Store {
         .await
     }
 
-    /// Claims an assignment for `runner_id`: true when it is now that
-    /// runner's (or already was), false when another runner holds it or it
-    /// is finished or cancelled.
+    /// Records `stream_id` as the newest stream of `runner_id` (whichever
+    /// replica holds it): it takes over the runner's live claims, older
+    /// streams can no longer claim or report, and what the runner sat on may
+    /// be offered to it again.
+    pub async fn open_runner_stream(
+        &self,
+        runner_id: &str,
+        stream_id: &str,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
+        let mut tx = self.begin_write().await?;
+        sqlx::query(OPEN_STREAM)
+            .bind(runner_id)
+            .bind(stream_id)
+            .bind(micros(now))
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(TAKE_OVER_CLAIMS)
+            .bind(runner_id)
+            .bind(stream_id)
+            .bind(micros(now))
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(FORGIVE)
+            .bind(runner_id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        self.desktop_changed().await;
+        Ok(())
+    }
+
+    /// Runner streams opened at or after `since`: (runner id, stream id).
+    pub async fn runner_streams_opened_since(
+        &self,
+        since: DateTime<Utc>,
+    ) -> Result<Vec<(String, String)>> {
+        let rows = sqlx::query(STREAMS_OPENED_SINCE)
+            .bind(micros(since))
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter()
+            .map(|row| Ok((text(row, "runner_id")?, text(row, "stream_id")?)))
+            .collect()
+    }
+
+    /// Claims an assignment for stream `stream_id` of `runner_id`: true when
+    /// it is now that stream's, false when the stream is not the runner's
+    /// newest, another runner holds it, it was accepted, finished or
+    /// cancelled, or this runner already sat on it.
     pub async fn claim_desktop_run(
         &self,
         run_id: &str,
         runner_id: &str,
+        stream_id: &str,
         now: DateTime<Utc>,
     ) -> Result<bool> {
         let done = sqlx::query(CLAIM)
             .bind(run_id)
             .bind(runner_id)
+            .bind(stream_id)
             .bind(micros(now))
             .execute(self.pool())
             .await?;
         Ok(done.rows_affected() == 1)
     }
 
-    /// Gives back the assignments `runner_id` was offered but never accepted
-    /// (its stream ended), so another runner of the owner may take them.
+    /// Gives back the assignments stream `stream_id` was offered but never
+    /// accepted (it ended), so another runner of the owner may take them.
     pub async fn release_unaccepted_desktop_runs(
         &self,
         runner_id: &str,
+        stream_id: &str,
         now: DateTime<Utc>,
     ) -> Result<u64> {
         let done = sqlx::query(RELEASE_UNACCEPTED)
             .bind(runner_id)
+            .bind(stream_id)
+            .bind(micros(now))
+            .execute(self.pool())
+            .await?;
+        if done.rows_affected() > 0 {
+            self.desktop_changed().await;
+        }
+        Ok(done.rows_affected())
+    }
+
+    /// Gives back a claim its stream did not accept in time; the runner is
+    /// passed over for it. True when the claim was still unaccepted.
+    pub async fn expire_desktop_claim(
+        &self,
+        run_id: &str,
+        runner_id: &str,
+        stream_id: &str,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        let done = sqlx::query(EXPIRE_CLAIM)
+            .bind(run_id)
+            .bind(runner_id)
+            .bind(stream_id)
+            .bind(micros(now))
+            .execute(self.pool())
+            .await?;
+        let expired = done.rows_affected() == 1;
+        if expired {
+            self.desktop_changed().await;
+        }
+        Ok(expired)
+    }
+
+    /// Gives back every unaccepted claim made before `before` (claims whose
+    /// replica died before it could enforce its own bound).
+    pub async fn expire_orphaned_desktop_claims(
+        &self,
+        before: DateTime<Utc>,
+        now: DateTime<Utc>,
+    ) -> Result<u64> {
+        let done = sqlx::query(EXPIRE_ORPHANED_CLAIMS)
+            .bind(micros(before))
             .bind(micros(now))
             .execute(self.pool())
             .await?;
@@ -280,9 +412,10 @@ impl Store {
         &self,
         run_id: &str,
         runner_id: &str,
+        stream_id: &str,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        self.desktop_update(ACCEPTED, run_id, runner_id, None, now)
+        self.desktop_update(ACCEPTED, run_id, runner_id, stream_id, None, now)
             .await
     }
 
@@ -291,11 +424,19 @@ impl Store {
         &self,
         run_id: &str,
         runner_id: &str,
+        stream_id: &str,
         outcome: &[u8],
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        self.desktop_update(FINISHED, run_id, runner_id, Some(to_hex(outcome)), now)
-            .await
+        self.desktop_update(
+            FINISHED,
+            run_id,
+            runner_id,
+            stream_id,
+            Some(to_hex(outcome)),
+            now,
+        )
+        .await
     }
 
     /// The runner's engine is idle for the run.
@@ -303,9 +444,10 @@ impl Store {
         &self,
         run_id: &str,
         runner_id: &str,
+        stream_id: &str,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        self.desktop_update(IDLE, run_id, runner_id, None, now)
+        self.desktop_update(IDLE, run_id, runner_id, stream_id, None, now)
             .await
     }
 
@@ -314,10 +456,14 @@ impl Store {
         sql: &'static str,
         run_id: &str,
         runner_id: &str,
+        stream_id: &str,
         body: Option<String>,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let mut q = sqlx::query(sql).bind(run_id).bind(runner_id);
+        let mut q = sqlx::query(sql)
+            .bind(run_id)
+            .bind(runner_id)
+            .bind(stream_id);
         if let Some(body) = body {
             q = q.bind(body);
         }
@@ -356,6 +502,7 @@ impl Store {
         &self,
         run_id: &str,
         runner_id: &str,
+        stream_id: &str,
         events: &[(String, Vec<u8>)],
         now: DateTime<Utc>,
     ) -> Result<usize> {
@@ -363,6 +510,7 @@ impl Store {
         let Some(mut seq): Option<i64> = sqlx::query_scalar(LOCK_EVENTS)
             .bind(run_id)
             .bind(runner_id)
+            .bind(stream_id)
             .fetch_optional(&mut *tx)
             .await?
         else {

@@ -45,6 +45,12 @@ const MIGRATIONS: &[(i64, &str, &str, &str)] = &[
         include_str!("../../../migrations/postgres/0006_receipt_prices.sql"),
         include_str!("../../../migrations/sqlite/0006_receipt_prices.sql"),
     ),
+    (
+        7,
+        "runner streams",
+        include_str!("../../../migrations/postgres/0007_runner_streams.sql"),
+        include_str!("../../../migrations/sqlite/0007_runner_streams.sql"),
+    ),
 ];
 
 pub(crate) fn migrator(backend: Backend) -> Migrator {

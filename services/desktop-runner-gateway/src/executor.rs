@@ -11,7 +11,7 @@
 //! offer simply waits; the coordinator ends it `runner_offline` at the
 //! deadline.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -48,15 +48,113 @@ const KEEP_FINISHED: chrono::Duration = chrono::Duration::hours(24);
 /// Events one `ObserveRun` read takes.
 const EVENTS_PAGE: u32 = 256;
 
-/// This replica's side of desktop dispatch: wake-ups, and which
-/// cancellations it already forwarded on which stream.
-#[derive(Debug, Default)]
+/// An assignment this replica sent, waiting for its runner to accept it.
+#[derive(Debug, Clone)]
+struct Awaiting {
+    runner_id: String,
+    stream_id: String,
+    tx: crate::stream::ToRunner,
+    until: tokio::time::Instant,
+    /// When it was sent, and when the runner was last heard from
+    /// ([`crate::stream::heard_now`] units).
+    sent_at: u64,
+    last_heard: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Awaiting {
+    /// Past the bound, and the runner was heard from well after the run was
+    /// sent (half the bound later) without accepting it: wedged, not merely
+    /// stalled. A stalled runner (a stopped process, a broken network) is
+    /// left to the dead-stream bound, which gives its runs back when the
+    /// stream ends.
+    fn wedged(&self, now: tokio::time::Instant, accept_within: Duration) -> bool {
+        let heard = self.last_heard.load(std::sync::atomic::Ordering::Relaxed);
+        self.until <= now && heard >= self.sent_at + accept_within.as_millis() as u64 / 2
+    }
+}
+
+/// This replica's side of desktop dispatch: wake-ups, which cancellations
+/// it already forwarded on which stream, and the assignments it sent that
+/// are not accepted yet.
+#[derive(Debug)]
 pub struct Dispatch {
     changed: Notify,
     cancels_sent: Mutex<HashSet<(u64, String)>>,
+    accept_within: Duration,
+    awaiting: Mutex<HashMap<String, Awaiting>>,
+}
+
+impl Default for Dispatch {
+    fn default() -> Self {
+        Self::new(crate::stream::StreamSettings::default().accept_within)
+    }
 }
 
 impl Dispatch {
+    pub fn new(accept_within: Duration) -> Self {
+        Self {
+            changed: Notify::new(),
+            cancels_sent: Mutex::default(),
+            accept_within,
+            awaiting: Mutex::default(),
+        }
+    }
+
+    /// Forgets the assignments awaiting acceptance on a stream that ended
+    /// (its unaccepted claims are released with it).
+    pub fn forget_stream(&self, stream_id: &str) {
+        if let Ok(mut a) = self.awaiting.lock() {
+            a.retain(|_, w| w.stream_id != stream_id);
+        }
+    }
+
+    /// Gives back what a runner held past the acceptance bound, and tells
+    /// the runner to drop it; the run goes to the owner's other runners.
+    async fn expire_unaccepted(&self, store: &Store) -> Result<(), automesh_store::StoreError> {
+        let now = tokio::time::Instant::now();
+        let due: Vec<(String, Awaiting)> = match self.awaiting.lock() {
+            Ok(mut a) => {
+                let due: Vec<String> = a
+                    .iter()
+                    .filter(|(_, w)| w.wedged(now, self.accept_within))
+                    .map(|(run, _)| run.clone())
+                    .collect();
+                due.into_iter()
+                    .filter_map(|run| a.remove(&run).map(|w| (run, w)))
+                    .collect()
+            }
+            Err(_) => vec![],
+        };
+        for (run_id, w) in due {
+            if store
+                .expire_desktop_claim(&run_id, &w.runner_id, &w.stream_id, Utc::now())
+                .await?
+            {
+                tracing::warn!(
+                    run_id = %run_id,
+                    runner_id = %w.runner_id,
+                    bound = ?self.accept_within,
+                    "the runner did not accept its assignment in time; it goes to another runner of the owner"
+                );
+                crate::metrics::unaccepted();
+                let reason = format!(
+                    "not accepted within {:?}; the run goes to another runner of its owner",
+                    self.accept_within
+                );
+                send(&w.tx, cancel_message(&run_id, &reason)).await;
+            }
+        }
+        // Claims of a replica that died before it could enforce its bound.
+        let orphaned_before = Utc::now()
+            - chrono::Duration::from_std(self.accept_within * 3).unwrap_or(chrono::Duration::MAX);
+        let n = store
+            .expire_orphaned_desktop_claims(orphaned_before, Utc::now())
+            .await?;
+        if n > 0 {
+            tracing::warn!(claims = n, "unaccepted claims of a lost replica given back");
+        }
+        Ok(())
+    }
     /// Wakes this replica's delivery pass and observers.
     pub fn poke(&self) {
         self.changed.notify_waiters();
@@ -100,8 +198,10 @@ impl Dispatch {
         // slow commit cannot hide one; ending a stream twice is harmless.
         let mut revoked_after = Utc::now() - REVOCATION_MARGIN;
         // Runner reports wake this loop many times a second; revocations
-        // are looked for once per poll interval, not on every wake.
+        // and newer streams are looked for once per poll interval, not on
+        // every wake.
         let mut revocations_checked: Option<tokio::time::Instant> = None;
+        let mut streams_after = Utc::now() - REVOCATION_MARGIN;
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
@@ -132,6 +232,24 @@ impl Dispatch {
                     }
                     Err(error) => tracing::warn!(%error, "cannot look for revoked runners"),
                 }
+                // A runner's newest stream wins on every replica: one held
+                // here that another replica's newer stream replaced ends.
+                match store.runner_streams_opened_since(streams_after).await {
+                    Ok(newest) => {
+                        let closed = sessions.close_replaced(&newest);
+                        if closed > 0 {
+                            tracing::info!(
+                                streams = closed,
+                                "streams replaced by a newer stream of their runner ended"
+                            );
+                        }
+                        streams_after = checked - REVOCATION_MARGIN;
+                    }
+                    Err(error) => tracing::warn!(%error, "cannot look for newer runner streams"),
+                }
+            }
+            if let Err(error) = self.expire_unaccepted(&store).await {
+                tracing::warn!(%error, "cannot give back unaccepted assignments");
             }
             if !sessions.is_empty()
                 && let Err(error) = self.pass(&store, &sessions).await
@@ -152,10 +270,11 @@ impl Dispatch {
         sessions: &Sessions,
     ) -> Result<(), automesh_store::StoreError> {
         for a in store.unclaimed_desktop_runs(PASS_LIMIT).await? {
-            let Some(session) = sessions.of_owner(&a.org_id, &a.owner_id) else {
+            let Some(session) = sessions.of_owner(&a.org_id, &a.owner_id, a.passed_over.as_deref())
+            else {
                 continue;
             };
-            offer(store, &session.runner_id, &session.tx, &a, false).await?;
+            self.offer(store, &session, &a, false).await?;
         }
         for a in store.cancelling_desktop_runs(PASS_LIMIT).await? {
             let Some(runner_id) = a.runner_id.as_deref() else {
@@ -180,18 +299,36 @@ impl Dispatch {
     }
 }
 
-/// Claims `a` for `runner_id` and sends it; gives the claim back when the
-/// stream does not take it, so the next pass (or another runner) can.
-pub(crate) async fn offer(
-    store: &Store,
-    runner_id: &str,
-    tx: &crate::stream::ToRunner,
-    a: &DesktopAssignment,
-    again: bool,
-) -> Result<bool, automesh_store::StoreError> {
-    offer_in_trace(store, runner_id, tx, a, again)
-        .instrument(run_span("automesh.desktop.deliver", a))
-        .await
+impl Dispatch {
+    /// Claims `a` for `session`'s stream and sends it; gives the claim back
+    /// when the stream does not take it, so the next pass (or another
+    /// runner) can. A sent assignment the runner does not accept within the
+    /// bound is given back too.
+    pub(crate) async fn offer(
+        &self,
+        store: &Store,
+        session: &crate::stream::Session,
+        a: &DesktopAssignment,
+        again: bool,
+    ) -> Result<bool, automesh_store::StoreError> {
+        let sent = offer_in_trace(store, session, a, again)
+            .instrument(run_span("automesh.desktop.deliver", a))
+            .await?;
+        if sent && let Ok(mut awaiting) = self.awaiting.lock() {
+            awaiting.insert(
+                a.run_id.clone(),
+                Awaiting {
+                    runner_id: session.runner_id.clone(),
+                    stream_id: session.stream_id.clone(),
+                    tx: session.tx.clone(),
+                    until: tokio::time::Instant::now() + self.accept_within,
+                    sent_at: crate::stream::heard_now(),
+                    last_heard: session.last_heard.clone(),
+                },
+            );
+        }
+        Ok(sent)
+    }
 }
 
 /// A span of work on `a` in its run's trace (the traceparent its spec
@@ -208,13 +345,13 @@ fn run_span(name: &'static str, a: &DesktopAssignment) -> tracing::Span {
 
 async fn offer_in_trace(
     store: &Store,
-    runner_id: &str,
-    tx: &crate::stream::ToRunner,
+    session: &crate::stream::Session,
     a: &DesktopAssignment,
     again: bool,
 ) -> Result<bool, automesh_store::StoreError> {
+    let (runner_id, tx) = (session.runner_id.as_str(), &session.tx);
     if !store
-        .claim_desktop_run(&a.run_id, runner_id, Utc::now())
+        .claim_desktop_run(&a.run_id, runner_id, &session.stream_id, Utc::now())
         .await?
     {
         return Ok(false);
@@ -230,7 +367,7 @@ async fn offer_in_trace(
     } else {
         tracing::warn!(run_id = %a.run_id, runner_id, "the runner's stream did not take the assignment");
         store
-            .release_unaccepted_desktop_runs(runner_id, Utc::now())
+            .release_unaccepted_desktop_runs(runner_id, &session.stream_id, Utc::now())
             .await?;
         Ok(false)
     }
@@ -279,6 +416,7 @@ fn status_of(a: Option<&DesktopAssignment>) -> epb::ExecutionStatus {
             phase: epb::ExecutionPhase::Unknown as i32,
             idle: true,
             outcome: None,
+            unaccepted: false,
         };
     };
     let phase = match a.phase {
@@ -293,6 +431,7 @@ fn status_of(a: Option<&DesktopAssignment>) -> epb::ExecutionStatus {
             .outcome
             .as_deref()
             .and_then(|b| epb::Outcome::decode(b).ok()),
+        unaccepted: a.passed_over.is_some() && a.phase == DesktopPhase::Admitted,
     }
 }
 
@@ -422,6 +561,7 @@ impl ExecutorService for DesktopExecutor {
                         phase: running,
                         idle: false,
                         outcome: None,
+                        unaccepted: false,
                     };
                 }
                 if status.phase != epb::ExecutionPhase::Finished as i32

@@ -65,6 +65,11 @@ pub struct Config {
     /// Silence after which a runner's stream is declared dead.
     #[arg(long, env = "AUTOMESH_RUNNER_DEAD_AFTER", default_value = "10s", value_parser = automesh_rpc::runtime::parse_duration)]
     pub dead_after: Duration,
+    /// How long a runner may hold an assignment without accepting it before
+    /// it goes to the owner's other runners (and the runner is told to drop
+    /// it).
+    #[arg(long, env = "AUTOMESH_RUNNER_ACCEPT_WITHIN", default_value = "10s", value_parser = automesh_rpc::runtime::parse_duration)]
+    pub accept_within: Duration,
 }
 
 /// Prefix of every runner token, so a leaked one is recognisable.
@@ -170,6 +175,7 @@ pub async fn run(
     let settings = stream::StreamSettings {
         heartbeat_interval: config.heartbeat_interval,
         dead_after: config.dead_after,
+        accept_within: config.accept_within,
         ..Default::default()
     };
     serve_with(

@@ -10,6 +10,7 @@ struct Metrics {
     deliveries: Counter<u64>,
     redeliveries: Counter<u64>,
     protocol_errors: Counter<u64>,
+    unaccepted: Counter<u64>,
 }
 
 fn metrics() -> &'static Metrics {
@@ -27,12 +28,23 @@ fn metrics() -> &'static Metrics {
                     "Assignments sent again to a reconnected runner that did not hold them",
                 )
                 .build(),
+            unaccepted: m
+                .u64_counter("automesh.desktop.unaccepted")
+                .with_description(
+                    "Assignments given back because their runner did not accept them in time",
+                )
+                .build(),
             protocol_errors: m
                 .u64_counter("automesh.desktop.protocol_errors")
                 .with_description("Runner reports refused as protocol errors, by code")
                 .build(),
         }
     })
+}
+
+/// One assignment given back because its runner did not accept it in time.
+pub(crate) fn unaccepted() {
+    metrics().unaccepted.add(1, &[]);
 }
 
 /// One runner report refused with `code`.

@@ -24,7 +24,7 @@ use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::executor::{Dispatch, cancel_message, offer, send};
+use crate::executor::{Dispatch, cancel_message, send};
 use crate::hash_token;
 
 /// Messages queued towards one runner before the sender waits.
@@ -39,6 +39,10 @@ pub struct StreamSettings {
     pub dead_after: Duration,
     /// How long a new stream may take to say `Hello`.
     pub hello_timeout: Duration,
+    /// How long a runner may hold an assignment without accepting it; then
+    /// the assignment goes to the owner's other runners and the silent one
+    /// is told to drop it.
+    pub accept_within: Duration,
 }
 
 impl Default for StreamSettings {
@@ -47,6 +51,7 @@ impl Default for StreamSettings {
             heartbeat_interval: Duration::from_secs(3),
             dead_after: Duration::from_secs(10),
             hello_timeout: Duration::from_secs(5),
+            accept_within: Duration::from_secs(10),
         }
     }
 }
@@ -59,6 +64,8 @@ pub type ToRunner = mpsc::Sender<Result<rpb::ConnectResponse, Status>>;
 pub struct Session {
     /// Unique per stream within this replica.
     pub id: u64,
+    /// Unique per stream across replicas: what a claim names.
+    pub stream_id: String,
     pub runner_id: String,
     pub org_id: String,
     pub owner_id: String,
@@ -67,6 +74,17 @@ pub struct Session {
     /// Ends the stream because the runner was revoked.
     pub revoked: CancellationToken,
     pub tx: ToRunner,
+    /// When the runner last sent anything ([`heard_now`] units).
+    pub last_heard: Arc<AtomicU64>,
+}
+
+/// Milliseconds since this process started: the clock of `last_heard`.
+pub fn heard_now() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis() as u64
 }
 
 /// The runners connected to this replica.
@@ -93,12 +111,36 @@ impl Sessions {
         self.len() == 0
     }
 
-    /// A connected runner of the owner.
-    pub fn of_owner(&self, org_id: &str, owner_id: &str) -> Option<Session> {
+    /// A connected runner of the owner other than `passed_over`.
+    pub fn of_owner(
+        &self,
+        org_id: &str,
+        owner_id: &str,
+        passed_over: Option<&str>,
+    ) -> Option<Session> {
         let m = self.by_runner.lock().ok()?;
         m.values()
-            .find(|s| s.org_id == org_id && s.owner_id == owner_id)
+            .find(|s| {
+                s.org_id == org_id
+                    && s.owner_id == owner_id
+                    && passed_over != Some(s.runner_id.as_str())
+            })
             .cloned()
+    }
+
+    /// Closes the streams held here that are no longer their runner's
+    /// newest (a newer one opened on another replica); returns how many.
+    pub fn close_replaced(&self, newest: &[(String, String)]) -> usize {
+        let Ok(m) = self.by_runner.lock() else {
+            return 0;
+        };
+        newest
+            .iter()
+            .filter_map(|(runner_id, stream_id)| {
+                m.get(runner_id).filter(|s| &s.stream_id != stream_id)
+            })
+            .map(|s| s.closed.cancel())
+            .count()
     }
 
     /// Ends the streams of revoked runners held here; returns how many.
@@ -133,9 +175,9 @@ impl RunnerStreams {
     pub fn new(store: Store, settings: StreamSettings, shutdown: CancellationToken) -> Self {
         Self {
             store,
-            settings,
+            settings: settings.clone(),
             sessions: Arc::default(),
-            dispatch: Arc::default(),
+            dispatch: Arc::new(Dispatch::new(settings.accept_within)),
             shutdown,
         }
     }
@@ -193,16 +235,26 @@ impl DesktopRunnerService for RunnerStreams {
         };
         tracing::info!(runner_id = %runner.id, held = hello.held_runs.len(), version = %hello.runner_version, "runner connected");
 
+        // The newest stream of a runner wins on every replica: recorded
+        // before this stream is used, so an older one (here or elsewhere)
+        // can no longer claim or report.
+        let stream_id = uuid::Uuid::new_v4().to_string();
+        self.store
+            .open_runner_stream(&runner.id, &stream_id, Utc::now())
+            .await
+            .map_err(|e| status::unavailable("opening the runner stream", &e))?;
         let (tx, rx) = mpsc::channel(OUTBOUND);
         let closed = CancellationToken::new();
         let session = Session {
             id: self.sessions.next_id.fetch_add(1, Ordering::Relaxed),
+            stream_id,
             runner_id: runner.id.clone(),
             org_id: runner.org_id.clone(),
             owner_id: runner.owner_id.clone(),
             closed: closed.clone(),
             revoked: CancellationToken::new(),
             tx: tx.clone(),
+            last_heard: Arc::new(AtomicU64::new(heard_now())),
         };
         if let Ok(mut m) = self.sessions.by_runner.lock()
             && let Some(previous) = m.insert(runner.id.clone(), session.clone())
@@ -232,11 +284,12 @@ impl DesktopRunnerService for RunnerStreams {
             let runner_id = session.runner_id.clone();
             // After the response is returned, so the runner is reading: the
             // outbound channel is bounded and must never fill unread.
-            if let Err(error) = reconcile(&store, &session, &held).await {
+            if let Err(error) = reconcile(&store, &dispatch, &session, &held).await {
                 tracing::warn!(runner_id = %runner_id, %error, "reconciliation failed; the delivery pass will retry");
             }
             dispatch.poke();
             let ended = follow(&mut inbound, &session, &settings, &shutdown, &store).await;
+            dispatch.forget_stream(&session.stream_id);
             if let Err(status) = ended {
                 tracing::warn!(runner_id = %runner_id, code = ?status.code(), reason = status.message(), "runner stream ended");
                 let _ = tokio::time::timeout(Duration::from_secs(1), tx.send(Err(status))).await;
@@ -256,7 +309,7 @@ impl DesktopRunnerService for RunnerStreams {
             // runner of the owner (or back to this one when it returns).
             if current
                 && let Err(error) = store
-                    .release_unaccepted_desktop_runs(&runner_id, Utc::now())
+                    .release_unaccepted_desktop_runs(&runner_id, &session.stream_id, Utc::now())
                     .await
             {
                 tracing::warn!(runner_id = %runner_id, %error, "cannot release unaccepted assignments");
@@ -276,6 +329,7 @@ impl DesktopRunnerService for RunnerStreams {
 /// bounded.
 async fn reconcile(
     store: &Store,
+    dispatch: &crate::executor::Dispatch,
     session: &Session,
     held: &[String],
 ) -> Result<(), automesh_store::StoreError> {
@@ -291,11 +345,16 @@ async fn reconcile(
                 send(&session.tx, cancel_message(&a.run_id, &reason)).await;
             } else if a.runner_id.as_deref() == Some(runner_id) {
                 store
-                    .desktop_run_idle(&a.run_id, runner_id, Utc::now())
+                    .desktop_run_idle(&a.run_id, runner_id, &session.stream_id, Utc::now())
                     .await?;
             }
         } else if !holds
-            && !offer(store, runner_id, &session.tx, a, true).await?
+            // Only what no runner has accepted is offered again: a run this
+            // runner accepted and no longer holds may be executing on the
+            // machine of an older stream of its token; it is never sent to a
+            // second one.
+            && a.phase == automesh_store::desktop::DesktopPhase::Admitted
+            && !dispatch.offer(store, session, a, true).await?
             && session.tx.is_closed()
         {
             // The stream is gone; what was not offered waits for the next.
@@ -383,9 +442,10 @@ fn terminal_outcome(state: i32) -> bool {
 /// reconnect) is fine.
 async fn record(
     store: &Store,
-    runner_id: &str,
+    session: &Session,
     message: rpb::connect_request::Message,
 ) -> Result<Option<Refusal>, automesh_store::StoreError> {
+    let (runner_id, stream_id) = (session.runner_id.as_str(), session.stream_id.as_str());
     use rpb::connect_request::Message;
     let now = Utc::now();
     let Some(run_id) = report_run_id(&message).map(str::to_owned) else {
@@ -418,7 +478,7 @@ async fn record(
     let applied = match message {
         Message::AssignmentAccepted(a) => {
             store
-                .desktop_run_accepted(&a.run_id, runner_id, now)
+                .desktop_run_accepted(&a.run_id, runner_id, stream_id, now)
                 .await?
         }
         Message::RunEvents(batch) => {
@@ -429,7 +489,7 @@ async fn record(
                 .map(|e| (e.event_id.clone(), e.encode_to_vec()))
                 .collect();
             store
-                .append_desktop_events(&batch.run_id, runner_id, &events, now)
+                .append_desktop_events(&batch.run_id, runner_id, stream_id, &events, now)
                 .await?
                 > 0
         }
@@ -443,10 +503,20 @@ async fn record(
                 ..Default::default()
             };
             store
-                .desktop_run_finished(&f.run_id, runner_id, &outcome.encode_to_vec(), now)
+                .desktop_run_finished(
+                    &f.run_id,
+                    runner_id,
+                    stream_id,
+                    &outcome.encode_to_vec(),
+                    now,
+                )
                 .await?
         }
-        Message::IdleObserved(i) => store.desktop_run_idle(&i.run_id, runner_id, now).await?,
+        Message::IdleObserved(i) => {
+            store
+                .desktop_run_idle(&i.run_id, runner_id, stream_id, now)
+                .await?
+        }
         Message::Hello(_) | Message::Heartbeat(_) => true,
     };
     if applied {
@@ -455,10 +525,9 @@ async fn record(
     // Nothing changed: a redelivery of a report already recorded, or a
     // report about a run this runner does not hold (unknown, or another
     // runner's: the same answer either way).
-    let holds = store
-        .desktop_run(&run_id)
-        .await?
-        .is_some_and(|a| a.runner_id.as_deref() == Some(runner_id));
+    let holds = store.desktop_run(&run_id).await?.is_some_and(|a| {
+        a.runner_id.as_deref() == Some(runner_id) && a.stream_id.as_deref() == Some(stream_id)
+    });
     if holds {
         Ok(None)
     } else {
@@ -505,6 +574,7 @@ async fn follow(
             Ok(Some(Err(status))) => return Err(status),
             Ok(Some(Ok(m))) => m,
         };
+        session.last_heard.store(heard_now(), Ordering::Relaxed);
         match message.message {
             Some(Message::Heartbeat(h)) => {
                 let ack = rpb::ConnectResponse {
@@ -535,11 +605,7 @@ async fn follow(
                 // Bounded like every wait; a report that cannot be recorded
                 // ends the stream, and the runner resends what it holds when
                 // it reconnects (event ids make that harmless).
-                match tokio::time::timeout(
-                    settings.dead_after,
-                    record(store, &session.runner_id, other),
-                )
-                .await
+                match tokio::time::timeout(settings.dead_after, record(store, session, other)).await
                 {
                     Ok(Ok(None)) => {}
                     Ok(Ok(Some(refusal))) => {

@@ -519,6 +519,8 @@ async fn execute(
     // Whether the executor ever ran it: a desktop run no runner accepted
     // before its deadline is `runner_offline`, not a cancelled execution.
     let mut ran = ran_on_executor(started.status.as_ref()) || run.started_at.is_some();
+    // Whether a runner of the owner sat on it without accepting it.
+    let mut unaccepted = started.status.as_ref().is_some_and(|s| s.unaccepted);
     let mut backoff = Duration::from_millis(100);
     loop {
         // Opening the stream is bounded; the stream itself is read inside
@@ -560,12 +562,13 @@ async fn execute(
                                 }
                                 Some(epb::observe_run_response::Update::Status(s)) => {
                                     ran |= ran_on_executor(Some(&s));
+                                    unaccepted |= s.unaccepted;
                                     apply_status(ctx, run, Some(&s)).await?;
                                     if let Some(ending) = finished(Some(&s), cancel.map(|c| c.0)) {
                                         return Ok(ending);
                                     }
                                     if s.idle && let Some((cause, _)) = cancel {
-                                        return Ok(offline_unless(ran, run, cause, cancelled(cause, true)));
+                                        return Ok(offline_unless(ran, unaccepted, run, cause, cancelled(cause, true)));
                                     }
                                 }
                                 None => {}
@@ -586,7 +589,7 @@ async fn execute(
                     // Last look before giving up on seeing it idle.
                     if let Some((cause, _)) = cancel {
                         let idle = status_of(ctx, &mut executor, run).await.is_some_and(|s| s.idle);
-                        return Ok(offline_unless(ran, run, cause, cancelled(cause, idle)));
+                        return Ok(offline_unless(ran, unaccepted, run, cause, cancelled(cause, idle)));
                     }
                 }
                 () = lost.cancelled() => return Err(Stop::LeaseLost),
@@ -616,10 +619,25 @@ fn ran_on_executor(status: Option<&epb::ExecutionStatus>) -> bool {
 }
 
 /// A desktop run that reached its deadline without any runner accepting it
-/// ends `runner_offline` (SPEC §6); anything else keeps its ending.
-fn offline_unless(ran: bool, run: &Run, cause: CancelCause, ending: Ending) -> Ending {
+/// ends `runner_offline` (SPEC §6), or `runner_unresponsive` when a runner
+/// of the owner was sent it and never accepted it; anything else keeps its
+/// ending.
+fn offline_unless(
+    ran: bool,
+    unaccepted: bool,
+    run: &Run,
+    cause: CancelCause,
+    ending: Ending,
+) -> Ending {
     if ran || run.placement != Placement::Desktop || !matches!(cause, CancelCause::Deadline) {
         return ending;
+    }
+    if unaccepted {
+        return Ending::new(
+            RunState::TimedOut,
+            Some(ErrorCode::RunnerUnresponsive),
+            "a runner of the owner was sent the run and never accepted it, and no other runner took it before its deadline",
+        );
     }
     Ending::new(
         RunState::TimedOut,

@@ -653,6 +653,14 @@ pub async fn invalid_page_token_is_rejected(store: &Store) {
 pub async fn desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_it(store: &Store) {
     use automesh_store::desktop::DesktopPhase;
     let now = t(0);
+    // Each runner has one stream; a claim names it.
+    for (runner, stream) in [("runner-a", "sa"), ("runner-b", "sb")] {
+        store
+            .open_runner_stream(runner, stream, now)
+            .await
+            .expect("stream");
+    }
+    let stream_of = |runner: &str| if runner == "runner-a" { "sa" } else { "sb" };
     assert!(
         store
             .offer_desktop_run("run-d1", "org-a", "alice", b"\x00spec\xff", now)
@@ -676,8 +684,8 @@ pub async fn desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_
     );
     // Two replicas race to claim for two runners: one wins.
     let (a, b) = tokio::join!(
-        store.claim_desktop_run("run-d1", "runner-a", now),
-        store.claim_desktop_run("run-d1", "runner-b", now)
+        store.claim_desktop_run("run-d1", "runner-a", "sa", now),
+        store.claim_desktop_run("run-d1", "runner-b", "sb", now)
     );
     assert!(a.expect("a") ^ b.expect("b"), "exactly one claim wins");
     let held = store
@@ -705,13 +713,13 @@ pub async fn desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_
     // Only the claiming runner's reports count.
     assert!(
         !store
-            .desktop_run_accepted("run-d1", loser, now)
+            .desktop_run_accepted("run-d1", loser, stream_of(loser), now)
             .await
             .expect("loser")
     );
     assert!(
         store
-            .desktop_run_accepted("run-d1", &winner, now)
+            .desktop_run_accepted("run-d1", &winner, stream_of(&winner), now)
             .await
             .expect("winner")
     );
@@ -721,21 +729,21 @@ pub async fn desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_
     ];
     assert_eq!(
         store
-            .append_desktop_events("run-d1", loser, &events, now)
+            .append_desktop_events("run-d1", loser, stream_of(loser), &events, now)
             .await
             .expect("loser"),
         0
     );
     assert_eq!(
         store
-            .append_desktop_events("run-d1", &winner, &events, now)
+            .append_desktop_events("run-d1", &winner, stream_of(&winner), &events, now)
             .await
             .expect("w"),
         2
     );
     assert_eq!(
         store
-            .append_desktop_events("run-d1", &winner, &events, now)
+            .append_desktop_events("run-d1", &winner, stream_of(&winner), &events, now)
             .await
             .expect("again"),
         0,
@@ -760,20 +768,20 @@ pub async fn desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_
     // Accepted runs are not given back when the stream ends.
     assert_eq!(
         store
-            .release_unaccepted_desktop_runs(&winner, now)
+            .release_unaccepted_desktop_runs(&winner, stream_of(&winner), now)
             .await
             .expect("release"),
         0
     );
     assert!(
         store
-            .desktop_run_finished("run-d1", &winner, b"outcome", now)
+            .desktop_run_finished("run-d1", &winner, stream_of(&winner), b"outcome", now)
             .await
             .expect("finish")
     );
     assert!(
         !store
-            .desktop_run_finished("run-d1", &winner, b"twice", now)
+            .desktop_run_finished("run-d1", &winner, stream_of(&winner), b"twice", now)
             .await
             .expect("twice")
     );
@@ -803,7 +811,7 @@ pub async fn desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_
     assert!(cancelled.cancel_requested && cancelled.idle);
     assert!(
         !store
-            .claim_desktop_run("run-d2", "runner-a", now)
+            .claim_desktop_run("run-d2", "runner-a", "sa", now)
             .await
             .expect("claim")
     );
@@ -816,13 +824,13 @@ pub async fn desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_
     );
     assert!(
         store
-            .claim_desktop_run("run-d3", "runner-a", now)
+            .claim_desktop_run("run-d3", "runner-a", "sa", now)
             .await
             .expect("claim")
     );
     assert_eq!(
         store
-            .release_unaccepted_desktop_runs("runner-a", now)
+            .release_unaccepted_desktop_runs("runner-a", "sa", now)
             .await
             .expect("release"),
         1
@@ -905,4 +913,155 @@ pub async fn text_no_backend_can_store_is_refused_alike_and_never_as_retryable(s
         Err(StoreError::NotFound | StoreError::Refused(_)) => {}
         other => panic!("expected NotFound or Refused, got {other:?}"),
     }
+}
+
+/// A runner's newest stream holds its claims, whichever replica opened it:
+/// an older stream can neither claim nor report; a claim not accepted in
+/// time goes back, and the runner that sat on it is passed over until it
+/// opens a new stream; claims of a lost replica are given back after the
+/// orphan bound.
+pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
+    let now = t(0);
+    store.open_runner_stream("rx", "s1", now).await.expect("s1");
+    store.open_runner_stream("ry", "y1", now).await.expect("y1");
+    for run in ["r1", "r2", "r3", "r4"] {
+        store
+            .offer_desktop_run(run, "org-a", "alice", b"s", now)
+            .await
+            .expect("offer");
+    }
+    assert!(
+        store
+            .claim_desktop_run("r1", "rx", "s1", now)
+            .await
+            .expect("claim")
+    );
+    // A newer stream of the runner (on any replica) takes its claims over.
+    store.open_runner_stream("rx", "s2", now).await.expect("s2");
+    let r1 = store.desktop_run("r1").await.expect("read").expect("r1");
+    assert_eq!(r1.stream_id.as_deref(), Some("s2"));
+    assert!(
+        !store
+            .desktop_run_accepted("r1", "rx", "s1", now)
+            .await
+            .expect("old")
+    );
+    assert!(
+        store
+            .desktop_run_accepted("r1", "rx", "s2", now)
+            .await
+            .expect("new")
+    );
+    // The older stream cannot claim; the newest can.
+    assert!(
+        !store
+            .claim_desktop_run("r2", "rx", "s1", now)
+            .await
+            .expect("old")
+    );
+    assert!(
+        store
+            .claim_desktop_run("r2", "rx", "s2", now)
+            .await
+            .expect("new")
+    );
+    // Accepted runs are never claimed again, not even by their runner.
+    assert!(
+        !store
+            .claim_desktop_run("r1", "rx", "s2", now)
+            .await
+            .expect("accepted")
+    );
+    // Not accepted in time: given back, and rx is passed over for it.
+    assert!(
+        store
+            .claim_desktop_run("r3", "rx", "s2", now)
+            .await
+            .expect("claim")
+    );
+    assert!(
+        store
+            .expire_desktop_claim("r3", "rx", "s2", now)
+            .await
+            .expect("expire")
+    );
+    assert!(
+        !store
+            .expire_desktop_claim("r3", "rx", "s2", now)
+            .await
+            .expect("once")
+    );
+    let r3 = store.desktop_run("r3").await.expect("read").expect("r3");
+    assert_eq!(
+        (r3.runner_id, r3.passed_over.as_deref()),
+        (None, Some("rx"))
+    );
+    assert!(
+        !store
+            .claim_desktop_run("r3", "rx", "s2", now)
+            .await
+            .expect("passed over")
+    );
+    assert!(
+        store
+            .claim_desktop_run("r3", "ry", "y1", now)
+            .await
+            .expect("another runner")
+    );
+    // An expired claim that was accepted meanwhile stays.
+    assert!(
+        !store
+            .expire_desktop_claim("r1", "rx", "s2", now)
+            .await
+            .expect("accepted")
+    );
+    // A new stream gives the runner a fresh chance at what it sat on.
+    store
+        .offer_desktop_run("r5", "org-a", "alice", b"s", now)
+        .await
+        .expect("offer");
+    assert!(
+        store
+            .claim_desktop_run("r5", "rx", "s2", now)
+            .await
+            .expect("claim")
+    );
+    assert!(
+        store
+            .expire_desktop_claim("r5", "rx", "s2", now)
+            .await
+            .expect("expire")
+    );
+    store
+        .open_runner_stream("rx", "s3", t(5))
+        .await
+        .expect("s3");
+    assert!(
+        store
+            .claim_desktop_run("r5", "rx", "s3", t(5))
+            .await
+            .expect("forgiven")
+    );
+    let opened = store
+        .runner_streams_opened_since(t(5))
+        .await
+        .expect("opened");
+    assert_eq!(opened, vec![("rx".to_owned(), "s3".to_owned())]);
+    // Claims older than the orphan bound are given back, newer ones stay.
+    assert!(
+        store
+            .claim_desktop_run("r4", "ry", "y1", t(1))
+            .await
+            .expect("claim")
+    );
+    let swept = store
+        .expire_orphaned_desktop_claims(t(3), t(10))
+        .await
+        .expect("sweep");
+    // r2, r3 (claimed at 0 s) and r4 (1 s); r5 (5 s) stays, r1 is accepted.
+    assert_eq!(swept, 3);
+    let r5 = store.desktop_run("r5").await.expect("read").expect("r5");
+    assert_eq!(r5.runner_id.as_deref(), Some("rx"));
+    let r1 = store.desktop_run("r1").await.expect("read").expect("r1");
+    assert_eq!(r1.runner_id.as_deref(), Some("rx"));
 }

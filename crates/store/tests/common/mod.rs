@@ -29,6 +29,7 @@ macro_rules! conformance_suite {
             invalid_page_token_is_rejected,
             desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_it,
             text_no_backend_can_store_is_refused_alike_and_never_as_retryable,
+            a_runners_newest_stream_holds_its_claims,
         );
     };
     ($backend:expr; $($case:ident),* $(,)?) => {

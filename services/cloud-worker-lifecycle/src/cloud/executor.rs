@@ -125,6 +125,7 @@ impl ExecutorService for Cloud {
                         error_message: "the owner has no cloud worker".into(),
                         ..Default::default()
                     }),
+                    unaccepted: false,
                 }),
             }));
         };

@@ -162,6 +162,7 @@ fn status_of(d: Option<&CloudDispatch>) -> epb::ExecutionStatus {
             phase: epb::ExecutionPhase::Unknown as i32,
             idle: true,
             outcome: None,
+            unaccepted: false,
         };
     };
     let (phase, idle) = match d.phase {
@@ -179,6 +180,7 @@ fn status_of(d: Option<&CloudDispatch>) -> epb::ExecutionStatus {
             .outcome
             .as_deref()
             .and_then(|b| epb::Outcome::decode(b).ok()),
+        unaccepted: false,
     }
 }
 
