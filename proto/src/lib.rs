@@ -4,6 +4,7 @@
 //! Proto types stay at the edges: services convert them into domain types in
 //! their handlers and never hand them to the store.
 
+pub mod bounds;
 pub mod codec;
 
 /// The encoded `FileDescriptorSet` of every automesh contract.

@@ -351,15 +351,21 @@ impl Runner {
                 )
                 .await;
             }
-            if !run.events.is_empty() {
+            // In messages the gateway accepts: a long run's history sent
+            // as one message could exceed the size limit on every
+            // reconnection, forever.
+            let mut rest: &[automesh_proto::v1::RunEvent] = &run.events;
+            while !rest.is_empty() {
+                let n = automesh_proto::bounds::fitting(rest);
                 send(
                     tx,
                     up(Up::RunEvents(rpb::RunEvents {
                         run_id: run.run_id.clone(),
-                        events: run.events.clone(),
+                        events: rest[..n].to_vec(),
                     })),
                 )
                 .await;
+                rest = &rest[n..];
             }
             if let Some(f) = run.finished {
                 send(tx, up(Up::RunFinished(f))).await;

@@ -1109,6 +1109,52 @@ async fn nul_and_out_of_range_input_is_invalid_on_both_backends(backend: Backend
     mesh.stop().await.expect("stop");
 }
 
+/// Listings are bounded in bytes: 130 automations of 32 KiB prompts list
+/// at page size 128 in pages a default client accepts, each with a token to
+/// go on, and together they hold every automation once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pages_stay_within_a_default_clients_message_limit() {
+    let mesh = Mesh::start(Backend::Sqlite).await.expect("mesh");
+    let token = mesh.token("acme", "alice");
+    let mut api = mesh.automations(Some(&token));
+    for i in 0..130 {
+        api.create_automation(create_req(
+            pb::Automation {
+                prompt: format!("{i:03}").repeat(32 * 1024 / 3),
+                ..automation(&format!("big {i}"), "fake/echo", daily(9, 0, "UTC"))
+            },
+            pb::Surface::Desktop,
+        ))
+        .await
+        .expect("create");
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    let (mut token_at, mut pages) = (String::new(), 0);
+    loop {
+        let page = api
+            .list_automations(pb::ListAutomationsRequest {
+                page_size: 128,
+                page_token: token_at.clone(),
+                ..Default::default()
+            })
+            .await
+            .expect("a page within the default 4 MiB")
+            .into_inner();
+        pages += 1;
+        assert!(page.automations.len() <= 128);
+        for a in &page.automations {
+            assert!(seen.insert(a.id.clone()), "listed twice: {}", a.id);
+        }
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        token_at = page.next_page_token;
+    }
+    assert_eq!(seen.len(), 130);
+    assert!(pages >= 2, "130 × 32 KiB does not fit one page");
+    mesh.stop().await.expect("stop");
+}
+
 /// A request that does not decode (a string that is not UTF-8) is the
 /// caller's error, INVALID_ARGUMENT; one over the size limit is
 /// RESOURCE_EXHAUSTED, as gRPC's status table says.

@@ -762,3 +762,85 @@ async fn a_runner_on_two_replicas_gets_each_run_once_on_its_newest_stream() {
     }
     mesh.stop().await.expect("stop");
 }
+
+/// Events are bounded in bytes: a runner's 3 MiB tool output (sent in a
+/// message under the runner limit) is kept as its first MiB with a note,
+/// and a run's history pages within the byte budget a default client
+/// accepts, however large its events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_events_are_cut_and_their_history_still_pages() {
+    use rpb::connect_request::Message as Up;
+    use rpb::connect_response::Message as Down;
+    let mesh = dispatching_mesh().await;
+    let minted = mint(&mesh).await;
+    let (tx, mut stream) = connect_holding(&mesh, &minted.token, &[]).await;
+    let run = mesh.desktop_run_now("acme", "alice").await;
+    let Down::Assignment(_) = next(&mut stream).await else {
+        panic!("an assignment")
+    };
+    tx.send(up(Up::AssignmentAccepted(rpb::AssignmentAccepted {
+        run_id: run.id.clone(),
+    })))
+    .await
+    .expect("accept");
+    for i in 0..4 {
+        let output = format!("{i}").repeat(3 * 1024 * 1024);
+        tx.send(up(Up::RunEvents(rpb::RunEvents {
+            run_id: run.id.clone(),
+            events: vec![pb::RunEvent {
+                event_id: format!("big-{i}"),
+                payload: Some(pb::run_event::Payload::ToolResult(pb::ToolResult {
+                    call_id: format!("c{i}"),
+                    tool: "execute_capability".into(),
+                    output,
+                    is_error: false,
+                })),
+                ..Default::default()
+            }],
+        })))
+        .await
+        .expect("events");
+    }
+    tx.send(up(Up::RunFinished(rpb::RunFinished {
+        run_id: run.id.clone(),
+        outcome: pb::RunState::Succeeded as i32,
+        ..Default::default()
+    })))
+    .await
+    .expect("finish");
+    let ended = mesh.until_terminal(&run.id, Duration::from_secs(30)).await;
+    assert_eq!(ended.state, automesh_domain::RunState::Succeeded);
+    // Through the public API with a default client: every page decodes.
+    let mut runs = mesh.runs(Some(&mesh.token("acme", "alice")));
+    let (mut after, mut outputs, mut pages) = (0, vec![], 0);
+    loop {
+        let page = runs
+            .list_run_events(pb::ListRunEventsRequest {
+                run_id: run.id.clone(),
+                after_sequence: after,
+                page_size: 100,
+            })
+            .await
+            .expect("a page within the default 4 MiB")
+            .into_inner();
+        if page.events.is_empty() {
+            break;
+        }
+        pages += 1;
+        for e in &page.events {
+            if let Some(pb::run_event::Payload::ToolResult(r)) = &e.payload {
+                outputs.push(r.output.clone());
+            }
+        }
+        after = page.last_sequence;
+    }
+    assert_eq!(outputs.len(), 4);
+    assert!(pages >= 2, "four 1 MiB events do not fit one 3 MiB page");
+    for (i, output) in outputs.iter().enumerate() {
+        assert!(output.len() <= automesh_proto::bounds::MAX_EVENT_TEXT_BYTES);
+        assert!(output.starts_with(&format!("{i}{i}{i}")), "in order");
+        assert!(output.contains("cut to"), "the cut is said");
+    }
+    drop(tx);
+    mesh.stop().await.expect("stop");
+}

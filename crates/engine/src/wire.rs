@@ -63,14 +63,18 @@ pub fn run_event(run_id: &str, n: usize, e: &EngineEvent) -> Option<pb::RunEvent
         }),
         EngineEvent::Checkpoint(_) => return None,
     };
-    Some(pb::RunEvent {
-        run_id: run_id.to_owned(),
-        sequence: 0,
-        // Stable: the n-th event of this run on this runner.
-        event_id: format!("{run_id}/{n}"),
-        create_time: Some(now_ts()),
-        payload: Some(payload),
-    })
+    // Within the event size bound wherever it goes (automesh_proto::bounds).
+    Some(
+        pb::RunEvent {
+            run_id: run_id.to_owned(),
+            sequence: 0,
+            // Stable: the n-th event of this run on this runner.
+            event_id: format!("{run_id}/{n}"),
+            create_time: Some(now_ts()),
+            payload: Some(payload),
+        }
+        .bounded(),
+    )
 }
 
 /// The terminal state, error code and message, and usage of an outcome.

@@ -22,6 +22,15 @@ impl Cursor {
         }
     }
 
+    /// The cursor just after the row created at `created_at` with `id`
+    /// (where a page that stops at that row goes on).
+    pub fn after(created_at: chrono::DateTime<chrono::Utc>, id: &str) -> Cursor {
+        Cursor {
+            created_micros: crate::rows::micros(created_at),
+            id: id.to_owned(),
+        }
+    }
+
     pub fn encode(&self) -> String {
         URL_SAFE_NO_PAD.encode(format!("{}/{}", self.created_micros, self.id))
     }

@@ -486,7 +486,8 @@ async fn record(
                 .events
                 .iter()
                 .filter(|e| !e.event_id.is_empty())
-                .map(|e| (e.event_id.clone(), e.encode_to_vec()))
+                // A third-party runner's events are bounded here too.
+                .map(|e| (e.event_id.clone(), e.clone().bounded().encode_to_vec()))
                 .collect();
             store
                 .append_desktop_events(&batch.run_id, runner_id, stream_id, &events, now)

@@ -857,6 +857,7 @@ async fn record_event(
     run: &Run,
     e: &automesh_proto::v1::RunEvent,
 ) -> Result<(), Stop> {
+    let e = &e.clone().bounded();
     let Some(mut payload) = convert::event_payload_from_pb(e) else {
         return Ok(());
     };

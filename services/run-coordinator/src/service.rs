@@ -118,10 +118,18 @@ impl RunCoordinatorService for Coordinator {
         for run in &page.items {
             runs.push(self.to_pb(run).await?);
         }
+        let kept = automesh_proto::bounds::fitting(&runs);
+        let next = if kept < runs.len() {
+            runs.truncate(kept);
+            let last = &page.items[kept - 1];
+            Some(Cursor::after(last.created_at, &last.id))
+        } else {
+            page.next
+        };
         Ok(Response::new(cpb::ListRunsResponse {
             response: Some(pb::ListRunsResponse {
                 runs,
-                next_page_token: page.next.map(|c| c.encode()).unwrap_or_default(),
+                next_page_token: next.map(|c| c.encode()).unwrap_or_default(),
             }),
         }))
     }
@@ -164,10 +172,14 @@ impl RunCoordinatorService for Coordinator {
             .list_events(&list.run_id, list.after_sequence, size)
             .await
             .map_err(Error::from)?;
+        let mut events: Vec<pb::RunEvent> = events.iter().map(convert::event_to_pb).collect();
+        // Within the page byte budget; `last_sequence` says where the next
+        // page starts.
+        events.truncate(automesh_proto::bounds::fitting(&events));
         let last_sequence = events.last().map_or(list.after_sequence, |e| e.sequence);
         Ok(Response::new(cpb::ListRunEventsResponse {
             response: Some(pb::ListRunEventsResponse {
-                events: events.iter().map(convert::event_to_pb).collect(),
+                events,
                 last_sequence,
             }),
         }))

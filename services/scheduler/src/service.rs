@@ -291,10 +291,22 @@ impl SchedulerService for Scheduler {
             .list_automations(&owner, &cursor, size, list.show_archived)
             .await
             .map_err(Error::from)?;
+        let mut automations: Vec<pb::Automation> =
+            page.items.iter().map(convert::automation_to_pb).collect();
+        // Within the page byte budget: a cut page goes on after its last
+        // automation.
+        let kept = automesh_proto::bounds::fitting(&automations);
+        let next = if kept < automations.len() {
+            automations.truncate(kept);
+            let last = &page.items[kept - 1];
+            Some(Cursor::after(last.created_at, &last.id))
+        } else {
+            page.next
+        };
         Ok(Response::new(spb::ListAutomationsResponse {
             response: Some(pb::ListAutomationsResponse {
-                automations: page.items.iter().map(convert::automation_to_pb).collect(),
-                next_page_token: page.next.map(|c| c.encode()).unwrap_or_default(),
+                automations,
+                next_page_token: next.map(|c| c.encode()).unwrap_or_default(),
             }),
         }))
     }
