@@ -1083,3 +1083,115 @@ fn normalize(text: &str, data_dir: &str) -> String {
         .trim()
         .to_owned()
 }
+
+/// With a provider URL and a Connect URL configured, dev uses those, not
+/// its demo ones: the banner says nothing of a demo, and a desktop run on
+/// dev's own runner goes to the configured provider and Connect endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configured_provider_and_connect_endpoint_replace_the_demo_ones() {
+    use automesh_proto::v1 as pb;
+    use automesh_testkit::{FakeMcp, Reply, mcp, provider, text_completion};
+    let (provider_url, fake) =
+        provider(|_, _| Reply::Json(text_completion("answered by the configured provider"))).await;
+    let tools = FakeMcp::with_tools(&["search_capabilities", "execute_capability"]);
+    let (mcp_url, _mcp) = mcp(tools, "configured-connect-token").await;
+    let env = vec![
+        ("AUTOMESH_WORKER_PROVIDER_URL", provider_url.clone()),
+        (
+            "AUTOMESH_WORKER_PROVIDER_API_KEY",
+            "sk-configured".to_owned(),
+        ),
+        ("AUTOMESH_CONNECT_URL", mcp_url.clone()),
+        (
+            "AUTOMESH_CONNECT_TOKEN",
+            "configured-connect-token".to_owned(),
+        ),
+    ];
+    let (dev, gateway, token) =
+        tokio::task::spawn_blocking(move || start_dev_with("configured", &env, &[], true))
+            .await
+            .expect("start");
+    let banner = dev.banner.join("\n");
+    assert!(!banner.contains("DEMO"), "{banner}");
+    assert!(banner.contains(&provider_url), "{banner}");
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{gateway}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    let mut automations = pb::automations_client::AutomationsClient::new(channel.clone());
+    let mut runs = pb::runs_client::RunsClient::new(channel);
+    let automation = automations
+        .create_automation(with_bearer(
+            &token,
+            tonic::Request::new(pb::CreateAutomationRequest {
+                automation: Some(pb::Automation {
+                    name: "configured".into(),
+                    prompt: "say hello".into(),
+                    model: "openai/gpt-4.1-mini".into(),
+                    schedule: Some(pb::Schedule {
+                        kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
+                            time_of_day: Some(pb::TimeOfDay {
+                                hours: 9,
+                                minutes: 0,
+                            }),
+                            time_zone: "UTC".into(),
+                        })),
+                    }),
+                    ..Default::default()
+                }),
+                surface: pb::Surface::Desktop as i32,
+            }),
+        ))
+        .await
+        .expect("create")
+        .into_inner()
+        .automation
+        .expect("automation");
+    let run = automations
+        .run_automation_now(with_bearer(
+            &token,
+            tonic::Request::new(pb::RunAutomationNowRequest {
+                id: automation.id,
+                idempotency_key: "configured".into(),
+            }),
+        ))
+        .await
+        .expect("run now")
+        .into_inner()
+        .run
+        .expect("run");
+    let give_up = std::time::Instant::now() + Duration::from_secs(60);
+    let ended = loop {
+        let r = runs
+            .get_run(with_bearer(
+                &token,
+                tonic::Request::new(pb::GetRunRequest { id: run.id.clone() }),
+            ))
+            .await
+            .expect("get")
+            .into_inner()
+            .run
+            .expect("run");
+        if r.receipt.is_some() {
+            break r;
+        }
+        assert!(std::time::Instant::now() < give_up, "no end: {r:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(ended.state, pb::RunState::Succeeded as i32, "{ended:?}");
+    assert_eq!(fake.calls(), 1, "the configured provider answered");
+    let receipt = ended.receipt.expect("receipt");
+    assert_eq!(
+        receipt.provider_model, "gpt-4.1-mini",
+        "the catalogue's name, no demo"
+    );
+    assert!(
+        fake.auth
+            .lock()
+            .expect("lock")
+            .iter()
+            .all(|a| a == "Bearer sk-configured")
+    );
+    drop(dev);
+}

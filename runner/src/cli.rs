@@ -5,10 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use automesh_engine::adapter::{EngineAdapter, NativeEngine};
-use automesh_engine::connect::ConnectConfig;
-use automesh_engine::native::NativeRun;
 use automesh_engine::opencode::{OpenCodeConfig, OpenCodeEngine, OpenCodeServer, PolicyBook};
-use automesh_engine::provider::ProviderConfig;
 use automesh_rpc::auth::Secret;
 use automesh_rpc::runtime::parse_duration;
 
@@ -130,31 +127,18 @@ pub fn read_policy(path: &std::path::Path) -> anyhow::Result<PolicyBook> {
 
 /// The native engine as the flags configure it.
 pub fn native_engine(args: &Args) -> NativeEngine {
-    NativeEngine {
-        template: NativeRun {
-            model: String::new(),
-            prompt: String::new(),
-            guidance: None,
-            provider: ProviderConfig {
-                kind: "openai-compatible".into(),
-                base_url: args.provider_url.clone(),
-                api_key: args.provider_key.expose().to_owned(),
-                request_timeout: args.request_timeout,
-                stream: args.stream,
-            },
-            connect: ConnectConfig {
-                url: args.connect_url.clone(),
-                token: args.connect_token.expose().to_owned(),
-                call_timeout: Duration::from_secs(30),
-            },
-            connect_token_expires_at: None,
-            // The gateway only assigns runs whose model the owner may use.
-            model_authorized: true,
+    NativeEngine::openai_compatible(
+        &args.provider_url,
+        args.provider_key.expose(),
+        &args.connect_url,
+        args.connect_token.expose(),
+        automesh_engine::adapter::NativeSettings {
+            request_timeout: args.request_timeout,
+            stream: args.stream,
             max_steps: args.max_steps,
-            deadline: tokio::time::Instant::now(),
-            resume_from: None,
+            ..Default::default()
         },
-    }
+    )
 }
 
 impl Args {

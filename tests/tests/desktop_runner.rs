@@ -13,9 +13,6 @@ use automesh_desktop_runner_gateway::stream::StreamSettings;
 use automesh_domain::{ErrorCode, RunState};
 use automesh_e2e_tests::{Mesh, MeshOptions};
 use automesh_engine::adapter::NativeEngine;
-use automesh_engine::connect::ConnectConfig;
-use automesh_engine::native::NativeRun;
-use automesh_engine::provider::ProviderConfig;
 use automesh_proto::runner::v1 as rpb;
 use automesh_proto::runner::v1::desktop_runner_service_client::DesktopRunnerServiceClient;
 use automesh_proto::v1 as pb;
@@ -72,30 +69,18 @@ async fn desk(
         MCP_TOKEN,
     )
     .await;
-    let engine = NativeEngine {
-        template: NativeRun {
-            model: String::new(),
-            prompt: String::new(),
-            guidance: None,
-            provider: ProviderConfig {
-                kind: "openai-compatible".into(),
-                base_url: provider_url,
-                api_key: PROVIDER_KEY.into(),
-                request_timeout: Duration::from_secs(60),
-                stream: false,
-            },
-            connect: ConnectConfig {
-                url: mcp_url,
-                token: MCP_TOKEN.into(),
-                call_timeout: Duration::from_secs(10),
-            },
-            connect_token_expires_at: None,
-            model_authorized: true,
+    let engine = NativeEngine::openai_compatible(
+        &provider_url,
+        PROVIDER_KEY,
+        &mcp_url,
+        MCP_TOKEN,
+        automesh_engine::adapter::NativeSettings {
+            request_timeout: Duration::from_secs(60),
+            stream: false,
             max_steps: 8,
-            deadline: tokio::time::Instant::now(),
-            resume_from: None,
+            connect_call_timeout: Duration::from_secs(10),
         },
-    };
+    );
     let state_dir = std::env::temp_dir().join(format!(
         "automesh-runner-test-{}",
         uuid::Uuid::new_v4().simple()

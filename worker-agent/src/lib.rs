@@ -30,9 +30,6 @@ use std::time::Duration;
 
 use automesh_domain::ErrorCode;
 use automesh_engine::adapter::{EngineAdapter, EngineRequest, NativeEngine};
-use automesh_engine::connect::ConnectConfig;
-use automesh_engine::native::NativeRun;
-use automesh_engine::provider::ProviderConfig;
 use automesh_engine::wire::{finished_parts, run_event};
 use automesh_proto::agent::v1 as apb;
 use automesh_proto::agent::v1::worker_agent_service_server::{
@@ -240,30 +237,18 @@ impl Agent {
     }
 
     fn engine(&self, url: &str, token: &str) -> NativeEngine {
-        NativeEngine {
-            template: NativeRun {
-                model: String::new(),
-                prompt: String::new(),
-                guidance: None,
-                provider: ProviderConfig {
-                    kind: "openai-compatible".into(),
-                    base_url: self.settings.provider_url.clone(),
-                    api_key: self.settings.provider_key.expose().to_owned(),
-                    request_timeout: self.settings.request_timeout,
-                    stream: self.settings.stream,
-                },
-                connect: ConnectConfig {
-                    url: url.to_owned(),
-                    token: token.to_owned(),
-                    call_timeout: Duration::from_secs(30),
-                },
-                connect_token_expires_at: None,
-                model_authorized: true,
+        NativeEngine::openai_compatible(
+            &self.settings.provider_url,
+            self.settings.provider_key.expose(),
+            url,
+            token,
+            automesh_engine::adapter::NativeSettings {
+                request_timeout: self.settings.request_timeout,
+                stream: self.settings.stream,
                 max_steps: self.settings.max_steps,
-                deadline: tokio::time::Instant::now(),
-                resume_from: None,
+                ..Default::default()
             },
-        }
+        )
     }
 }
 

@@ -170,35 +170,19 @@ fn dev_runner(
     gateway: String,
     state_dir: PathBuf,
 ) -> anyhow::Result<automesh_runner::Runner> {
-    use automesh_engine::adapter::NativeEngine;
-    use automesh_engine::connect::ConnectConfig;
-    use automesh_engine::native::NativeRun;
-    use automesh_engine::provider::ProviderConfig;
     let engine = outside.worker.engine();
-    let native = NativeEngine {
-        template: NativeRun {
-            model: String::new(),
-            prompt: String::new(),
-            guidance: None,
-            provider: ProviderConfig {
-                kind: "openai-compatible".into(),
-                base_url: outside.provider_url(),
-                api_key: outside.worker.provider_key.expose().to_owned(),
-                request_timeout: engine.request_timeout,
-                stream: engine.stream,
-            },
-            connect: ConnectConfig {
-                url: outside.connect_url(),
-                token: outside.worker.connect_token.expose().to_owned(),
-                call_timeout: Duration::from_secs(30),
-            },
-            connect_token_expires_at: None,
-            model_authorized: true,
+    let native = automesh_engine::adapter::NativeEngine::openai_compatible(
+        &outside.provider_url(),
+        outside.worker.provider_key.expose(),
+        &outside.connect_url(),
+        outside.worker.connect_token.expose(),
+        automesh_engine::adapter::NativeSettings {
+            request_timeout: engine.request_timeout,
+            stream: engine.stream,
             max_steps: engine.max_steps,
-            deadline: tokio::time::Instant::now(),
-            resume_from: None,
+            ..Default::default()
         },
-    };
+    );
     let settings = automesh_runner::Settings::new(vec![gateway], token.into(), state_dir);
     automesh_runner::Runner::new(settings, std::sync::Arc::new(native))
 }

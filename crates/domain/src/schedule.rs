@@ -120,11 +120,6 @@ impl Schedule {
         }
     }
 
-    /// The occurrence at or after `from`: `next_after(from - 1µs)`.
-    pub fn next_at_or_after(&self, from: DateTime<Utc>) -> Option<DateTime<Utc>> {
-        self.next_after(from - Duration::microseconds(1))
-    }
-
     /// A short kind name, for logs and storage.
     pub fn kind(&self) -> &'static str {
         match self {

@@ -65,6 +65,70 @@ pub struct NativeEngine {
     pub template: NativeRun,
 }
 
+impl NativeEngine {
+    /// The native engine against an OpenAI-compatible provider at
+    /// `provider_url` and the Connect endpoint at `connect_url`: how the
+    /// desktop runner, the worker agent and `dev` all build it. The caller
+    /// checked the model against its catalogue (the gateway only assigns
+    /// runs whose model the owner may use).
+    pub fn openai_compatible(
+        provider_url: &str,
+        provider_key: &str,
+        connect_url: &str,
+        connect_token: &str,
+        settings: NativeSettings,
+    ) -> NativeEngine {
+        NativeEngine {
+            template: NativeRun {
+                model: String::new(),
+                prompt: String::new(),
+                guidance: None,
+                provider: crate::provider::ProviderConfig {
+                    kind: "openai-compatible".into(),
+                    base_url: provider_url.to_owned(),
+                    api_key: provider_key.to_owned(),
+                    request_timeout: settings.request_timeout,
+                    stream: settings.stream,
+                },
+                connect: crate::connect::ConnectConfig {
+                    url: connect_url.to_owned(),
+                    token: connect_token.to_owned(),
+                    call_timeout: settings.connect_call_timeout,
+                },
+                connect_token_expires_at: None,
+                model_authorized: true,
+                max_steps: settings.max_steps,
+                deadline: Instant::now(),
+                resume_from: None,
+            },
+        }
+    }
+}
+
+/// The native engine's knobs, alike on every placement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NativeSettings {
+    /// Bound on one provider request.
+    pub request_timeout: std::time::Duration,
+    /// Streaming completions.
+    pub stream: bool,
+    /// The agent loop's step limit.
+    pub max_steps: u32,
+    /// Bound on connecting to the Connect endpoint and on each tool call.
+    pub connect_call_timeout: std::time::Duration,
+}
+
+impl Default for NativeSettings {
+    fn default() -> Self {
+        Self {
+            request_timeout: std::time::Duration::from_secs(120),
+            stream: false,
+            max_steps: native::DEFAULT_MAX_STEPS,
+            connect_call_timeout: std::time::Duration::from_secs(30),
+        }
+    }
+}
+
 impl EngineAdapter for NativeEngine {
     fn engine_id(&self) -> &'static str {
         "native-v1"

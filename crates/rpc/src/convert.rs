@@ -687,11 +687,6 @@ pub fn event_to_pb(e: &RunEvent) -> pb::RunEvent {
     }
 }
 
-/// Whether `state` ends a run (for clients of the protobuf API).
-pub fn is_terminal_pb(state: i32) -> bool {
-    run_state_from_pb(state).is_some_and(RunState::is_terminal)
-}
-
 /// What an event means, from its protobuf form; `None` for an empty payload.
 pub fn event_payload_from_pb(e: &pb::RunEvent) -> Option<RunEventPayload> {
     use pb::run_event::Payload;

@@ -54,9 +54,6 @@ const UPDATE_IF_VERSION: &str = "UPDATE automations SET name = $4, prompt = $5, 
      next_run_at = $11, updated_at = $12, version = version + 1 \
      WHERE id = $1 AND org_id = $2 AND owner_id = $3 AND version = $13";
 
-const COUNT_FOR_OWNER: &str =
-    "SELECT COUNT(*) FROM automations WHERE org_id = $1 AND owner_id = $2";
-
 pub(crate) fn decode(row: &AnyRow) -> Result<Automation> {
     let schedule_json = text(row, "schedule")?;
     let record: ScheduleRecord = serde_json::from_str(&schedule_json)
@@ -207,14 +204,5 @@ impl Store {
                 current: stored.version,
             })
         }
-    }
-
-    /// How many automations `owner` has (any state).
-    pub async fn count_automations(&self, owner: &Principal) -> Result<i64> {
-        Ok(sqlx::query_scalar(COUNT_FOR_OWNER)
-            .bind(&owner.org_id)
-            .bind(&owner.user_id)
-            .fetch_one(self.pool())
-            .await?)
     }
 }

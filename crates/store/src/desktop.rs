@@ -72,6 +72,12 @@ pub struct DesktopAssignment {
     pub passed_over: Option<String>,
 }
 
+/// A value bound to a desktop write.
+enum Arg<'a> {
+    Text(&'a str),
+    Int(i64),
+}
+
 /// One event a runner reported, in the run's order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DesktopEvent {
@@ -354,16 +360,15 @@ impl Store {
         stream_id: &str,
         now: DateTime<Utc>,
     ) -> Result<u64> {
-        let done = sqlx::query(RELEASE_UNACCEPTED)
-            .bind(runner_id)
-            .bind(stream_id)
-            .bind(micros(now))
-            .execute(self.pool())
-            .await?;
-        if done.rows_affected() > 0 {
-            self.desktop_changed().await;
-        }
-        Ok(done.rows_affected())
+        self.desktop_write(
+            RELEASE_UNACCEPTED,
+            &[
+                Arg::Text(runner_id),
+                Arg::Text(stream_id),
+                Arg::Int(micros(now)),
+            ],
+        )
+        .await
     }
 
     /// Gives back a claim its stream did not accept in time; the runner is
@@ -375,18 +380,13 @@ impl Store {
         stream_id: &str,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let done = sqlx::query(EXPIRE_CLAIM)
-            .bind(run_id)
-            .bind(runner_id)
-            .bind(stream_id)
-            .bind(micros(now))
-            .execute(self.pool())
-            .await?;
-        let expired = done.rows_affected() == 1;
-        if expired {
-            self.desktop_changed().await;
-        }
-        Ok(expired)
+        let args = [
+            Arg::Text(run_id),
+            Arg::Text(runner_id),
+            Arg::Text(stream_id),
+            Arg::Int(micros(now)),
+        ];
+        Ok(self.desktop_write(EXPIRE_CLAIM, &args).await? == 1)
     }
 
     /// Gives back every unaccepted claim made before `before` (claims whose
@@ -396,15 +396,11 @@ impl Store {
         before: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> Result<u64> {
-        let done = sqlx::query(EXPIRE_ORPHANED_CLAIMS)
-            .bind(micros(before))
-            .bind(micros(now))
-            .execute(self.pool())
-            .await?;
-        if done.rows_affected() > 0 {
-            self.desktop_changed().await;
-        }
-        Ok(done.rows_affected())
+        self.desktop_write(
+            EXPIRE_ORPHANED_CLAIMS,
+            &[Arg::Int(micros(before)), Arg::Int(micros(now))],
+        )
+        .await
     }
 
     /// The runner accepted the assignment.
@@ -460,16 +456,30 @@ impl Store {
         body: Option<String>,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let mut q = sqlx::query(sql)
-            .bind(run_id)
-            .bind(runner_id)
-            .bind(stream_id);
-        if let Some(body) = body {
-            q = q.bind(body);
+        let mut args = vec![
+            Arg::Text(run_id),
+            Arg::Text(runner_id),
+            Arg::Text(stream_id),
+        ];
+        if let Some(body) = body.as_deref() {
+            args.push(Arg::Text(body));
         }
-        let done = q.bind(micros(now)).execute(self.pool()).await?;
-        let changed = done.rows_affected() == 1;
-        if changed {
+        args.push(Arg::Int(micros(now)));
+        Ok(self.desktop_write(sql, &args).await? == 1)
+    }
+
+    /// Runs one desktop write and, when it changed anything, signals the
+    /// replicas; returns how many rows it changed.
+    async fn desktop_write(&self, sql: &'static str, args: &[Arg<'_>]) -> Result<u64> {
+        let mut q = sqlx::query(sql);
+        for arg in args {
+            q = match arg {
+                Arg::Text(t) => q.bind(*t),
+                Arg::Int(i) => q.bind(*i),
+            };
+        }
+        let changed = q.execute(self.pool()).await?.rows_affected();
+        if changed > 0 {
             self.desktop_changed().await;
         }
         Ok(changed)

@@ -38,17 +38,9 @@ const CLAIM_SQLITE: &str = concat!(
     ", executor_seq, claims"
 );
 
-const CLAIMED: &str = concat!(
-    "SELECT ",
-    run_columns!(),
-    ", executor_seq, claims FROM runs WHERE id = $1 AND lease_owner = $2"
-);
-
 const RENEW: &str = "UPDATE runs SET lease_expires_at = $3 \
      WHERE id = $1 AND lease_owner = $2 AND state IN ('pending', 'waking', 'admitted', 'running') \
      RETURNING cancel_requested_at";
-
-const RELEASE: &str = "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL WHERE id = $1 AND lease_owner = $2";
 
 const ENSURE_MESSAGE_ID: &str =
     "UPDATE runs SET message_id = COALESCE(message_id, $2) WHERE id = $1 RETURNING message_id";
@@ -135,16 +127,6 @@ impl Store {
             .collect())
     }
 
-    /// A run as its lease holder sees it; `None` once the lease is lost.
-    pub async fn claimed_run(&self, id: &str, owner: &str) -> Result<Option<ClaimedRun>> {
-        let row = sqlx::query(CLAIMED)
-            .bind(id)
-            .bind(owner)
-            .fetch_optional(self.pool())
-            .await?;
-        row.as_ref().map(decode_claimed).transpose()
-    }
-
     /// Extends a lease. The heartbeat also brings news of a cancellation
     /// request, so drivers need no polling of their own.
     pub async fn renew_lease(
@@ -165,17 +147,6 @@ impl Store {
                 cancel_requested: cancel.is_some(),
             },
         })
-    }
-
-    /// Gives a lease up (graceful shutdown), so another coordinator can take
-    /// the run at once.
-    pub async fn release_lease(&self, id: &str, owner: &str) -> Result<()> {
-        sqlx::query(RELEASE)
-            .bind(id)
-            .bind(owner)
-            .execute(self.pool())
-            .await?;
-        Ok(())
     }
 
     /// Persists the run's message identity unless it has one, and returns

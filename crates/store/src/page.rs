@@ -61,6 +61,17 @@ pub struct Page<T> {
 }
 
 impl<T> Page<T> {
+    /// Where this page goes on once cut to its first `kept` items (a byte
+    /// budget, say): after the last kept item, or where it went on anyway
+    /// when nothing was cut.
+    pub fn next_after(&self, kept: usize, cursor_of: impl Fn(&T) -> Cursor) -> Option<Cursor> {
+        if kept < self.items.len() && kept > 0 {
+            Some(cursor_of(&self.items[kept - 1]))
+        } else {
+            self.next.clone()
+        }
+    }
+
     /// A page from up to `limit + 1` rows read in listing order: the extra
     /// row, when present, only says that another page follows.
     pub(crate) fn from_rows(

@@ -95,13 +95,6 @@ pub struct Sessions {
 }
 
 impl Sessions {
-    /// Whether `runner_id` has a live stream here.
-    pub fn is_connected(&self, runner_id: &str) -> bool {
-        self.by_runner
-            .lock()
-            .is_ok_and(|m| m.contains_key(runner_id))
-    }
-
     /// How many streams this replica holds.
     pub fn len(&self) -> usize {
         self.by_runner.lock().map_or(0, |m| m.len())

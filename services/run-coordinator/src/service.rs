@@ -119,13 +119,8 @@ impl RunCoordinatorService for Coordinator {
             runs.push(self.to_pb(run).await?);
         }
         let kept = automesh_proto::bounds::fitting(&runs);
-        let next = if kept < runs.len() {
-            runs.truncate(kept);
-            let last = &page.items[kept - 1];
-            Some(Cursor::after(last.created_at, &last.id))
-        } else {
-            page.next
-        };
+        runs.truncate(kept);
+        let next = page.next_after(kept, |r| Cursor::after(r.created_at, &r.id));
         Ok(Response::new(cpb::ListRunsResponse {
             response: Some(pb::ListRunsResponse {
                 runs,

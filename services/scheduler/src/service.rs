@@ -296,13 +296,8 @@ impl SchedulerService for Scheduler {
         // Within the page byte budget: a cut page goes on after its last
         // automation.
         let kept = automesh_proto::bounds::fitting(&automations);
-        let next = if kept < automations.len() {
-            automations.truncate(kept);
-            let last = &page.items[kept - 1];
-            Some(Cursor::after(last.created_at, &last.id))
-        } else {
-            page.next
-        };
+        automations.truncate(kept);
+        let next = page.next_after(kept, |a| Cursor::after(a.created_at, &a.id));
         Ok(Response::new(spb::ListAutomationsResponse {
             response: Some(pb::ListAutomationsResponse {
                 automations,
