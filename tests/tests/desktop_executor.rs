@@ -318,3 +318,32 @@ async fn cancel_right_after_run_now(backend: Backend) {
 }
 
 automesh_e2e_tests::on_both_backends!(cancel_right_after_run_now);
+
+/// A store failure is answered by its kind, the same in every service: a
+/// corrupt row is INTERNAL (nothing a retry can fix), never UNAVAILABLE,
+/// which clients retry forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_dispatch_row_is_internal_not_unavailable() {
+    use automesh_proto::executor::v1 as epb;
+    use automesh_proto::executor::v1::executor_service_client::ExecutorServiceClient;
+    let mesh = mesh(Duration::from_secs(60)).await;
+    sqlx::query(
+        "INSERT INTO desktop_assignments (run_id, org_id, owner_id, spec, created_at, updated_at) \
+         VALUES ('corrupt', 'acme', 'alice', 'not hex', 0, 0)",
+    )
+    .execute(mesh.store().pool())
+    .await
+    .expect("insert");
+    let mut executor = ExecutorServiceClient::new(
+        automesh_rpc::internal_channel(&mesh.runner_gateway_internal, &mesh.credential)
+            .expect("channel"),
+    );
+    let refused = executor
+        .get_run_status(epb::GetRunStatusRequest {
+            run_id: "corrupt".into(),
+        })
+        .await
+        .expect_err("corrupt");
+    assert_eq!(refused.code(), tonic::Code::Internal, "{refused:?}");
+    mesh.stop().await.expect("stop");
+}

@@ -80,6 +80,23 @@ impl fmt::Display for ErrorCode {
 #[error("unknown error code {0:?}")]
 pub struct UnknownErrorCode(pub String);
 
+impl ErrorCode {
+    /// Whether a run that failed with this code is a durable failure of the
+    /// user's setup: the automation then needs attention (it stops being
+    /// scheduled until the user fixes the cause and activates it), and a
+    /// successful run clears it.
+    pub fn needs_attention(self) -> bool {
+        matches!(
+            self,
+            ErrorCode::RuntimeMissing
+                | ErrorCode::RuntimeFailed
+                | ErrorCode::ReadinessTimeout
+                | ErrorCode::McpConfigMissing
+                | ErrorCode::ModelNotAuthorized
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -92,6 +109,29 @@ mod tests {
             assert!(
                 doc.contains(&format!("`{}`", code.as_str())),
                 "{code} is missing from docs/error-codes.md"
+            );
+        }
+    }
+
+    /// The document's "needs attention" column says what the code does.
+    #[test]
+    fn the_needs_attention_column_is_the_codes_own() {
+        let doc = include_str!("../../../docs/error-codes.md");
+        for code in ErrorCode::ALL {
+            let row = doc
+                .lines()
+                .find(|l| l.starts_with(&format!("| `{}` |", code.as_str())))
+                .unwrap_or_else(|| panic!("no row for {code}"));
+            let last = row
+                .trim_end_matches('|')
+                .rsplit('|')
+                .next()
+                .unwrap_or_default()
+                .trim();
+            assert_eq!(
+                last == "yes",
+                code.needs_attention(),
+                "{code}: the document says {last:?}"
             );
         }
     }

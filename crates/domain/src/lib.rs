@@ -7,6 +7,7 @@
 
 pub mod automation;
 pub mod error_code;
+pub mod failure;
 pub mod ids;
 pub mod models;
 pub mod principal;
@@ -19,6 +20,7 @@ pub use automation::{
     Automation, AutomationPatch, AutomationState, NewAutomation, Placement, StateChange, Surface,
 };
 pub use error_code::ErrorCode;
+pub use failure::FailureKind;
 pub use models::{ModelCatalog, ModelSpec, Price};
 pub use principal::Principal;
 pub use run::{NewRun, Receipt, Run, RunEvent, RunEventPayload, RunState, RunTrigger, Usage};

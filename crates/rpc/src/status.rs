@@ -62,6 +62,25 @@ pub fn unavailable(context: &str, error: &dyn std::fmt::Display) -> Status {
     Status::unavailable(format!("{context}: temporarily unavailable"))
 }
 
+/// The one answer to a failure of kind `kind` while doing `context`
+/// (`error` says what exactly; it is logged, and for bad input shown). A
+/// missing thing is named by `context`.
+pub fn failure(
+    kind: automesh_domain::FailureKind,
+    context: &str,
+    error: &dyn std::fmt::Display,
+) -> Status {
+    use automesh_domain::FailureKind as K;
+    match kind {
+        K::InvalidArgument => Status::invalid_argument(error.to_string()),
+        K::NotFound => not_found(context),
+        K::Conflict => aborted(&format!("{context}: {error}; read it again")),
+        K::FailedPrecondition => Status::failed_precondition(format!("{context}: {error}")),
+        K::Unavailable => unavailable(context, error),
+        K::Internal => internal(context, error),
+    }
+}
+
 /// Re-issues a status received from an internal service: code, message and
 /// rich details pass through; transport metadata does not.
 pub fn forward(status: Status) -> Status {

@@ -34,6 +34,25 @@ pub enum StoreError {
     Database(#[source] sqlx::Error),
 }
 
+impl StoreError {
+    /// What kind of failure this is for the caller.
+    pub fn kind(&self) -> automesh_domain::FailureKind {
+        use automesh_domain::FailureKind as K;
+        match self {
+            StoreError::NotFound => K::NotFound,
+            StoreError::VersionConflict { .. } => K::Conflict,
+            StoreError::IllegalTransition { .. } | StoreError::Invariant(_) => {
+                K::FailedPrecondition
+            }
+            StoreError::InvalidPageToken | StoreError::Refused(_) => K::InvalidArgument,
+            StoreError::Database(_) => K::Unavailable,
+            StoreError::Corrupt(_) | StoreError::UnsupportedUrl | StoreError::Migrate(_) => {
+                K::Internal
+            }
+        }
+    }
+}
+
 /// Refuses text no backend may store: PostgreSQL cannot hold U+0000 in
 /// text, so SQLite is not allowed to either, and both give one answer.
 pub(crate) fn storable(field: &str, value: &str) -> Result<()> {

@@ -229,12 +229,7 @@ impl Lifecycle {
 }
 
 fn store_status(e: StoreError) -> Status {
-    match e {
-        StoreError::NotFound => status::not_found("cloud worker"),
-        StoreError::Refused(why) => Status::invalid_argument(why),
-        e @ StoreError::Database(_) => status::unavailable("database", &e),
-        e => status::internal("lifecycle store", &e),
-    }
+    status::failure(e.kind(), "cloud worker", &e)
 }
 
 fn worker_to_pb(w: &CloudWorker) -> wpb::Worker {

@@ -452,7 +452,7 @@ impl DesktopExecutor {
             .store
             .desktop_run(run_id)
             .await
-            .map_err(|e| status::unavailable("desktop dispatch", &e))?;
+            .map_err(|e| status::failure(e.kind(), "desktop dispatch", &e))?;
         Ok(status_of(a.as_ref()))
     }
 }
@@ -489,7 +489,7 @@ impl ExecutorService for DesktopExecutor {
                 Utc::now(),
             )
             .await
-            .map_err(|e| status::unavailable("desktop dispatch", &e))?;
+            .map_err(|e| status::failure(e.kind(), "desktop dispatch", &e))?;
         if offered {
             tracing::info!(run_id = %spec.run_id, "desktop run offered to the owner's runners");
         }
@@ -510,7 +510,7 @@ impl ExecutorService for DesktopExecutor {
             .store
             .desktop_run(&req.run_id)
             .await
-            .map_err(|e| status::unavailable("desktop dispatch", &e))?
+            .map_err(|e| status::failure(e.kind(), "desktop dispatch", &e))?
             .is_none()
         {
             return Err(Status::not_found("no desktop assignment for this run"));
@@ -538,7 +538,7 @@ impl ExecutorService for DesktopExecutor {
                     Ok(r) => r,
                     Err(e) => {
                         let _ = tx
-                            .send(Err(status::unavailable("desktop dispatch", &e)))
+                            .send(Err(status::failure(e.kind(), "desktop dispatch", &e)))
                             .await;
                         return;
                     }
@@ -645,7 +645,7 @@ impl ExecutorService for DesktopExecutor {
             .store
             .cancel_desktop_run(&req.run_id, reason, Utc::now())
             .await
-            .map_err(|e| status::unavailable("desktop dispatch", &e))?;
+            .map_err(|e| status::failure(e.kind(), "desktop dispatch", &e))?;
         Ok(Response::new(epb::CancelRunResponse {
             status: Some(status_of(a.as_ref())),
         }))

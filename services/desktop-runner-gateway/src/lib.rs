@@ -87,12 +87,7 @@ pub struct RunnerTokens {
 }
 
 fn store_status(e: StoreError) -> Status {
-    match e {
-        StoreError::NotFound => status::not_found("runner"),
-        StoreError::Refused(why) => Status::invalid_argument(why),
-        e @ StoreError::Database(_) => status::unavailable("database", &e),
-        e => status::internal("runner store", &e),
-    }
+    status::failure(e.kind(), "runner", &e)
 }
 
 #[tonic::async_trait]

@@ -204,7 +204,7 @@ impl DesktopRunnerService for RunnerStreams {
             .store
             .find_runner_by_token_hash(&hash_token(&token))
             .await
-            .map_err(|e| status::unavailable("runner lookup", &e))?
+            .map_err(|e| status::failure(e.kind(), "runner lookup", &e))?
             .ok_or_else(|| Status::unauthenticated("unknown or revoked runner token"))?;
         let mut inbound = request.into_inner();
 
@@ -235,7 +235,7 @@ impl DesktopRunnerService for RunnerStreams {
         self.store
             .open_runner_stream(&runner.id, &stream_id, Utc::now())
             .await
-            .map_err(|e| status::unavailable("opening the runner stream", &e))?;
+            .map_err(|e| status::failure(e.kind(), "opening the runner stream", &e))?;
         let (tx, rx) = mpsc::channel(OUTBOUND);
         let closed = CancellationToken::new();
         let session = Session {
@@ -615,7 +615,11 @@ async fn follow(
                         }
                     }
                     Ok(Err(error)) => {
-                        return Err(status::unavailable("recording the runner's report", &error));
+                        return Err(status::failure(
+                            error.kind(),
+                            "recording the runner's report",
+                            &error,
+                        ));
                     }
                     Err(_) => {
                         return Err(Status::unavailable(

@@ -974,16 +974,8 @@ async fn update_attention(
     ending: &Ending,
     now: DateTime<Utc>,
 ) -> Result<(), StoreError> {
-    let needs_attention = matches!(
-        ending.code,
-        Some(
-            ErrorCode::RuntimeMissing
-                | ErrorCode::RuntimeFailed
-                | ErrorCode::ReadinessTimeout
-                | ErrorCode::McpConfigMissing
-                | ErrorCode::ModelNotAuthorized
-        )
-    ) && ending.state == RunState::Failed;
+    let needs_attention =
+        ending.code.is_some_and(ErrorCode::needs_attention) && ending.state == RunState::Failed;
     let succeeded = ending.state == RunState::Succeeded;
     if !needs_attention && !succeeded {
         return Ok(());

@@ -21,9 +21,7 @@ impl From<Error> for Status {
             Error::Store(StoreError::InvalidPageToken) => {
                 status::invalid_field("page_token", "not a page token issued by this service")
             }
-            Error::Store(StoreError::Refused(why)) => Status::invalid_argument(why),
-            Error::Store(e @ StoreError::Database(_)) => status::unavailable("database", &e),
-            Error::Store(e) => status::internal("coordinator store", &e),
+            Error::Store(e) => status::failure(e.kind(), "run", &e),
         }
     }
 }

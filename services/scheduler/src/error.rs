@@ -45,9 +45,7 @@ impl From<Error> for Status {
             Error::Store(StoreError::Invariant(msg)) => {
                 status::failed_precondition("INVARIANT", "automation", &msg)
             }
-            Error::Store(StoreError::Refused(why)) => Status::invalid_argument(why),
-            Error::Store(e @ StoreError::Database(_)) => status::unavailable("database", &e),
-            Error::Store(e) => status::internal("scheduler store", &e),
+            Error::Store(e) => status::failure(e.kind(), "automation", &e),
         }
     }
 }

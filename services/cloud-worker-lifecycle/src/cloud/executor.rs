@@ -28,8 +28,10 @@ type ObserveStream = Pin<Box<dyn Stream<Item = Result<epb::ObserveRunResponse, S
 /// again (a stalled agent never holds an observer).
 const EVENT_SILENCE: Duration = Duration::from_secs(5);
 
+/// A corrupt dispatch row is INTERNAL, not worth a retry; only a lost
+/// database is UNAVAILABLE.
 fn store_err(e: automesh_store::StoreError) -> Status {
-    status::unavailable("cloud dispatch", &e)
+    status::failure(e.kind(), "cloud dispatch", &e)
 }
 
 impl Cloud {
