@@ -108,6 +108,14 @@ impl Dispatch {
         }
     }
 
+    /// Whether an assignment sent from here is past its acceptance bound.
+    fn any_due(&self) -> bool {
+        let now = tokio::time::Instant::now();
+        self.awaiting
+            .lock()
+            .is_ok_and(|a| a.values().any(|w| w.until <= now))
+    }
+
     /// Gives back what a runner held past the acceptance bound, and tells
     /// the runner to drop it; the run goes to the owner's other runners.
     async fn expire_unaccepted(&self, store: &Store) -> Result<(), automesh_store::StoreError> {
@@ -144,7 +152,12 @@ impl Dispatch {
                 send(&w.tx, cancel_message(&run_id, &reason)).await;
             }
         }
-        // Claims of a replica that died before it could enforce its bound.
+        Ok(())
+    }
+
+    /// Gives back claims a replica that died could not enforce its bound
+    /// on (three bounds old); looked for once per poll interval.
+    async fn expire_orphaned(&self, store: &Store) -> Result<(), automesh_store::StoreError> {
         let orphaned_before = Utc::now()
             - chrono::Duration::from_std(self.accept_within * 3).unwrap_or(chrono::Duration::MAX);
         let n = store
@@ -202,6 +215,7 @@ impl Dispatch {
         // every wake.
         let mut revocations_checked: Option<tokio::time::Instant> = None;
         let mut streams_after = Utc::now() - REVOCATION_MARGIN;
+        let mut orphans_checked: Option<tokio::time::Instant> = None;
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
@@ -248,8 +262,18 @@ impl Dispatch {
                     Err(error) => tracing::warn!(%error, "cannot look for newer runner streams"),
                 }
             }
-            if let Err(error) = self.expire_unaccepted(&store).await {
+            // Only this replica's own sends, and only when one is due: no
+            // database work on an ordinary wake.
+            if self.any_due()
+                && let Err(error) = self.expire_unaccepted(&store).await
+            {
                 tracing::warn!(%error, "cannot give back unaccepted assignments");
+            }
+            if orphans_checked.is_none_or(|at| at.elapsed() >= POLL) {
+                orphans_checked = Some(tokio::time::Instant::now());
+                if let Err(error) = self.expire_orphaned(&store).await {
+                    tracing::warn!(%error, "cannot give back orphaned claims");
+                }
             }
             if !sessions.is_empty()
                 && let Err(error) = self.pass(&store, &sessions).await
