@@ -100,10 +100,7 @@ struct Network {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    automesh_e2e_tests::free_port().expect("a free port")
 }
 
 impl Network {

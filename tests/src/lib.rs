@@ -25,6 +25,28 @@ use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
+/// A port nothing listens on, for a child process to listen on later.
+///
+/// Taken below the kernel's ephemeral range (32768–60999 on these
+/// machines), from a per-process sequence: a port picked by binding port 0
+/// lies inside that range, where any outgoing connection of a concurrent
+/// test may take it as its local port before the child binds it.
+pub fn free_port() -> anyhow::Result<u16> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 12_000;
+    const HIGH: u32 = 32_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let seed = std::process::id().wrapping_mul(7919) % (HIGH - LOW);
+    for _ in 0..(HIGH - LOW) {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = (LOW + (seed + n) % (HIGH - LOW)) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    anyhow::bail!("no free port between {LOW} and {HIGH}")
+}
+
 /// The internal credential of every test mesh.
 pub const INTERNAL_SECRET: &str = "test-internal-credential-0123";
 

@@ -203,8 +203,7 @@ pub struct Cluster {
 /// A port nothing listens on now (bound, then released); services are
 /// started on it and restarted on it.
 fn free_port() -> anyhow::Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(l.local_addr()?.port())
+    crate::free_port()
 }
 
 fn log_file(path: &Path) -> anyhow::Result<Stdio> {
