@@ -510,9 +510,10 @@ async fn execute(
     apply_status(ctx, run, started.status.as_ref()).await?;
     // A previous driver may have cancelled it for its deadline, then died.
     let inferred = (Utc::now() >= deadline).then_some(CancelCause::Deadline);
-    if let Some(ending) = finished(started.status.as_ref(), inferred) {
-        return Ok(ending);
-    }
+    // Finished already (a fast run, or one that ended while no coordinator
+    // watched): its events are still read into the run's log before it
+    // ends; only if they cannot be read does the run end without them.
+    let known_end = finished(started.status.as_ref(), inferred);
 
     let mut after = claimed.executor_seq;
     let mut cancel: Option<(CancelCause, tokio::time::Instant)> = None;
@@ -564,7 +565,7 @@ async fn execute(
                                     ran |= ran_on_executor(Some(&s));
                                     unaccepted |= s.unaccepted;
                                     apply_status(ctx, run, Some(&s)).await?;
-                                    if let Some(ending) = finished(Some(&s), cancel.map(|c| c.0)) {
+                                    if let Some(ending) = finished(Some(&s), cancel.map(|c| c.0).or(inferred)) {
                                         return Ok(ending);
                                     }
                                     if s.idle && let Some((cause, _)) = cancel {
@@ -596,6 +597,10 @@ async fn execute(
             }
         }
         ctx.store.set_executor_seq(&run.id, after).await?;
+        if let Some(ending) = known_end.clone() {
+            tracing::warn!("the finished run's events could not be read; it ends without them");
+            return Ok(ending);
+        }
         // The stream ended or broke: reconnect, bounded by the deadline and the lease.
         tokio::select! {
             () = tokio::time::sleep(backoff) => {}
