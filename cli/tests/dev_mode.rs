@@ -755,27 +755,7 @@ async fn a_first_run_succeeds_out_of_the_box_on_both_placements() {
     assert_eq!(started[1].1, pb::Placement::Desktop as i32);
 
     for (name, _, run_id) in &started {
-        let give_up = std::time::Instant::now() + Duration::from_secs(90);
-        let run = loop {
-            let run = runs
-                .get_run(with_bearer(
-                    &token,
-                    tonic::Request::new(pb::GetRunRequest { id: run_id.clone() }),
-                ))
-                .await
-                .expect("get run")
-                .into_inner()
-                .run
-                .expect("run");
-            if run.receipt.is_some() {
-                break run;
-            }
-            assert!(
-                std::time::Instant::now() < give_up,
-                "{name}: no end within 90 s: {run:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        };
+        let run = until_receipt(&mut runs, &token, run_id, Duration::from_secs(90)).await;
         assert_eq!(run.state, pb::RunState::Succeeded as i32, "{name}: {run:?}");
         let events = runs
             .list_run_events(with_bearer(
@@ -1161,24 +1141,7 @@ async fn a_configured_provider_and_connect_endpoint_replace_the_demo_ones() {
         .into_inner()
         .run
         .expect("run");
-    let give_up = std::time::Instant::now() + Duration::from_secs(60);
-    let ended = loop {
-        let r = runs
-            .get_run(with_bearer(
-                &token,
-                tonic::Request::new(pb::GetRunRequest { id: run.id.clone() }),
-            ))
-            .await
-            .expect("get")
-            .into_inner()
-            .run
-            .expect("run");
-        if r.receipt.is_some() {
-            break r;
-        }
-        assert!(std::time::Instant::now() < give_up, "no end: {r:?}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let ended = until_receipt(&mut runs, &token, &run.id, Duration::from_secs(60)).await;
     assert_eq!(ended.state, pb::RunState::Succeeded as i32, "{ended:?}");
     assert_eq!(fake.calls(), 1, "the configured provider answered");
     let receipt = ended.receipt.expect("receipt");
@@ -1194,4 +1157,36 @@ async fn a_configured_provider_and_connect_endpoint_replace_the_demo_ones() {
             .all(|a| a == "Bearer sk-configured")
     );
     drop(dev);
+}
+
+/// The run, once it has its receipt, read through the public API; fails
+/// the test after `within`.
+async fn until_receipt(
+    runs: &mut automesh_proto::v1::runs_client::RunsClient<tonic::transport::Channel>,
+    token: &str,
+    run_id: &str,
+    within: Duration,
+) -> automesh_proto::v1::Run {
+    use automesh_proto::v1 as pb;
+    let give_up = std::time::Instant::now() + within;
+    loop {
+        let run = runs
+            .get_run(with_bearer(
+                token,
+                tonic::Request::new(pb::GetRunRequest { id: run_id.into() }),
+            ))
+            .await
+            .expect("get run")
+            .into_inner()
+            .run
+            .expect("run");
+        if run.receipt.is_some() {
+            return run;
+        }
+        assert!(
+            std::time::Instant::now() < give_up,
+            "no end within {within:?}: {run:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
