@@ -456,8 +456,24 @@ async fn the_mesh_keeps_its_promises_under_seeded_faults() {
             .to_owned();
         *submitted.entry(prompt).or_default() += 1;
     }
-    let twice: Vec<_> = submitted.iter().filter(|(_, n)| **n > 1).collect();
-    assert!(twice.is_empty(), "prompts submitted twice: {twice:?}");
+    let mut twice = vec![];
+    for (prompt, n) in submitted.iter().filter(|(_, n)| **n > 1) {
+        // Which run, where it ran and how it ended: what a replay needs.
+        let run = prompt
+            .strip_prefix("chaos run ")
+            .and_then(|rest| rest.split(':').next())
+            .and_then(|i| i.parse::<usize>().ok())
+            .and_then(|i| run_ids.get(i));
+        let detail = match run {
+            Some(id) => {
+                let r = read(|| store.get_run_unscoped(id)).await;
+                format!("{id} {:?} {} {:?}", r.placement, r.state, r.error_code)
+            }
+            None => "no run".into(),
+        };
+        twice.push(format!("{prompt:?} ×{n} ({detail})"));
+    }
+    assert!(twice.is_empty(), "prompts submitted twice: {twice:#?}");
 
     // After the faults, new runs succeed on both placements.
     for (i, (owner, surface)) in [

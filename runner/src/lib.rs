@@ -8,10 +8,14 @@
 //!   which the gateway says nothing (not even heartbeat acks) for
 //!   `dead_after` as dead, like the gateway does;
 //! - reconnects with jittered exponential backoff;
-//! - records each assignment as accepted, synced to disk, *before* it tells
-//!   the gateway or starts the engine: an assignment it already holds is
-//!   never run again — not after a redelivery, a reconnect, a restart or a
-//!   laptop waking from sleep. A run a previous process accepted but did not
+//! - records each assignment as held, synced to disk, *before* it tells the
+//!   gateway it accepts it, and starts the engine only once the gateway
+//!   confirms the acceptance (recorded as accepted first): an acceptance
+//!   lost on the way lets the gateway give the run to another runner, so a
+//!   run that was never confirmed never starts here — a held run the gateway
+//!   says is another's is let go. An assignment it already holds is never
+//!   run again — not after a redelivery, a reconnect, a restart or a laptop
+//!   waking from sleep. A run a previous process accepted but did not
 //!   finish ends `runner_interrupted` (its agent may have acted already);
 //! - runs each assignment through an [`EngineAdapter`] — the native engine
 //!   or OpenCode — with the assignment's deadline, and cancels it on
@@ -32,6 +36,7 @@ use automesh_proto::runner::v1 as rpb;
 use automesh_proto::runner::v1::desktop_runner_service_client::DesktopRunnerServiceClient;
 use automesh_proto::v1 as pb;
 use automesh_rpc::auth::Secret;
+use prost::Message as _;
 use rpb::connect_request::Message as Up;
 use rpb::connect_response::Message as Down;
 use tokio::sync::mpsc;
@@ -172,7 +177,8 @@ impl Runner {
     pub fn new(settings: Settings, engine: Arc<dyn EngineAdapter>) -> anyhow::Result<Runner> {
         let record = Arc::new(Record::open(&settings.state_dir)?);
         for run in record.all() {
-            if run.finished.is_none() {
+            // A held run never started: it waits for its confirmation.
+            if run.finished.is_none() && run.held.is_none() {
                 tracing::warn!(run_id = %run.run_id, "a run accepted before a restart ends runner_interrupted; it is not run again");
                 record.finish(
                     &run.run_id,
@@ -330,8 +336,14 @@ impl Runner {
             match message.message {
                 Some(Down::Assignment(a)) => self.on_assignment(a, &tx).await,
                 Some(Down::CancelAssignment(c)) => self.on_cancel(&c, &tx).await,
+                Some(Down::AssignmentConfirmed(c)) => self.on_confirmed(&c.run_id),
                 Some(Down::ProtocolError(e)) => {
                     tracing::warn!(run_id = %e.run_id, code = %e.code, message = %e.message, "the gateway refused a report");
+                    // A held run the gateway says is not this stream's was
+                    // never started here: it is another runner's now.
+                    if e.code == "not_assigned" && self.record.let_go(&e.run_id) {
+                        tracing::info!(run_id = %e.run_id, "a held run that never started is let go");
+                    }
                 }
                 Some(Down::HeartbeatAck(_)) | Some(Down::Welcome(_)) | None => {}
             }
@@ -341,8 +353,8 @@ impl Runner {
     /// After a (re)connect: what the gateway may have missed.
     async fn resend_held(&self, tx: &mpsc::Sender<rpb::ConnectRequest>) {
         for run in self.record.all() {
-            let active = self.is_active(&run.run_id);
-            if active {
+            // A run that runs here, or is held waiting for its confirmation.
+            if run.held.is_some() || self.is_active(&run.run_id) {
                 send(
                     tx,
                     up(Up::AssignmentAccepted(rpb::AssignmentAccepted {
@@ -379,25 +391,21 @@ impl Runner {
 
     async fn on_assignment(&self, a: rpb::Assignment, tx: &mpsc::Sender<rpb::ConnectRequest>) {
         let run_id = a.run_id.clone();
-        match self.record.accept(&run_id) {
-            Ok(true) => {}
-            Ok(false) => {
-                // Held already: never run again; tell the gateway where it is.
-                self.stats.duplicates.fetch_add(1, Ordering::SeqCst);
-                tracing::info!(run_id = %run_id, "assignment already held; not run again");
-                if let Some(run) = self.record.get(&run_id) {
-                    if let Some(f) = run.finished {
-                        send(tx, up(Up::RunFinished(f))).await;
-                    } else {
-                        send(
-                            tx,
-                            up(Up::AssignmentAccepted(rpb::AssignmentAccepted { run_id })),
-                        )
-                        .await;
-                    }
-                }
-                return;
-            }
+        if let Some(run) = self.record.get(&run_id) {
+            // Known already: never run again; tell the gateway where it is.
+            self.stats.duplicates.fetch_add(1, Ordering::SeqCst);
+            tracing::info!(run_id = %run_id, "assignment already held; not run again");
+            let report = match run.finished {
+                Some(f) => Up::RunFinished(f),
+                None => Up::AssignmentAccepted(rpb::AssignmentAccepted { run_id }),
+            };
+            send(tx, up(report)).await;
+            return;
+        }
+        // Held (synced) before it is accepted; started only once the
+        // gateway confirms the acceptance (see `on_confirmed`).
+        match self.record.hold(&run_id, &a.encode_to_vec()) {
+            Ok(_) => {}
             Err(error) => {
                 // Not recorded, so not accepted: the gateway offers it again.
                 tracing::error!(run_id = %run_id, %error, "cannot record the assignment; not accepting it");
@@ -406,11 +414,37 @@ impl Runner {
         }
         send(
             tx,
-            up(Up::AssignmentAccepted(rpb::AssignmentAccepted {
-                run_id: run_id.clone(),
-            })),
+            up(Up::AssignmentAccepted(rpb::AssignmentAccepted { run_id })),
         )
         .await;
+    }
+
+    /// The gateway recorded this runner's acceptance: a held run starts,
+    /// journaled as accepted first. A confirmation of a run that already
+    /// started, or that this runner let go, changes nothing.
+    fn on_confirmed(&self, run_id: &str) {
+        let Some(body) = self.record.get(run_id).and_then(|r| r.held) else {
+            return;
+        };
+        let Ok(a) = rpb::Assignment::decode(body.as_slice()) else {
+            tracing::error!(run_id, "the held assignment cannot be read; it is let go");
+            self.record.let_go(run_id);
+            return;
+        };
+        match self.record.accept(run_id) {
+            Ok(true) => self.start(a),
+            Ok(false) => {}
+            Err(error) => {
+                // Not started: the acceptance is confirmed again after a
+                // reconnect, and the run starts then.
+                tracing::error!(run_id, %error, "cannot record the acceptance; the run does not start");
+            }
+        }
+    }
+
+    /// Starts the engine on an accepted run.
+    fn start(&self, a: rpb::Assignment) {
+        let run_id = a.run_id.clone();
         let cancel = CancellationToken::new();
         if let Ok(mut active) = self.active.lock() {
             active.insert(run_id.clone(), cancel.clone());
@@ -445,8 +479,11 @@ impl Runner {
             // `execute` reports idle once the engine has stopped.
             return;
         }
-        // Nothing runs here: idle. A finished run's result goes first, then
-        // the record of it can go.
+        // Nothing runs here: idle. A held run never started and is let go;
+        // a finished run's result goes first, then the record of it can go.
+        if self.record.let_go(&c.run_id) {
+            tracing::info!(run_id = %c.run_id, reason = %c.reason, "a held run that never started is let go");
+        }
         if let Some(f) = self.record.get(&c.run_id).and_then(|r| r.finished) {
             send(tx, up(Up::RunFinished(f))).await;
         }

@@ -6,6 +6,7 @@ pub mod bench;
 pub mod executor;
 pub mod otlp;
 pub mod processes;
+pub mod relay;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -4,7 +4,7 @@
 //! PostgreSQL, with two desktop-runner-gateway replicas: coordinators call
 //! replica B, the runner starts on replica A.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -104,10 +104,15 @@ struct RunnerProc {
 
 impl Desk {
     fn start_runner(&self, gateways: &[&str]) -> RunnerProc {
+        self.start_runner_as(gateways, &self.runner_token, &self.state_dir)
+    }
+
+    /// A runner with its own token and record.
+    fn start_runner_as(&self, gateways: &[&str], token: &str, state_dir: &Path) -> RunnerProc {
         let mut settings = Settings::new(
             gateways.iter().map(|g| (*g).to_owned()).collect(),
-            self.runner_token.clone().into(),
-            self.state_dir.clone(),
+            token.to_owned().into(),
+            state_dir.to_owned(),
         );
         settings.reconnect_min = Duration::from_millis(50);
         settings.reconnect_max = Duration::from_millis(500);
@@ -236,6 +241,103 @@ async fn a_runner_killed_mid_run_and_restarted_against_b_never_runs_it_again() {
     assert_eq!(second.stats.executions.load(Ordering::SeqCst), 0);
     assert_eq!(desk.provider.calls(), 1, "the prompt was submitted once");
     second.task.abort();
+    desk.stop().await;
+}
+
+/// A runner's acceptance can be lost on the way (a link that carries only
+/// the gateway's side): the gateway then declares the stream dead and gives
+/// the run to the owner's other runner. The first runner must not have run
+/// it: a runner starts a run only once the gateway confirmed it recorded the
+/// acceptance. When the first runner returns, it is told the run is
+/// another's, and drops it without ever running it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_whose_acceptance_is_lost_never_runs_what_the_gateway_gives_another_runner() {
+    let desk = desk(Duration::from_secs(60), streams(), |_, _| {
+        Reply::Json(text_completion("done once"))
+    })
+    .await;
+    let a = desk.mesh.runner_gateways[0].clone();
+    let relay = automesh_e2e_tests::relay::Relay::start(
+        a.trim_start_matches("http://").parse().expect("address"),
+    )
+    .await
+    .expect("relay");
+    let first = desk.start_runner(&[&relay.url]);
+    until("the first runner connected", || {
+        first.stats.connections.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    // From now on nothing the first runner sends reaches the gateway.
+    relay.lose_upstream(true);
+    let run = desk.run_now().await;
+    let journal = desk.state_dir.join(format!("{}.jsonl", run.id));
+    until("the first runner holds the assignment", || journal.exists()).await;
+
+    let second_token = desk
+        .mesh
+        .automations(Some(&desk.mesh.token("acme", "alice")))
+        .create_runner_token(pb::CreateRunnerTokenRequest {
+            runner_name: "desktop".into(),
+        })
+        .await
+        .expect("mint")
+        .into_inner()
+        .token;
+    let second_dir = desk.state_dir.with_extension("second");
+    let second = desk.start_runner_as(&[&a], &second_token, &second_dir);
+    let ended = desk.terminal(&run.id).await;
+    assert_eq!(ended.state, RunState::Succeeded, "{ended:?}");
+    assert_eq!(second.stats.executions.load(Ordering::SeqCst), 1);
+
+    // The link heals; the first runner returns and lets the run go.
+    relay.lose_upstream(false);
+    until("the first runner let the run go", || !journal.exists()).await;
+    assert_eq!(first.stats.executions.load(Ordering::SeqCst), 0);
+    assert_eq!(desk.provider.calls(), 1, "the prompt was submitted once");
+    first.task.abort();
+    second.task.abort();
+    let _ = std::fs::remove_dir_all(&second_dir);
+    desk.stop().await;
+}
+
+/// A runner that dies holding an assignment whose acceptance was never
+/// confirmed had not started it: after a restart it is not
+/// `runner_interrupted`, and the run runs once, there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_restarted_before_its_acceptance_was_confirmed_runs_the_run_once() {
+    let desk = desk(Duration::from_secs(60), streams(), |_, _| {
+        Reply::Json(text_completion("done once"))
+    })
+    .await;
+    let a = desk.mesh.runner_gateways[0].clone();
+    let relay = automesh_e2e_tests::relay::Relay::start(
+        a.trim_start_matches("http://").parse().expect("address"),
+    )
+    .await
+    .expect("relay");
+    let first = desk.start_runner(&[&relay.url]);
+    until("the runner connected", || {
+        first.stats.connections.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    relay.lose_upstream(true);
+    let run = desk.run_now().await;
+    let journal = desk.state_dir.join(format!("{}.jsonl", run.id));
+    until("the runner holds the assignment", || journal.exists()).await;
+    assert_eq!(first.stats.executions.load(Ordering::SeqCst), 0);
+    // Killed, in effect, and started again with its record.
+    first.task.abort();
+    let _ = first.task.await;
+    let again = desk.start_runner(&[&a]);
+    let ended = desk.terminal(&run.id).await;
+    assert_eq!(
+        (ended.state, ended.error_code),
+        (RunState::Succeeded, None),
+        "{ended:?}"
+    );
+    assert_eq!(again.stats.executions.load(Ordering::SeqCst), 1);
+    assert_eq!(desk.provider.calls(), 1, "the prompt was submitted once");
+    again.task.abort();
     desk.stop().await;
 }
 

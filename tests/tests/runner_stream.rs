@@ -464,6 +464,11 @@ async fn protocol_violations_are_named_on_the_stream_and_leave_the_run_alone() {
     })))
     .await
     .expect("accept");
+    // The acceptance is recorded and confirmed: the runner may start now.
+    let Down::AssignmentConfirmed(c) = next(&mut stream).await else {
+        panic!("the acceptance is confirmed")
+    };
+    assert_eq!(c.run_id, run.id);
     for outcome in [
         pb::RunState::Running,
         pb::RunState::Pending,

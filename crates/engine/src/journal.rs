@@ -1,11 +1,17 @@
 //! The local journal of the runs an executor accepted — the desktop
 //! runner's and the worker agent's: one append-only file per run
 //! (`<dir>/<key>.jsonl`), each line synced before the executor acts on it.
-//! A run is journaled as accepted *before* it is acknowledged or its engine
-//! starts, so a restart, a crash or a laptop waking from sleep finds it and
-//! never runs it a second time; its events and its result are journaled
-//! too, so they can be reported again after a reconnect or a restart
-//! (receivers deduplicate by event id).
+//! A run is journaled as accepted *before* its engine starts, so a restart,
+//! a crash or a laptop waking from sleep finds it and never runs it a second
+//! time; its events and its result are journaled too, so they can be
+//! reported again after a reconnect or a restart (receivers deduplicate by
+//! event id).
+//!
+//! The desktop runner first *holds* an assignment (journaled with the
+//! assignment itself) while it waits for the gateway to confirm its
+//! acceptance, and accepts it only then: a held run has not started, so it
+//! may be let go (the gateway gave it to another runner) or started after a
+//! restart, never run twice.
 //!
 //! A torn last line (a crash mid-write) is ignored; the executor then only
 //! lacks that one event, never a run.
@@ -41,6 +47,14 @@ enum Line {
         #[serde(default, skip_serializing_if = "String::is_empty")]
         note: String,
     },
+    /// Held, not started: the hex-encoded assignment, kept until the
+    /// acceptance is confirmed (an `Accepted` line follows) or the run is
+    /// let go (the file goes).
+    Held {
+        run_id: String,
+        at: String,
+        body: String,
+    },
     /// A hex-encoded `automesh.v1.RunEvent`.
     Event { body: String },
     /// The hex-encoded result message (the runner: `RunFinished`; the
@@ -53,6 +67,9 @@ enum Line {
 pub struct RunRecord<F> {
     pub run_id: String,
     pub note: String,
+    /// The assignment of a held run, which has not started; `None` once
+    /// it is accepted (and for runs accepted at once).
+    pub held: Option<Vec<u8>>,
     pub events: Vec<pb::RunEvent>,
     pub finished: Option<F>,
     pub finished_at: Option<chrono::DateTime<chrono::Utc>>,
@@ -63,6 +80,7 @@ impl<F> Default for RunRecord<F> {
         Self {
             run_id: String::new(),
             note: String::new(),
+            held: None,
             events: vec![],
             finished: None,
             finished_at: None,
@@ -114,6 +132,11 @@ impl<F: prost::Message + Default + Clone> Record<F> {
                     Ok(Line::Accepted { run_id, note, .. }) => {
                         run.run_id = run_id;
                         run.note = note;
+                        run.held = None;
+                    }
+                    Ok(Line::Held { run_id, body, .. }) => {
+                        run.run_id = run_id;
+                        run.held = Some(hex::decode(&body).unwrap_or_default());
                     }
                     Ok(Line::Event { body }) => {
                         if let Some(e) = hex::decode(&body).ok().and_then(|b| {
@@ -160,8 +183,8 @@ impl<F: prost::Message + Default + Clone> Record<F> {
         f.sync_data().map_err(io(&path))
     }
 
-    /// Records the run as accepted; false when it already was (it must not
-    /// run again). Synced to disk before it returns.
+    /// Records the run as accepted (a held one too); false when it already
+    /// was (it must not run again). Synced to disk before it returns.
     pub fn accept(&self, run_id: &str) -> Result<bool, RecordError> {
         self.accept_with(run_id, "")
     }
@@ -175,7 +198,7 @@ impl<F: prost::Message + Default + Clone> Record<F> {
             });
         }
         let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
-        if runs.contains_key(run_id) {
+        if runs.get(run_id).is_some_and(|r| r.held.is_none()) {
             return Ok(false);
         }
         self.append(
@@ -186,15 +209,57 @@ impl<F: prost::Message + Default + Clone> Record<F> {
                 note: note.to_owned(),
             },
         )?;
+        let run = runs.entry(run_id.to_owned()).or_default();
+        run.run_id = run_id.to_owned();
+        run.note = note.to_owned();
+        run.held = None;
+        Ok(true)
+    }
+
+    /// Holds a run that must not start yet, with its `assignment`; false
+    /// when the run is known already (held or accepted). Synced to disk
+    /// before it returns. [`Record::accept`] starts it later.
+    pub fn hold(&self, run_id: &str, assignment: &[u8]) -> Result<bool, RecordError> {
+        if !valid_run_id(run_id) {
+            return Err(RecordError::Io {
+                path: self.dir.clone(),
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "bad run id"),
+            });
+        }
+        let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
+        if runs.contains_key(run_id) {
+            return Ok(false);
+        }
+        self.append(
+            run_id,
+            &Line::Held {
+                run_id: run_id.to_owned(),
+                at: chrono::Utc::now().to_rfc3339(),
+                body: hex::encode(assignment),
+            },
+        )?;
         runs.insert(
             run_id.to_owned(),
             RunRecord {
                 run_id: run_id.to_owned(),
-                note: note.to_owned(),
+                held: Some(assignment.to_vec()),
                 ..RunRecord::default()
             },
         );
         Ok(true)
+    }
+
+    /// Lets go of a held run that never started (another executor has
+    /// it); true when it was held. An accepted run is never let go here.
+    pub fn let_go(&self, run_id: &str) -> bool {
+        let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
+        if runs.get(run_id).is_some_and(|r| r.held.is_some()) {
+            runs.remove(run_id);
+            let _ = std::fs::remove_file(self.path(run_id));
+            true
+        } else {
+            false
+        }
     }
 
     /// Records an event of the run.
@@ -332,6 +397,31 @@ mod tests {
         let r = Record::open(&d).expect("reopen");
         assert!(r.get("run-2").is_some());
         assert!(!r.accept("run-2").expect("still accepted"));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_held_run_survives_a_reopen_unstarted_and_is_started_once() {
+        let d = dir("held");
+        let r = Record::open(&d).expect("open");
+        assert!(r.hold("run-3", b"assignment").expect("hold"));
+        assert!(!r.hold("run-3", b"assignment").expect("held already"));
+        drop(r);
+        let r = Record::open(&d).expect("reopen");
+        let held = r.get("run-3").expect("held");
+        assert_eq!(held.held.as_deref(), Some(&b"assignment"[..]));
+        assert!(r.accept("run-3").expect("start"));
+        assert!(!r.accept("run-3").expect("started already"));
+        assert!(!r.let_go("run-3"), "a started run is never let go");
+        drop(r);
+        let r = Record::open(&d).expect("reopen");
+        assert!(r.get("run-3").expect("kept").held.is_none());
+        assert!(!r.accept("run-3").expect("still started"));
+        // A held run let go is gone, file and all.
+        assert!(r.hold("run-4", b"other").expect("hold"));
+        assert!(r.let_go("run-4"));
+        assert!(!d.join("run-4.jsonl").exists());
+        assert!(Record::open(&d).expect("reopen").get("run-4").is_none());
         let _ = std::fs::remove_dir_all(&d);
     }
 

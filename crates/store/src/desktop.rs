@@ -131,8 +131,10 @@ const FORGIVE: &str = "UPDATE desktop_assignments SET passed_over = NULL \
 const STREAMS_OPENED_SINCE: &str =
     "SELECT runner_id, stream_id FROM runner_streams WHERE opened_at >= $1";
 
+/// A cancelled assignment is not accepted: its runner is told to drop it.
 const ACCEPTED: &str = "UPDATE desktop_assignments SET phase = 'running', updated_at = $4 \
-     WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3 AND phase = 'admitted'";
+     WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3 AND phase = 'admitted' \
+     AND cancel_requested = 0";
 
 const FINISHED: &str = "UPDATE desktop_assignments \
      SET phase = 'finished', idle = 1, outcome = $4, updated_at = $5 \
@@ -403,7 +405,8 @@ impl Store {
         .await
     }
 
-    /// The runner accepted the assignment.
+    /// The runner accepted the assignment; false when it is not this
+    /// stream's to accept, was accepted already, or was cancelled.
     pub async fn desktop_run_accepted(
         &self,
         run_id: &str,

@@ -428,29 +428,41 @@ fn terminal_outcome(state: i32) -> bool {
     )
 }
 
+/// What the gateway answers a runner's report with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Answer {
+    /// Recorded (or a harmless redelivery): nothing to say.
+    Nothing,
+    /// The acceptance is recorded on this stream: the runner may start.
+    Confirmed(String),
+    Refused(Refusal),
+}
+
 /// Records a runner's report about one of its runs. Only the runner a run is
-/// claimed for can change it (the store's updates are guarded by runner). A
-/// report the protocol does not allow changes nothing and comes back as a
-/// [`Refusal`]; one that changed nothing because it was a redelivery (after a
-/// reconnect) is fine.
+/// claimed for can change it (the store's updates are guarded by runner and
+/// stream). An acceptance is answered with a confirmation once it is
+/// recorded — the runner starts the run only then. A report the protocol
+/// does not allow changes nothing and comes back as a [`Refusal`]; one that
+/// changed nothing because it was a redelivery (after a reconnect) is fine.
 async fn record(
     store: &Store,
     session: &Session,
     message: rpb::connect_request::Message,
-) -> Result<Option<Refusal>, automesh_store::StoreError> {
+) -> Result<Answer, automesh_store::StoreError> {
     let (runner_id, stream_id) = (session.runner_id.as_str(), session.stream_id.as_str());
     use rpb::connect_request::Message;
     let now = Utc::now();
     let Some(run_id) = report_run_id(&message).map(str::to_owned) else {
-        return Ok(None);
+        return Ok(Answer::Nothing);
     };
     let refuse = |code: &'static str, message: String| {
-        Ok(Some(Refusal {
+        Ok(Answer::Refused(Refusal {
             run_id: run_id.clone(),
             code,
             message,
         }))
     };
+    let acceptance = matches!(message, Message::AssignmentAccepted(_));
     if run_id.is_empty() {
         return refuse("invalid_report", "a report must name its run".into());
     }
@@ -514,16 +526,30 @@ async fn record(
         Message::Hello(_) | Message::Heartbeat(_) => true,
     };
     if applied {
-        return Ok(None);
+        return Ok(if acceptance {
+            Answer::Confirmed(run_id)
+        } else {
+            Answer::Nothing
+        });
     }
     // Nothing changed: a redelivery of a report already recorded, or a
     // report about a run this runner does not hold (unknown, or another
     // runner's: the same answer either way).
-    let holds = store.desktop_run(&run_id).await?.is_some_and(|a| {
+    let held = store.desktop_run(&run_id).await?.filter(|a| {
         a.runner_id.as_deref() == Some(runner_id) && a.stream_id.as_deref() == Some(stream_id)
     });
-    if holds {
-        Ok(None)
+    if let Some(a) = held {
+        // An acceptance sent again (its confirmation was lost) is confirmed
+        // again while the run runs here; a cancelled one is not (the
+        // cancellation tells the runner to drop it).
+        let confirm = acceptance
+            && a.phase == automesh_store::desktop::DesktopPhase::Running
+            && !a.cancel_requested;
+        Ok(if confirm {
+            Answer::Confirmed(run_id)
+        } else {
+            Answer::Nothing
+        })
     } else {
         refuse(
             "not_assigned",
@@ -601,8 +627,18 @@ async fn follow(
                 // it reconnects (event ids make that harmless).
                 match tokio::time::timeout(settings.dead_after, record(store, session, other)).await
                 {
-                    Ok(Ok(None)) => {}
-                    Ok(Ok(Some(refusal))) => {
+                    Ok(Ok(Answer::Nothing)) => {}
+                    Ok(Ok(Answer::Confirmed(run_id))) => {
+                        let confirmed = rpb::ConnectResponse {
+                            message: Some(rpb::connect_response::Message::AssignmentConfirmed(
+                                rpb::AssignmentConfirmed { run_id },
+                            )),
+                        };
+                        if !send(tx, confirmed).await {
+                            return Ok(());
+                        }
+                    }
+                    Ok(Ok(Answer::Refused(refusal))) => {
                         tracing::warn!(
                             runner_id = %session.runner_id,
                             run_id = %refusal.run_id,
