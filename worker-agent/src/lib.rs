@@ -47,6 +47,7 @@ use tracing::Instrument;
 
 mod auth;
 mod cli;
+mod threads;
 pub use auth::DualCredential;
 pub use cli::{Args, LOCK_FILE, PID_FILE, StateDir};
 
@@ -70,77 +71,7 @@ pub struct Settings {
     pub orphan_after: Option<Duration>,
 }
 
-/// The agent's journal of accepted messages (keyed by message id, the
-/// thread id beside it), with each finished message's `Thread`.
-type Journal = automesh_engine::journal::Record<apb::Thread>;
-
-/// What a message a previous agent accepted, but never finished, reports.
-fn interrupted(thread_id: &str, message_id: &str) -> apb::Thread {
-    apb::Thread {
-        thread_id: thread_id.to_owned(),
-        message_id: message_id.to_owned(),
-        status: apb::ThreadStatus::Idle as i32,
-        outcome: pb::RunState::Failed as i32,
-        error_code: ErrorCode::RuntimeInterrupted.as_str().to_owned(),
-        error_message: "the worker agent stopped while the message executed; it is not run \
-                        again, because its agent may already have acted"
-            .into(),
-        engine: "native-v1".into(),
-        ..Default::default()
-    }
-}
-
-struct Track {
-    message_id: String,
-    busy: bool,
-    outcome: Option<(pb::RunState, String, String, pb::Usage)>,
-    events: Vec<pb::RunEvent>,
-    cancel: CancellationToken,
-    /// Set for a message a previous agent journaled: what it reports.
-    journaled: Option<apb::Thread>,
-}
-
-impl Track {
-    fn thread(&self, thread_id: &str) -> apb::Thread {
-        if let Some(t) = &self.journaled {
-            return t.clone();
-        }
-        let (outcome, error_code, error_message, usage) = match &self.outcome {
-            Some((s, c, m, u)) => (*s as i32, c.clone(), m.clone(), Some(*u)),
-            None => (0, String::new(), String::new(), None),
-        };
-        apb::Thread {
-            thread_id: thread_id.to_owned(),
-            message_id: self.message_id.clone(),
-            status: if self.busy {
-                apb::ThreadStatus::Busy
-            } else {
-                apb::ThreadStatus::Idle
-            } as i32,
-            outcome,
-            error_code,
-            error_message,
-            usage,
-            last_sequence: self.events.len() as i64,
-            engine: "native-v1".into(),
-        }
-    }
-}
-
-fn unknown(thread_id: &str) -> apb::Thread {
-    apb::Thread {
-        thread_id: thread_id.to_owned(),
-        status: apb::ThreadStatus::Unknown as i32,
-        ..Default::default()
-    }
-}
-
-/// The agent's threads.
-#[derive(Default)]
-struct Threads {
-    by_id: HashMap<String, Track>,
-    by_message: HashMap<String, String>,
-}
+use threads::{Journal, Threads, Track, interrupted, unknown};
 
 /// The `WorkerAgentService`.
 #[derive(Clone)]

@@ -12,8 +12,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use automesh_engine::adapter::Ending;
 use automesh_engine::connect::{Connect, ConnectConfig};
-use automesh_engine::native::{self, Ending, NativeRun};
+use automesh_engine::native::{self, NativeRun};
 use automesh_engine::provider::ProviderConfig;
 use common::{FakeMcp, Reply, mcp, provider, text_completion, tool_call_completion};
 use tokio_util::sync::CancellationToken;

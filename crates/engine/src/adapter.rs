@@ -1,6 +1,7 @@
-//! The one contract every engine implements (the native engine here, the
-//! OpenCode adapter later), so that the desktop runner and the worker agent
-//! run a run without knowing which engine does it.
+//! The one contract every engine implements (the native engine and the
+//! OpenCode adapter), so that the desktop runner and the worker agent run a
+//! run without knowing which engine does it: the request, the events an
+//! engine reports, and how its run ends.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -9,7 +10,73 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::native::{self, Checkpoint, EngineEvent, NativeRun, Outcome};
+use automesh_domain::Usage;
+use serde::{Deserialize, Serialize};
+
+use crate::error::EngineError;
+use crate::native::{self, NativeRun};
+use crate::provider::Message;
+
+// The contract types: what an engine reports and how its run ends.
+
+/// What a step boundary leaves behind: enough to resume instead of restart.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    pub step: u32,
+    pub messages: Vec<Message>,
+    pub usage: Usage,
+}
+
+/// What the engine reports while it runs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineEvent {
+    AssistantText {
+        step: u32,
+        text: String,
+    },
+    ToolCall {
+        step: u32,
+        call_id: String,
+        tool: String,
+        input_json: String,
+    },
+    ToolResult {
+        step: u32,
+        call_id: String,
+        tool: String,
+        output: String,
+        is_error: bool,
+    },
+    Usage {
+        step: u32,
+        usage: Usage,
+    },
+    /// The agent asked for a permission, and what the headless policy
+    /// answered (`once`, `reject`; empty while pending).
+    Permission {
+        permission_id: String,
+        permission: String,
+        patterns: Vec<String>,
+        reply: String,
+    },
+    Checkpoint(Checkpoint),
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Ending {
+    Succeeded { answer: String },
+    Failed(EngineError),
+    Cancelled,
+}
+
+/// The end of a run and what it cost.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    pub ending: Ending,
+    pub usage: Usage,
+    pub steps: u32,
+}
 
 /// What every engine needs to run one run.
 #[derive(Debug, Clone)]

@@ -1,8 +1,10 @@
-//! The native engine: a chat-completions tool loop against an
-//! OpenAI-compatible provider, with exactly two MCP tools
-//! (`search_capabilities`, `execute_capability`) served by the run's Connect
-//! endpoint. Fail closed on both edges; every wait bounded; credentials
-//! travel only as `Authorization` headers.
+//! The engines behind one contract ([`adapter`]): the native engine — a
+//! chat-completions tool loop against an OpenAI-compatible provider, with
+//! exactly two MCP tools (`search_capabilities`, `execute_capability`)
+//! served by the run's Connect endpoint — and the OpenCode adapter, which
+//! drives a local `opencode serve`. Also the executors' run journal and the
+//! wire conversion of engine events. Fail closed on every edge; every wait
+//! bounded; credentials travel only as `Authorization` headers.
 
 pub mod adapter;
 pub mod connect;

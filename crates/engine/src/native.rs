@@ -10,26 +10,18 @@ use std::time::Duration;
 
 use automesh_domain::{ErrorCode, Usage};
 use chrono::{DateTime, Utc};
-use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::adapter::{Checkpoint, Ending, EngineEvent, Outcome};
 use crate::connect::{Connect, ConnectConfig, REVIEWED_TOOLS};
 use crate::error::EngineError;
 use crate::provider::{ChatRequest, Message, Provider, ProviderConfig};
 
 /// The default bound on model calls per run.
 pub const DEFAULT_MAX_STEPS: u32 = 32;
-
-/// What a step boundary leaves behind: enough to resume instead of restart.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Checkpoint {
-    pub step: u32,
-    pub messages: Vec<Message>,
-    pub usage: Usage,
-}
 
 /// One native run.
 #[derive(Debug, Clone)]
@@ -50,57 +42,6 @@ pub struct NativeRun {
     pub deadline: Instant,
     /// Resume from here instead of from the prompt.
     pub resume_from: Option<Checkpoint>,
-}
-
-/// What the engine reports while it runs.
-#[derive(Debug, Clone, PartialEq)]
-pub enum EngineEvent {
-    AssistantText {
-        step: u32,
-        text: String,
-    },
-    ToolCall {
-        step: u32,
-        call_id: String,
-        tool: String,
-        input_json: String,
-    },
-    ToolResult {
-        step: u32,
-        call_id: String,
-        tool: String,
-        output: String,
-        is_error: bool,
-    },
-    Usage {
-        step: u32,
-        usage: Usage,
-    },
-    /// The agent asked for a permission, and what the headless policy
-    /// answered (`once`, `reject`; empty while pending).
-    Permission {
-        permission_id: String,
-        permission: String,
-        patterns: Vec<String>,
-        reply: String,
-    },
-    Checkpoint(Checkpoint),
-}
-
-/// How a run ended.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Ending {
-    Succeeded { answer: String },
-    Failed(EngineError),
-    Cancelled,
-}
-
-/// The end of a run and what it cost.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Outcome {
-    pub ending: Ending,
-    pub usage: Usage,
-    pub steps: u32,
 }
 
 fn token_expired(at: Option<DateTime<Utc>>) -> bool {

@@ -4,16 +4,13 @@
 
 use automesh_domain::ErrorCode;
 use automesh_proto::v1 as pb;
+use automesh_rpc::convert;
 
-use crate::native::{Ending, EngineEvent, Outcome};
+use crate::adapter::{Ending, EngineEvent, Outcome};
 
 /// Now, as a protobuf timestamp.
 pub fn now_ts() -> prost_types::Timestamp {
-    let now = chrono::Utc::now();
-    prost_types::Timestamp {
-        seconds: now.timestamp(),
-        nanos: now.timestamp_subsec_nanos() as i32,
-    }
+    convert::timestamp(chrono::Utc::now())
 }
 
 /// The wire event for an engine event (checkpoints stay local).
@@ -45,11 +42,7 @@ pub fn run_event(run_id: &str, n: usize, e: &EngineEvent) -> Option<pb::RunEvent
             output: output.clone(),
             is_error: *is_error,
         }),
-        EngineEvent::Usage { usage, .. } => Payload::Usage(pb::Usage {
-            input_tokens: usage.input_tokens,
-            output_tokens: usage.output_tokens,
-            cost_micros: usage.cost_micros,
-        }),
+        EngineEvent::Usage { usage, .. } => Payload::Usage(convert::usage_to_pb(usage)),
         EngineEvent::Permission {
             permission_id,
             permission,
@@ -96,10 +89,6 @@ pub fn finished_parts(outcome: &Outcome) -> (pb::RunState, String, String, pb::U
             e.message.clone(),
         ),
     };
-    let usage = pb::Usage {
-        input_tokens: outcome.usage.input_tokens,
-        output_tokens: outcome.usage.output_tokens,
-        cost_micros: outcome.usage.cost_micros,
-    };
+    let usage = convert::usage_to_pb(&outcome.usage);
     (state, code, message, usage)
 }

@@ -8,8 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use automesh_domain::ErrorCode;
+use automesh_engine::adapter::{Checkpoint, Ending, EngineEvent, Outcome};
 use automesh_engine::connect::ConnectConfig;
-use automesh_engine::native::{self, Checkpoint, Ending, EngineEvent, NativeRun, Outcome};
+use automesh_engine::native::{self, NativeRun};
 use automesh_engine::provider::ProviderConfig;
 use common::{FakeMcp, Reply, as_sse, mcp, provider, text_completion, tool_call_completion};
 use tokio::sync::mpsc;

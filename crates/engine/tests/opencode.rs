@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use automesh_domain::ErrorCode;
 use automesh_engine::adapter::EngineRequest;
-use automesh_engine::native::{Ending, EngineEvent, Outcome};
+use automesh_engine::adapter::{Ending, EngineEvent, Outcome};
 use automesh_engine::opencode::{
     self, OpenCodeConfig, OpenCodeServer, PermissionPolicy, PermissionRule, isolated_env,
 };

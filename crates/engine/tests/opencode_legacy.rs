@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use automesh_domain::ErrorCode;
 use automesh_engine::adapter::EngineRequest;
-use automesh_engine::native::{Ending, EngineEvent};
+use automesh_engine::adapter::{Ending, EngineEvent};
 use automesh_engine::opencode::{self, OpenCodeConfig, PermissionPolicy, PermissionRule};
 use axum::Router;
 use axum::body::Body;
@@ -173,7 +173,7 @@ async fn serve() -> (String, Old) {
 async fn run(
     url: &str,
     policy: PermissionPolicy,
-) -> (automesh_engine::native::Outcome, Vec<EngineEvent>) {
+) -> (automesh_engine::adapter::Outcome, Vec<EngineEvent>) {
     let mut cfg = OpenCodeConfig::new(url);
     cfg.idle_timeout = Duration::from_secs(10);
     let (tx, mut rx) = mpsc::channel(64);

@@ -14,8 +14,10 @@
 //! 256 bits of OS randomness, so a fast hash is enough to make the stored
 //! value useless to a reader of the database.
 
+pub mod dispatch;
 pub mod executor;
 mod metrics;
+mod reports;
 pub mod stream;
 
 use std::net::SocketAddr;

@@ -1,5 +1,7 @@
 //! `automesh ctl`: the public API for people.
 
+mod print;
+
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -15,6 +17,8 @@ use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
+
+use print::{enum_name, print_automation, print_event, print_receipt, print_run};
 
 #[derive(Debug, Args)]
 pub struct CtlArgs {
@@ -268,159 +272,6 @@ impl ScheduleArgs {
         };
         Ok(Some(pb::Schedule { kind: Some(kind) }))
     }
-}
-
-fn describe_schedule(s: &Option<pb::Schedule>) -> String {
-    use pb::schedule::Kind;
-    let tod = |t: &Option<pb::TimeOfDay>| {
-        t.as_ref()
-            .map(|t| format!("{:02}:{:02}", t.hours, t.minutes))
-            .unwrap_or_default()
-    };
-    match s.as_ref().and_then(|s| s.kind.as_ref()) {
-        Some(Kind::Once(o)) => format!("once at {}", ts(&o.at)),
-        Some(Kind::Daily(d)) => format!("daily at {} {}", tod(&d.time_of_day), d.time_zone),
-        Some(Kind::Weekly(w)) => {
-            let days: Vec<String> = w
-                .days
-                .iter()
-                .filter_map(|d| pb::DayOfWeek::try_from(*d).ok())
-                .map(|d| {
-                    d.as_str_name()
-                        .trim_start_matches("DAY_OF_WEEK_")
-                        .to_ascii_lowercase()
-                })
-                .collect();
-            format!(
-                "weekly {} at {} {}",
-                days.join(","),
-                tod(&w.time_of_day),
-                w.time_zone
-            )
-        }
-        None => "-".into(),
-    }
-}
-
-fn enum_name(s: &str, prefix: &str) -> String {
-    s.trim_start_matches(prefix).to_ascii_lowercase()
-}
-
-fn print_automation(a: &pb::Automation) {
-    let state = pb::AutomationState::try_from(a.state)
-        .map(|s| enum_name(s.as_str_name(), "AUTOMATION_STATE_"))
-        .unwrap_or_default();
-    let placement = pb::Placement::try_from(a.placement)
-        .map(|s| enum_name(s.as_str_name(), "PLACEMENT_"))
-        .unwrap_or_default();
-    println!("id:         {}", a.id);
-    println!("name:       {}", a.name);
-    println!("placement:  {placement}");
-    println!("state:      {state}");
-    if !a.attention_reason.is_empty() {
-        println!(
-            "attention:  {} ({})",
-            a.attention_reason, a.attention_message
-        );
-    }
-    println!("model:      {}", a.model);
-    println!("schedule:   {}", describe_schedule(&a.schedule));
-    println!("next run:   {}", ts(&a.next_run_time));
-    println!("etag:       {}", a.etag);
-    println!("prompt:     {}", a.prompt);
-}
-
-fn print_run(r: &pb::Run) {
-    let state = pb::RunState::try_from(r.state)
-        .map(|s| enum_name(s.as_str_name(), "RUN_STATE_"))
-        .unwrap_or_default();
-    println!("run:        {}", r.id);
-    println!("automation: {}", r.automation_id);
-    println!("state:      {state}");
-    if !r.error_code.is_empty() {
-        println!("error:      {} — {}", r.error_code, r.error_message);
-    }
-    println!("created:    {}", ts(&r.create_time));
-    println!("deadline:   {}", ts(&r.deadline_time));
-    if !r.trace_id.is_empty() {
-        println!("trace:      {}", r.trace_id);
-    }
-    if let Some(receipt) = &r.receipt {
-        print_receipt(receipt);
-    }
-}
-
-/// A receipt in two lines: what ran it, and what it used and cost.
-fn print_receipt(receipt: &pb::Receipt) {
-    let usage = receipt.usage.unwrap_or_default();
-    let model = match (receipt.model.as_str(), receipt.provider_model.as_str()) {
-        ("", _) => String::new(),
-        (m, "") => format!("  model {m}"),
-        (m, p) => format!("  model {m} (asked of the provider as {p})"),
-    };
-    println!(
-        "receipt:    engine {}{model}",
-        if receipt.engine.is_empty() {
-            "-"
-        } else {
-            &receipt.engine
-        }
-    );
-    let price = match &receipt.price {
-        Some(p) => format!(
-            " at {}/{} µ per million input/output tokens",
-            p.input_micros_per_million_tokens, p.output_micros_per_million_tokens
-        ),
-        None => " (the model has no price)".into(),
-    };
-    println!(
-        "            tokens in/out {}/{}  cost {} µ{price}",
-        usage.input_tokens, usage.output_tokens, usage.cost_micros
-    );
-}
-
-fn print_event(e: &pb::RunEvent) {
-    use pb::run_event::Payload;
-    let what = match &e.payload {
-        Some(Payload::AssistantText(t)) => format!("assistant: {}", t.text),
-        Some(Payload::ToolCall(c)) => format!("tool call {} {}", c.tool, c.input_json),
-        Some(Payload::ToolResult(r)) => format!(
-            "tool result {}{}: {}",
-            r.tool,
-            if r.is_error { " (error)" } else { "" },
-            r.output
-        ),
-        Some(Payload::PermissionPrompt(p)) => format!(
-            "permission {} {:?} → {}",
-            p.permission,
-            p.patterns,
-            if p.reply.is_empty() {
-                "pending"
-            } else {
-                &p.reply
-            }
-        ),
-        Some(Payload::Usage(u)) => format!(
-            "usage: tokens in/out {}/{}  cost {} µ",
-            u.input_tokens, u.output_tokens, u.cost_micros
-        ),
-        Some(Payload::StatusChange(s)) => {
-            let state = pb::RunState::try_from(s.state)
-                .map(|s| enum_name(s.as_str_name(), "RUN_STATE_"))
-                .unwrap_or_default();
-            [
-                format!("status {state}"),
-                s.error_code.clone(),
-                s.message.clone(),
-            ]
-            .into_iter()
-            .filter(|p| !p.is_empty())
-            .collect::<Vec<_>>()
-            .join(" ")
-        }
-        None => "(empty)".into(),
-    };
-    println!("{:>5}  {}  {what}", e.sequence, ts(&e.create_time));
 }
 
 pub async fn run(args: CtlArgs) -> anyhow::Result<()> {

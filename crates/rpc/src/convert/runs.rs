@@ -1,0 +1,180 @@
+//! Runs, receipts, usage and events.
+
+use automesh_domain::{Receipt, Run, RunEvent, RunEventPayload, RunState, RunTrigger, Usage};
+use automesh_proto::v1 as pb;
+
+#[allow(unused_imports)]
+use super::*;
+
+pub fn run_to_pb(r: &Run, receipt: Option<&Receipt>) -> pb::Run {
+    pb::Run {
+        id: r.id.clone(),
+        automation_id: r.automation_id.clone(),
+        organization_id: r.org_id.clone(),
+        owner_id: r.owner_id.clone(),
+        placement: placement_to_pb(r.placement) as i32,
+        trigger: match r.trigger {
+            RunTrigger::Schedule => pb::RunTrigger::Schedule,
+            RunTrigger::Manual => pb::RunTrigger::Manual,
+        } as i32,
+        scheduled_time: r.scheduled_for.map(timestamp),
+        state: run_state_to_pb(r.state) as i32,
+        error_code: r
+            .error_code
+            .map(|c| c.as_str().to_owned())
+            .unwrap_or_default(),
+        error_message: r.error_message.clone().unwrap_or_default(),
+        deadline_time: Some(timestamp(r.deadline_at)),
+        create_time: Some(timestamp(r.created_at)),
+        update_time: Some(timestamp(r.updated_at)),
+        receipt: receipt.map(receipt_to_pb),
+        trace_id: r.trace_id().unwrap_or_default().to_owned(),
+    }
+}
+
+/// Usage on the wire; the one conversion each way.
+pub fn usage_to_pb(u: &Usage) -> pb::Usage {
+    pb::Usage {
+        input_tokens: u.input_tokens,
+        output_tokens: u.output_tokens,
+        cost_micros: u.cost_micros,
+    }
+}
+
+pub fn usage_from_pb(u: &pb::Usage) -> Usage {
+    Usage {
+        input_tokens: u.input_tokens,
+        output_tokens: u.output_tokens,
+        cost_micros: u.cost_micros,
+    }
+}
+
+pub fn receipt_to_pb(r: &Receipt) -> pb::Receipt {
+    let thread = [&r.worker_id, &r.workspace_id, &r.thread_id, &r.message_id]
+        .iter()
+        .any(|f| f.is_some())
+        .then(|| pb::NativeThread {
+            worker_id: r.worker_id.clone().unwrap_or_default(),
+            workspace_id: r.workspace_id.clone().unwrap_or_default(),
+            thread_id: r.thread_id.clone().unwrap_or_default(),
+            message_id: r.message_id.clone().unwrap_or_default(),
+        });
+    pb::Receipt {
+        outcome: run_state_to_pb(r.outcome) as i32,
+        error_code: r
+            .error_code
+            .map(|c| c.as_str().to_owned())
+            .unwrap_or_default(),
+        error_message: r.error_message.clone().unwrap_or_default(),
+        placement: placement_to_pb(r.placement) as i32,
+        engine: r.engine.clone().unwrap_or_default(),
+        queued_duration: Some(duration_from_micros(r.queued_micros)),
+        wake_duration: Some(duration_from_micros(r.wake_micros)),
+        admission_duration: Some(duration_from_micros(r.admission_micros)),
+        execution_duration: Some(duration_from_micros(r.execution_micros)),
+        usage: Some(usage_to_pb(&r.usage)),
+        native_thread: thread,
+        create_time: Some(timestamp(r.created_at)),
+        model: r.model.clone().unwrap_or_default(),
+        provider_model: r.provider_model.clone().unwrap_or_default(),
+        price: r.price.map(|p| pb::Price {
+            input_micros_per_million_tokens: p.input_micros_per_million_tokens,
+            output_micros_per_million_tokens: p.output_micros_per_million_tokens,
+        }),
+    }
+}
+
+pub fn event_to_pb(e: &RunEvent) -> pb::RunEvent {
+    use pb::run_event::Payload;
+    let payload = match &e.payload {
+        RunEventPayload::AssistantText { text } => {
+            Payload::AssistantText(pb::AssistantText { text: text.clone() })
+        }
+        RunEventPayload::ToolCall {
+            call_id,
+            tool,
+            input_json,
+        } => Payload::ToolCall(pb::ToolCall {
+            call_id: call_id.clone(),
+            tool: tool.clone(),
+            input_json: input_json.clone(),
+        }),
+        RunEventPayload::ToolResult {
+            call_id,
+            tool,
+            output,
+            is_error,
+        } => Payload::ToolResult(pb::ToolResult {
+            call_id: call_id.clone(),
+            tool: tool.clone(),
+            output: output.clone(),
+            is_error: *is_error,
+        }),
+        RunEventPayload::PermissionPrompt {
+            permission_id,
+            permission,
+            patterns,
+            reply,
+        } => Payload::PermissionPrompt(pb::PermissionPrompt {
+            permission_id: permission_id.clone(),
+            permission: permission.clone(),
+            patterns: patterns.clone(),
+            reply: reply.clone().unwrap_or_default(),
+        }),
+        RunEventPayload::Usage(u) => Payload::Usage(usage_to_pb(u)),
+        RunEventPayload::StatusChange {
+            state,
+            error_code,
+            message,
+        } => Payload::StatusChange(pb::StatusChange {
+            state: state
+                .parse::<RunState>()
+                .map(|s| run_state_to_pb(s) as i32)
+                .unwrap_or_default(),
+            error_code: error_code.clone().unwrap_or_default(),
+            message: message.clone().unwrap_or_default(),
+        }),
+    };
+    pb::RunEvent {
+        run_id: e.run_id.clone(),
+        sequence: e.sequence,
+        event_id: e.event_id.clone(),
+        create_time: Some(timestamp(e.created_at)),
+        payload: Some(payload),
+    }
+}
+
+/// What an event means, from its protobuf form; `None` for an empty payload.
+pub fn event_payload_from_pb(e: &pb::RunEvent) -> Option<RunEventPayload> {
+    use pb::run_event::Payload;
+    Some(match e.payload.as_ref()? {
+        Payload::AssistantText(t) => RunEventPayload::AssistantText {
+            text: t.text.clone(),
+        },
+        Payload::ToolCall(c) => RunEventPayload::ToolCall {
+            call_id: c.call_id.clone(),
+            tool: c.tool.clone(),
+            input_json: c.input_json.clone(),
+        },
+        Payload::ToolResult(r) => RunEventPayload::ToolResult {
+            call_id: r.call_id.clone(),
+            tool: r.tool.clone(),
+            output: r.output.clone(),
+            is_error: r.is_error,
+        },
+        Payload::PermissionPrompt(p) => RunEventPayload::PermissionPrompt {
+            permission_id: p.permission_id.clone(),
+            permission: p.permission.clone(),
+            patterns: p.patterns.clone(),
+            reply: (!p.reply.is_empty()).then(|| p.reply.clone()),
+        },
+        Payload::Usage(u) => RunEventPayload::Usage(usage_from_pb(u)),
+        Payload::StatusChange(s) => RunEventPayload::StatusChange {
+            state: run_state_from_pb(s.state)
+                .map(|s| s.as_str().to_owned())
+                .unwrap_or_default(),
+            error_code: (!s.error_code.is_empty()).then(|| s.error_code.clone()),
+            message: (!s.message.is_empty()).then(|| s.message.clone()),
+        },
+    })
+}

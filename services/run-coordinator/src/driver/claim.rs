@@ -1,0 +1,93 @@
+//! The claim loop: leases claimable runs (woken by signals, polled as a
+//! safety net), bounded by `max_concurrent`, one driver task per run.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use automesh_store::Store;
+use chrono::Utc;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use super::Context;
+use super::lease::{AbortOnDrop, drive};
+
+/// Registers a driver's cancellation signal for as long as it lives.
+pub(super) struct Registration<'a> {
+    pub(super) ctx: &'a Context,
+    pub(super) run_id: String,
+}
+
+impl Drop for Registration<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.ctx.active.lock() {
+            m.remove(&self.run_id);
+        }
+    }
+}
+
+/// Claims and drives runs until `shutdown`; then stops its drivers and gives
+/// their leases up, so another coordinator takes the runs over at once.
+pub async fn run_loop(ctx: Arc<Context>, shutdown: CancellationToken) {
+    let mut drivers = JoinSet::new();
+    let _queue = AbortOnDrop(tokio::spawn(sample_queue(ctx.store.clone())));
+    let mut watcher = ctx.store.watch_new_runs().await;
+    tracing::info!(owner = %ctx.owner, "coordinator claiming runs");
+    loop {
+        while drivers.try_join_next().is_some() {}
+        let capacity = ctx.settings.max_concurrent.saturating_sub(drivers.len());
+        let mut claimed_any = false;
+        if capacity > 0 {
+            let now = Utc::now();
+            let until = now + chrono::Duration::from_std(ctx.settings.lease).unwrap_or_default();
+            let placements = ctx.executors.placements();
+            match ctx
+                .store
+                .claim_runs(
+                    &ctx.owner,
+                    &placements,
+                    until,
+                    now,
+                    now - chrono::Duration::from_std(ctx.settings.orphan_grace).unwrap_or_default(),
+                    capacity.min(64) as u32,
+                )
+                .await
+            {
+                Ok(claimed) => {
+                    claimed_any = !claimed.is_empty();
+                    for run in claimed {
+                        drivers.spawn(drive(ctx.clone(), run));
+                    }
+                }
+                Err(error) => tracing::warn!(%error, "cannot claim runs"),
+            }
+        }
+        if claimed_any {
+            continue;
+        }
+        tokio::select! {
+            () = watcher.wait(ctx.settings.poll) => {}
+            () = shutdown.cancelled() => break,
+        }
+    }
+    drivers.shutdown().await;
+    match ctx.store.release_all_leases(&ctx.owner).await {
+        Ok(n) => tracing::info!(released = n, "coordinator stopped; leases released"),
+        Err(error) => tracing::warn!(%error, "coordinator stopped; leases will expire"),
+    }
+}
+
+/// Samples the queue of unclaimed runs for its gauges, every few seconds.
+async fn sample_queue(store: Store) {
+    loop {
+        if let Ok(q) = store.run_queue().await {
+            let m = crate::metrics::metrics();
+            m.pending.set(vec![(q.pending as f64, vec![])]);
+            let lag = q.oldest.map_or(0.0, |t| {
+                (Utc::now() - t).num_milliseconds().max(0) as f64 / 1000.0
+            });
+            m.lag.set(vec![(lag, vec![])]);
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+}

@@ -1,0 +1,438 @@
+//! Executing a claimed run: start (or, on takeover, observe) its message on
+//! the placement's executor, record its events and status, and wait —
+//! bounded by the deadline and the cancellation bound — for its ending.
+
+use std::time::Duration;
+
+use automesh_domain::{ErrorCode, Placement, Run, RunEventPayload, RunState};
+use automesh_proto::executor::v1 as epb;
+use automesh_proto::executor::v1::executor_service_client::ExecutorServiceClient;
+use automesh_rpc::{InternalChannel, convert};
+use automesh_store::StoreError;
+use automesh_store::events::NewEvent;
+use automesh_store::leases::ClaimedRun;
+use chrono::Utc;
+use tokio_util::sync::CancellationToken;
+
+use super::ending::{CancelCause, Ending, cancelled, finished, offline_unless, ran_on_executor};
+use super::outcome::priced;
+use super::{Context, Stop, sleep_until};
+
+pub(super) fn spec(ctx: &Context, run: &Run, message_id: &str) -> epb::RunSpec {
+    epb::RunSpec {
+        run_id: run.id.clone(),
+        automation_id: run.automation_id.clone(),
+        organization_id: run.org_id.clone(),
+        owner_id: run.owner_id.clone(),
+        prompt: run.prompt.clone(),
+        model: run.model.clone(),
+        deadline_time: Some(convert::timestamp(run.deadline_at)),
+        traceparent: run.traceparent.clone().unwrap_or_default(),
+        message_id: message_id.to_owned(),
+        placement: convert::placement_to_pb(run.placement) as i32,
+        provider_model: ctx
+            .model(run)
+            .map(|m| m.provider_model().to_owned())
+            .unwrap_or_default(),
+    }
+}
+
+/// The message identity a run submits under.
+pub(super) fn message_id_for(run: &Run) -> String {
+    format!("msg_{}", run.id)
+}
+
+pub(super) async fn execute(
+    ctx: &Context,
+    claimed: &ClaimedRun,
+    lost: &CancellationToken,
+    cancel_seen: &CancellationToken,
+) -> Result<Ending, Stop> {
+    let run = &claimed.run;
+    let deadline = run.deadline_at;
+    let never_submitted = run.message_id.is_none();
+    if Utc::now() >= deadline && never_submitted {
+        return Ok(Ending::new(
+            RunState::TimedOut,
+            Some(ErrorCode::DeadlineExceeded),
+            "the run reached its deadline before it was dispatched",
+        ));
+    }
+    if run.cancel_requested_at.is_some() && never_submitted {
+        return Ok(Ending::new(
+            RunState::Cancelled,
+            None,
+            "cancelled before it was dispatched",
+        ));
+    }
+    let Some(mut executor) = ctx.executors.for_placement(run.placement) else {
+        return wait_without_executor(run, lost, cancel_seen).await;
+    };
+    // Taken over after a cancellation or past the deadline: the message may
+    // or may not have reached the executor. Never submit it now; cancel
+    // whatever is there and wait (bounded) for idle.
+    if Utc::now() >= deadline {
+        return cancel_and_wait(ctx, &mut executor, run, lost, CancelCause::Deadline).await;
+    }
+    if cancel_seen.is_cancelled() {
+        // The message identity is persisted before the first StartRun: a
+        // run without one was never offered to any executor, so there is
+        // nothing to stop and it is cancelled at once.
+        if run.message_id.is_none() {
+            return Ok(Ending::new(
+                RunState::Cancelled,
+                None,
+                "cancelled before any executor had it",
+            ));
+        }
+        return cancel_and_wait(ctx, &mut executor, run, lost, CancelCause::User).await;
+    }
+    // Identity first: a takeover must find it and observe, never resubmit.
+    let message_id = ctx
+        .store
+        .ensure_message_id(&run.id, &message_id_for(run))
+        .await?;
+    let spec = spec(ctx, run, &message_id);
+
+    // Start (or observe) the message, retrying until the deadline. Neither
+    // a cancellation nor the deadline abandons a StartRun in flight (it is
+    // bounded by the call timeout): the executor could take the run after
+    // the cancellation reached it, and hold it until the cancellation
+    // bound. Once the call has answered, the cancellation goes to an
+    // executor that has the run.
+    let mut backoff = Duration::from_millis(100);
+    let started = loop {
+        let mut request = tonic::Request::new(epb::StartRunRequest {
+            run: Some(spec.clone()),
+        });
+        request.set_timeout(ctx.settings.call_timeout);
+        let called = std::time::Instant::now();
+        let attempt = tokio::select! {
+            biased;
+            () = lost.cancelled() => return Err(Stop::LeaseLost),
+            r = executor.start_run(request) => r,
+        };
+        crate::metrics::metrics().call(
+            run,
+            "StartRun",
+            called,
+            attempt.as_ref().map(|_| ()).map_err(tonic::Status::code),
+        );
+        match attempt {
+            Ok(resp) => break resp.into_inner(),
+            Err(status) => {
+                tracing::warn!(code = ?status.code(), message = status.message(), "executor did not accept the run; retrying");
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = sleep_until(deadline) => return never_started(ctx, &mut executor, run, lost).await,
+                    () = cancel_seen.cancelled() => return cancel_and_wait(ctx, &mut executor, run, lost, CancelCause::User).await,
+                    () = lost.cancelled() => return Err(Stop::LeaseLost),
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    };
+    tracing::info!(submitted = started.submitted, message_id = %message_id, "run started on its executor");
+    if started.submitted {
+        crate::metrics::metrics().dispatched(run);
+    }
+    let mut first_event = claimed.claims > 1;
+    apply_status(ctx, run, started.status.as_ref()).await?;
+    // A previous driver may have cancelled it for its deadline, then died.
+    let inferred = (Utc::now() >= deadline).then_some(CancelCause::Deadline);
+    // Finished already (a fast run, or one that ended while no coordinator
+    // watched): its events are still read into the run's log before it
+    // ends; only if they cannot be read does the run end without them.
+    let known_end = finished(started.status.as_ref(), inferred);
+
+    let mut after = claimed.executor_seq;
+    let mut cancel: Option<(CancelCause, tokio::time::Instant)> = None;
+    // Whether the executor ever ran it: a desktop run no runner accepted
+    // before its deadline is `runner_offline`, not a cancelled execution.
+    let mut ran = ran_on_executor(started.status.as_ref()) || run.started_at.is_some();
+    // Whether a runner of the owner sat on it without accepting it.
+    let mut unaccepted = started.status.as_ref().is_some_and(|s| s.unaccepted);
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        // Opening the stream is bounded; the stream itself is read inside
+        // the select below, beside the deadline, cancellation and lease.
+        let opened = tokio::time::timeout(
+            ctx.settings.call_timeout,
+            executor.observe_run(epb::ObserveRunRequest {
+                run_id: run.id.clone(),
+                after_sequence: after,
+            }),
+        )
+        .await;
+        let mut stream = match opened {
+            Ok(Ok(s)) => Some(s.into_inner()),
+            Ok(Err(status)) => {
+                tracing::warn!(code = ?status.code(), "cannot observe the run; retrying");
+                None
+            }
+            Err(_) => {
+                tracing::warn!("observing the run timed out; retrying");
+                None
+            }
+        };
+        loop {
+            let cancel_deadline = cancel.map(|(_, at)| at + ctx.settings.cancel_bound);
+            tokio::select! {
+                item = async { match stream.as_mut() { Some(s) => s.message().await, None => Ok(None) } } => {
+                    match item {
+                        Ok(Some(update)) => {
+                            backoff = Duration::from_millis(100);
+                            match update.update {
+                                Some(epb::observe_run_response::Update::Event(e)) => {
+                                    record_event(ctx, run, &e).await?;
+                                    after = after.max(e.sequence);
+                                    if !first_event {
+                                        first_event = true;
+                                        crate::metrics::metrics().first_event(run);
+                                    }
+                                }
+                                Some(epb::observe_run_response::Update::Status(s)) => {
+                                    ran |= ran_on_executor(Some(&s));
+                                    unaccepted |= s.unaccepted;
+                                    apply_status(ctx, run, Some(&s)).await?;
+                                    if let Some(ending) = finished(Some(&s), cancel.map(|c| c.0).or(inferred)) {
+                                        return Ok(ending);
+                                    }
+                                    if s.idle && let Some((cause, _)) = cancel {
+                                        return Ok(offline_unless(ran, unaccepted, run.placement, cause, cancelled(cause, true)));
+                                    }
+                                }
+                                None => {}
+                            }
+                        }
+                        Ok(None) | Err(_) => break,
+                    }
+                }
+                () = sleep_until(deadline), if cancel.is_none() => {
+                    send_cancel(ctx, &mut executor, run, "deadline reached").await;
+                    cancel = Some((CancelCause::Deadline, tokio::time::Instant::now()));
+                }
+                () = cancel_seen.cancelled(), if cancel.is_none() => {
+                    send_cancel(ctx, &mut executor, run, "cancelled by the user").await;
+                    cancel = Some((CancelCause::User, tokio::time::Instant::now()));
+                }
+                () = async { match cancel_deadline { Some(at) => tokio::time::sleep_until(at).await, None => std::future::pending().await } } => {
+                    // Last look before giving up on seeing it idle.
+                    if let Some((cause, _)) = cancel {
+                        let idle = status_of(ctx, &mut executor, run).await.is_some_and(|s| s.idle);
+                        return Ok(offline_unless(ran, unaccepted, run.placement, cause, cancelled(cause, idle)));
+                    }
+                }
+                () = lost.cancelled() => return Err(Stop::LeaseLost),
+            }
+        }
+        ctx.store.set_executor_seq(&run.id, after).await?;
+        if let Some(ending) = known_end.clone() {
+            tracing::warn!("the finished run's events could not be read; it ends without them");
+            return Ok(ending);
+        }
+        // The stream ended or broke: reconnect, bounded by the deadline and the lease.
+        tokio::select! {
+            () = tokio::time::sleep(backoff) => {}
+            () = lost.cancelled() => return Err(Stop::LeaseLost),
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+        if cancel.is_none() && Utc::now() >= deadline {
+            send_cancel(ctx, &mut executor, run, "deadline reached").await;
+            cancel = Some((CancelCause::Deadline, tokio::time::Instant::now()));
+        }
+    }
+}
+
+/// Without an executor for its placement a run can only wait: for a
+/// cancellation, or for its deadline.
+pub(super) async fn wait_without_executor(
+    run: &Run,
+    lost: &CancellationToken,
+    cancel_seen: &CancellationToken,
+) -> Result<Ending, Stop> {
+    // A submitted run is only claimed here once orphaned past its deadline:
+    // it can be ended, but no executor of this replica can cancel it.
+    // Not a durable failure of the user's setup: the mesh has no executor.
+    let code = match run.placement {
+        Placement::Desktop => ErrorCode::RunnerOffline,
+        Placement::Cloud => ErrorCode::DeadlineExceeded,
+    };
+    tokio::select! {
+        () = sleep_until(run.deadline_at) => {
+            Ok(Ending::new(RunState::TimedOut, Some(code), format!("no {} executor took the run before its deadline", run.placement)))
+        }
+        () = cancel_seen.cancelled() => {
+            Ok(Ending::new(RunState::Cancelled, None, "cancelled before it was dispatched"))
+        }
+        () = lost.cancelled() => Err(Stop::LeaseLost),
+    }
+}
+
+/// The deadline came before the executor ever accepted the run: make sure
+/// nothing runs, then end it. A desktop run that no runner took is
+/// `runner_offline` (SPEC §6).
+pub(super) async fn never_started(
+    ctx: &Context,
+    executor: &mut ExecutorServiceClient<InternalChannel>,
+    run: &Run,
+    lost: &CancellationToken,
+) -> Result<Ending, Stop> {
+    let ending = cancel_and_wait(ctx, executor, run, lost, CancelCause::Deadline).await?;
+    Ok(match run.placement {
+        Placement::Desktop => Ending::new(
+            RunState::TimedOut,
+            Some(ErrorCode::RunnerOffline),
+            "no runner of the owner took the run before its deadline",
+        ),
+        Placement::Cloud => ending,
+    })
+}
+
+/// Cancels the run on its executor and waits, bounded, for it to be idle.
+pub(super) async fn cancel_and_wait(
+    ctx: &Context,
+    executor: &mut ExecutorServiceClient<InternalChannel>,
+    run: &Run,
+    lost: &CancellationToken,
+    cause: CancelCause,
+) -> Result<Ending, Stop> {
+    if lost.is_cancelled() {
+        return Err(Stop::LeaseLost);
+    }
+    let reason = match cause {
+        CancelCause::Deadline => "deadline reached",
+        CancelCause::User => "cancelled by the user",
+    };
+    send_cancel(ctx, executor, run, reason).await;
+    let give_up = tokio::time::Instant::now() + ctx.settings.cancel_bound;
+    while tokio::time::Instant::now() < give_up {
+        if lost.is_cancelled() {
+            return Err(Stop::LeaseLost);
+        }
+        if status_of(ctx, executor, run).await.is_some_and(|s| s.idle) {
+            return Ok(cancelled(cause, true));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Ok(cancelled(cause, false))
+}
+
+pub(super) async fn send_cancel(
+    ctx: &Context,
+    executor: &mut ExecutorServiceClient<InternalChannel>,
+    run: &Run,
+    reason: &str,
+) {
+    let mut request = tonic::Request::new(epb::CancelRunRequest {
+        run_id: run.id.clone(),
+        reason: reason.to_owned(),
+    });
+    request.set_timeout(ctx.settings.call_timeout);
+    let called = std::time::Instant::now();
+    let result = executor.cancel_run(request).await;
+    crate::metrics::metrics().call(
+        run,
+        "CancelRun",
+        called,
+        result.as_ref().map(|_| ()).map_err(tonic::Status::code),
+    );
+    if let Err(status) = result {
+        tracing::warn!(code = ?status.code(), "executor did not take the cancellation; idleness decides");
+    } else {
+        tracing::info!(reason, "cancellation forwarded to the executor");
+    }
+}
+
+pub(super) async fn status_of(
+    ctx: &Context,
+    executor: &mut ExecutorServiceClient<InternalChannel>,
+    run: &Run,
+) -> Option<epb::ExecutionStatus> {
+    let mut request = tonic::Request::new(epb::GetRunStatusRequest {
+        run_id: run.id.clone(),
+    });
+    request.set_timeout(ctx.settings.call_timeout);
+    let called = std::time::Instant::now();
+    let result = executor.get_run_status(request).await;
+    crate::metrics::metrics().call(
+        run,
+        "GetRunStatus",
+        called,
+        result.as_ref().map(|_| ()).map_err(tonic::Status::code),
+    );
+    result.ok()?.into_inner().status
+}
+
+/// Moves the stored state forward to what the executor reports.
+pub(super) async fn apply_status(
+    ctx: &Context,
+    run: &Run,
+    status: Option<&epb::ExecutionStatus>,
+) -> Result<(), Stop> {
+    let Some(status) = status else { return Ok(()) };
+    let targets: &[RunState] = match epb::ExecutionPhase::try_from(status.phase) {
+        Ok(epb::ExecutionPhase::Admitted) => &[RunState::Admitted],
+        Ok(epb::ExecutionPhase::Running | epb::ExecutionPhase::Finished) => {
+            &[RunState::Admitted, RunState::Running]
+        }
+        _ => &[],
+    };
+    let now = Utc::now();
+    for target in targets {
+        let current = ctx.store.get_run_unscoped(&run.id).await?;
+        if current.state.can_move_to(*target) {
+            match ctx.store.transition_run(&run.id, *target, None, now).await {
+                Ok(_) => record_status(ctx, run, *target, None, None).await?,
+                Err(StoreError::IllegalTransition { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+    Ok(())
+}
+
+pub(super) async fn record_event(
+    ctx: &Context,
+    run: &Run,
+    e: &automesh_proto::v1::RunEvent,
+) -> Result<(), Stop> {
+    let e = &e.clone().bounded();
+    let Some(mut payload) = convert::event_payload_from_pb(e) else {
+        return Ok(());
+    };
+    if let RunEventPayload::Usage(usage) = &mut payload {
+        *usage = priced(*usage, ctx.price(run));
+    }
+    if e.event_id.is_empty() {
+        tracing::warn!("executor event without an id dropped");
+        return Ok(());
+    }
+    ctx.store
+        .append_events(
+            &run.id,
+            &[NewEvent {
+                event_id: e.event_id.clone(),
+                payload,
+            }],
+            Utc::now(),
+        )
+        .await?;
+    Ok(())
+}
+
+/// A status event of the coordinator's own, with an id that makes it
+/// appear once however often it is recorded.
+pub(super) async fn record_status(
+    ctx: &Context,
+    run: &Run,
+    state: RunState,
+    code: Option<ErrorCode>,
+    message: Option<&str>,
+) -> Result<(), StoreError> {
+    let event = automesh_store::events::status_event(state, code, message);
+    ctx.store
+        .append_events(&run.id, &[event], Utc::now())
+        .await
+        .map(|_| ())
+}

@@ -1,0 +1,134 @@
+//! One driver per claimed run: the run's span, its lease heartbeat (a
+//! driver never outlives its lease), and the hand-over to `execute`.
+
+use std::sync::Arc;
+
+use automesh_domain::Run;
+use automesh_rpc::propagation;
+use automesh_store::leases::{ClaimedRun, Renewal};
+use chrono::Utc;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::claim::Registration;
+use super::execute::execute;
+use super::outcome::finish;
+use super::{Context, Stop};
+
+pub(super) async fn drive(ctx: Arc<Context>, claimed: ClaimedRun) {
+    let run = claimed.run.clone();
+    let span = tracing::info_span!(
+        parent: None,
+        "automesh.run",
+        run_id = %run.id,
+        automation_id = %run.automation_id,
+        placement = %run.placement,
+        claim = claimed.claims,
+        outcome = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+        otel.status_description = tracing::field::Empty,
+    );
+    propagation::continue_trace(&span, run.traceparent.as_deref());
+    if claimed.claims > 1 {
+        crate::metrics::metrics().taken_over(&run);
+    }
+    let lost = CancellationToken::new();
+    let cancel_seen = CancellationToken::new();
+    if run.cancel_requested_at.is_some() {
+        cancel_seen.cancel();
+    }
+    if let Ok(mut m) = ctx.active.lock() {
+        m.insert(run.id.clone(), cancel_seen.clone());
+    }
+    let _registration = Registration {
+        ctx: &ctx,
+        run_id: run.id.clone(),
+    };
+    // Dies with the driver, however the driver ends: a heartbeat that
+    // outlived a killed driver would keep the run from being taken over.
+    let heartbeat = AbortOnDrop(tokio::spawn(
+        heartbeat(ctx.clone(), run.clone(), lost.clone(), cancel_seen.clone()).in_current_span(),
+    ));
+    let result = execute(&ctx, &claimed, &lost, &cancel_seen)
+        .instrument(span.clone())
+        .await;
+    drop(heartbeat);
+    // Instrumented, never `span.enter()` across an await: a guard held over
+    // an await point can be dropped on another thread and corrupt the
+    // subscriber's span registry.
+    async {
+        match result {
+            Ok(ending) => {
+                if let Err(error) = finish(&ctx, &run, ending).await {
+                    tracing::warn!(%error, "cannot record the run's end; it will be retried after the lease");
+                }
+            }
+            Err(Stop::LeaseLost) => tracing::warn!("lease lost; another coordinator has the run"),
+            Err(Stop::Store(error)) => {
+                tracing::warn!(%error, "driver stopped on a store error; retried after the lease")
+            }
+        }
+    }
+    .instrument(span)
+    .await;
+}
+
+/// Aborts its task when dropped.
+pub(super) struct AbortOnDrop(pub(super) tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Renews the lease every third of its length; cancels `lost` when it is
+/// lost or cannot be renewed before it expires.
+pub(super) async fn heartbeat(
+    ctx: Arc<Context>,
+    run: Run,
+    lost: CancellationToken,
+    cancel_seen: CancellationToken,
+) {
+    let lease = ctx.settings.lease;
+    let every = lease / 3;
+    // The lease is ours until `valid_until`, counted from when the last
+    // successful renewal was sent: a driver never outlives its lease.
+    let mut valid_until = tokio::time::Instant::now() + lease;
+    // A driver that is stuck somewhere gets no renewals past this point,
+    // so another coordinator can take the run and end it.
+    let stop_renewing = run.deadline_at
+        + chrono::Duration::from_std(ctx.settings.cancel_bound * 2 + lease).unwrap_or_default();
+    loop {
+        let wake = (tokio::time::Instant::now() + every).min(valid_until - every / 2);
+        tokio::time::sleep_until(wake).await;
+        if Utc::now() > stop_renewing {
+            tracing::warn!("driver still busy well past the run's deadline; letting the lease go");
+            lost.cancel();
+            return;
+        }
+        let sent = tokio::time::Instant::now();
+        let until = Utc::now() + chrono::Duration::from_std(lease).unwrap_or_default();
+        let renewal =
+            tokio::time::timeout(every, ctx.store.renew_lease(&run.id, &ctx.owner, until)).await;
+        match renewal {
+            Ok(Ok(Renewal::Held { cancel_requested })) => {
+                valid_until = sent + lease;
+                if cancel_requested {
+                    cancel_seen.cancel();
+                }
+            }
+            Ok(Ok(Renewal::Lost)) => {
+                lost.cancel();
+                return;
+            }
+            Ok(Err(error)) => tracing::warn!(%error, "lease renewal failed"),
+            Err(_) => tracing::warn!("lease renewal timed out"),
+        }
+        if tokio::time::Instant::now() + every / 2 >= valid_until {
+            lost.cancel();
+            return;
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! Recording the end: the terminal state, the receipt (charged at the
+//! run's price) and the terminal event in one transaction, then what the
+//! outcome means for the automation (needs attention, or healthy again).
+
+use automesh_domain::{AutomationState, ErrorCode, Price, Receipt, Run, RunState, Usage};
+use automesh_store::StoreError;
+use chrono::{DateTime, Utc};
+
+use super::Context;
+use super::ending::Ending;
+
+/// `usage` as the mesh charges it: the executor's tokens at the run's
+/// price (0 for an unpriced model), whatever cost the engine reported.
+pub(super) fn priced(usage: Usage, price: Option<Price>) -> Usage {
+    Usage {
+        cost_micros: price.map_or(0, |p| {
+            p.cost_micros(usage.input_tokens, usage.output_tokens)
+        }),
+        ..usage
+    }
+}
+
+pub(super) fn micros_between(from: Option<DateTime<Utc>>, to: DateTime<Utc>) -> i64 {
+    from.map_or(0, |f| (to - f).num_microseconds().unwrap_or(0).max(0))
+}
+
+/// Records the end: the terminal state, the receipt and the terminal status
+/// event in one transaction, then what the outcome means for the automation.
+pub(super) async fn finish(ctx: &Context, run: &Run, ending: Ending) -> Result<(), StoreError> {
+    let now = Utc::now();
+    let current = ctx.store.get_run_unscoped(&run.id).await?;
+    let thread = ending.thread.clone().unwrap_or_default();
+    let some = |s: String| (!s.is_empty()).then_some(s);
+    let price = ctx.price(run);
+    let ending = Ending {
+        usage: priced(ending.usage, price),
+        ..ending
+    };
+    let receipt = Receipt {
+        run_id: run.id.clone(),
+        outcome: ending.state,
+        error_code: ending.code,
+        error_message: ending.message.clone(),
+        placement: run.placement,
+        engine: ending.engine.clone(),
+        queued_micros: micros_between(Some(run.created_at), current.admitted_at.unwrap_or(now)),
+        wake_micros: ending.wake_micros,
+        admission_micros: ending.admission_micros,
+        execution_micros: micros_between(current.started_at.or(current.admitted_at), now),
+        usage: ending.usage,
+        worker_id: some(thread.worker_id),
+        workspace_id: some(thread.workspace_id),
+        thread_id: some(thread.thread_id),
+        message_id: some(thread.message_id).or(current.message_id.clone()),
+        created_at: now,
+        model: some(run.model.clone()),
+        provider_model: ctx.model(run).map(|m| m.provider_model().to_owned()),
+        price,
+    };
+    match ctx.store.finish_run_as(&receipt, &ctx.owner, now).await {
+        Ok(_) => {
+            automesh_rpc::process::failpoint("coordinator.after_finish");
+            crate::metrics::metrics().ended(run, ending.state, ending.code, &ending.usage);
+        }
+        // Already terminal (another path ended it): nothing more to do.
+        Err(StoreError::IllegalTransition { .. }) => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    let code = ending.code.map(|c| c.as_str()).unwrap_or_default();
+    // The run's span says how it ended; a failed run marks it ERROR with
+    // its error code as `error.type` (OpenTelemetry's convention).
+    let span = tracing::Span::current();
+    span.record("outcome", ending.state.as_str());
+    if !matches!(ending.state, RunState::Succeeded | RunState::Cancelled) {
+        span.record("otel.status_code", "ERROR");
+        span.record(
+            "error.type",
+            if code.is_empty() {
+                ending.state.as_str()
+            } else {
+                code
+            },
+        );
+        if let Some(message) = ending.message.as_deref() {
+            span.record("otel.status_description", message);
+        }
+    }
+    tracing::info!(state = %ending.state, error_code = code, "run ended");
+    update_attention(ctx, run, &ending, now).await
+}
+
+/// A durable failure the user must fix pauses the automation
+/// (needs-attention); a successful run clears it.
+pub(super) async fn update_attention(
+    ctx: &Context,
+    run: &Run,
+    ending: &Ending,
+    now: DateTime<Utc>,
+) -> Result<(), StoreError> {
+    let needs_attention =
+        ending.code.is_some_and(ErrorCode::needs_attention) && ending.state == RunState::Failed;
+    let succeeded = ending.state == RunState::Succeeded;
+    if !needs_attention && !succeeded {
+        return Ok(());
+    }
+    for _ in 0..5 {
+        let mut a = ctx
+            .store
+            .get_automation_unscoped(&run.automation_id)
+            .await?;
+        let version = a.version;
+        if needs_attention && a.state == AutomationState::Active {
+            a.state = AutomationState::NeedsAttention;
+            a.attention_reason = ending.code;
+            a.attention_message = ending.message.clone();
+            a.next_run_at = None;
+        } else if succeeded && a.state == AutomationState::NeedsAttention {
+            a.state = AutomationState::Active;
+            a.attention_reason = None;
+            a.attention_message = None;
+            a.next_run_at = a.schedule.next_after(now);
+        } else {
+            return Ok(());
+        }
+        match ctx
+            .store
+            .update_automation_if_version(&a, version, now)
+            .await
+        {
+            Ok(_) => {
+                tracing::info!(automation_id = %a.id, state = %a.state, "automation attention updated");
+                return Ok(());
+            }
+            Err(StoreError::VersionConflict { .. }) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
