@@ -113,11 +113,16 @@ pub struct Run {
 impl Run {
     /// The trace id inside the stored `traceparent`, if any.
     pub fn trace_id(&self) -> Option<&str> {
-        let tp = self.traceparent.as_deref()?;
-        let mut parts = tp.split('-');
-        let (_version, trace_id) = (parts.next()?, parts.next()?);
-        (trace_id.len() == 32).then_some(trace_id)
+        trace_id_of(self.traceparent.as_deref()?)
     }
+}
+
+/// The trace id of a W3C `traceparent` (`version-traceid-spanid-flags`),
+/// when it has one of the right length.
+fn trace_id_of(traceparent: &str) -> Option<&str> {
+    let mut parts = traceparent.split('-');
+    let (_version, trace_id) = (parts.next()?, parts.next()?);
+    (trace_id.len() == 32).then_some(trace_id)
 }
 
 /// A run to create.
@@ -251,9 +256,19 @@ mod tests {
 
     #[test]
     fn trace_id_from_traceparent() {
-        let run_tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-        let mut parts = run_tp.split('-');
-        parts.next();
-        assert_eq!(parts.next(), Some("4bf92f3577b34da6a3ce929d0e0e4736"));
+        for (traceparent, want) in [
+            (
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                Some("4bf92f3577b34da6a3ce929d0e0e4736"),
+            ),
+            (
+                "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
+                None,
+            ),
+            ("00", None),
+            ("", None),
+        ] {
+            assert_eq!(trace_id_of(traceparent), want, "{traceparent:?}");
+        }
     }
 }

@@ -16,6 +16,11 @@ use crate::rows::{from_hex, instant, int, micros, opt_text, text, to_hex};
 use crate::signal::Topic;
 use crate::{Result, Store, StoreError};
 
+mod events;
+mod streams;
+
+pub use events::DesktopEvent;
+
 /// Where an assignment is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DesktopPhase {
@@ -78,15 +83,6 @@ enum Arg<'a> {
     Int(i64),
 }
 
-/// One event a runner reported, in the run's order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DesktopEvent {
-    pub sequence: i64,
-    pub event_id: String,
-    /// The encoded event.
-    pub body: Vec<u8>,
-}
-
 const COLUMNS: &str = "run_id, org_id, owner_id, spec, runner_id, phase, idle, outcome, \
      cancel_requested, cancel_reason, event_count, stream_id, claimed_at, passed_over";
 
@@ -117,20 +113,6 @@ const EXPIRE_ORPHANED_CLAIMS: &str = "UPDATE desktop_assignments \
      SET passed_over = runner_id, runner_id = NULL, stream_id = NULL, updated_at = $2 \
      WHERE phase = 'admitted' AND runner_id IS NOT NULL AND claimed_at < $1";
 
-const OPEN_STREAM: &str = "INSERT INTO runner_streams (runner_id, stream_id, opened_at) \
-     VALUES ($1, $2, $3) ON CONFLICT (runner_id) \
-     DO UPDATE SET stream_id = excluded.stream_id, opened_at = excluded.opened_at";
-
-/// The newest stream takes over everything of its runner's that is live,
-/// and the runner gets a fresh chance at what it sat on.
-const TAKE_OVER_CLAIMS: &str = "UPDATE desktop_assignments SET stream_id = $2, updated_at = $3 \
-     WHERE runner_id = $1 AND phase <> 'finished'";
-const FORGIVE: &str = "UPDATE desktop_assignments SET passed_over = NULL \
-     WHERE passed_over = $1 AND phase = 'admitted'";
-
-const STREAMS_OPENED_SINCE: &str =
-    "SELECT runner_id, stream_id FROM runner_streams WHERE opened_at >= $1";
-
 /// A cancelled assignment is not accepted: its runner is told to drop it.
 const ACCEPTED: &str = "UPDATE desktop_assignments SET phase = 'running', updated_at = $4 \
      WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3 AND phase = 'admitted' \
@@ -148,26 +130,6 @@ const CANCEL: &str = "UPDATE desktop_assignments SET cancel_requested = 1, \
      cancel_reason = COALESCE(cancel_reason, $2), \
      idle = CASE WHEN runner_id IS NULL OR phase = 'finished' THEN 1 ELSE idle END, \
      updated_at = $3 WHERE run_id = $1";
-
-const LOCK_EVENTS: &str = "UPDATE desktop_assignments SET event_count = event_count \
-     WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3 RETURNING event_count";
-
-const FIND_EVENT: &str = "SELECT seq FROM desktop_events WHERE run_id = $1 AND event_id = $2";
-
-const INSERT_EVENT: &str =
-    "INSERT INTO desktop_events (run_id, seq, event_id, body) VALUES ($1, $2, $3, $4)";
-
-const SET_EVENT_COUNT: &str =
-    "UPDATE desktop_assignments SET event_count = $2, updated_at = $3 WHERE run_id = $1";
-
-const EVENTS_AFTER: &str = "SELECT seq, event_id, body FROM desktop_events \
-     WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT $3";
-
-const DELETE_FINISHED_EVENTS_BEFORE: &str = "DELETE FROM desktop_events WHERE run_id IN \
-     (SELECT run_id FROM desktop_assignments WHERE phase = 'finished' AND updated_at < $1)";
-
-const DELETE_FINISHED_BEFORE: &str =
-    "DELETE FROM desktop_assignments WHERE phase = 'finished' AND updated_at < $1";
 
 fn decode(row: &AnyRow) -> Result<DesktopAssignment> {
     Ok(DesktopAssignment {
@@ -285,52 +247,6 @@ impl Store {
             limit,
         )
         .await
-    }
-
-    /// Records `stream_id` as the newest stream of `runner_id` (whichever
-    /// replica holds it): it takes over the runner's live claims, older
-    /// streams can no longer claim or report, and what the runner sat on may
-    /// be offered to it again.
-    pub async fn open_runner_stream(
-        &self,
-        runner_id: &str,
-        stream_id: &str,
-        now: DateTime<Utc>,
-    ) -> Result<()> {
-        let mut tx = self.begin_write().await?;
-        sqlx::query(OPEN_STREAM)
-            .bind(runner_id)
-            .bind(stream_id)
-            .bind(micros(now))
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(TAKE_OVER_CLAIMS)
-            .bind(runner_id)
-            .bind(stream_id)
-            .bind(micros(now))
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(FORGIVE)
-            .bind(runner_id)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        self.desktop_changed().await;
-        Ok(())
-    }
-
-    /// Runner streams opened at or after `since`: (runner id, stream id).
-    pub async fn runner_streams_opened_since(
-        &self,
-        since: DateTime<Utc>,
-    ) -> Result<Vec<(String, String)>> {
-        let rows = sqlx::query(STREAMS_OPENED_SINCE)
-            .bind(micros(since))
-            .fetch_all(self.pool())
-            .await?;
-        rows.iter()
-            .map(|row| Ok((text(row, "runner_id")?, text(row, "stream_id")?)))
-            .collect()
     }
 
     /// Claims an assignment for stream `stream_id` of `runner_id`: true when
@@ -506,102 +422,6 @@ impl Store {
             self.desktop_changed().await;
         }
         self.desktop_run(run_id).await
-    }
-
-    /// Appends what `runner_id` reported for a run, skipping event ids the
-    /// log already holds; returns how many were appended. Events of a run
-    /// the runner does not hold are refused (none appended).
-    pub async fn append_desktop_events(
-        &self,
-        run_id: &str,
-        runner_id: &str,
-        stream_id: &str,
-        events: &[(String, Vec<u8>)],
-        now: DateTime<Utc>,
-    ) -> Result<usize> {
-        let mut tx = self.begin_write().await?;
-        let Some(mut seq): Option<i64> = sqlx::query_scalar(LOCK_EVENTS)
-            .bind(run_id)
-            .bind(runner_id)
-            .bind(stream_id)
-            .fetch_optional(&mut *tx)
-            .await?
-        else {
-            return Ok(0);
-        };
-        let mut appended = 0;
-        for (event_id, body) in events {
-            let existing: Option<i64> = sqlx::query_scalar(FIND_EVENT)
-                .bind(run_id)
-                .bind(event_id)
-                .fetch_optional(&mut *tx)
-                .await?;
-            if existing.is_some() {
-                continue;
-            }
-            seq += 1;
-            sqlx::query(INSERT_EVENT)
-                .bind(run_id)
-                .bind(seq)
-                .bind(event_id)
-                .bind(to_hex(body))
-                .execute(&mut *tx)
-                .await?;
-            appended += 1;
-        }
-        if appended > 0 {
-            sqlx::query(SET_EVENT_COUNT)
-                .bind(run_id)
-                .bind(seq)
-                .bind(micros(now))
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.commit().await?;
-        if appended > 0 {
-            self.desktop_changed().await;
-        }
-        Ok(appended)
-    }
-
-    /// Up to `limit` events of a run after sequence `after`.
-    pub async fn desktop_events_after(
-        &self,
-        run_id: &str,
-        after: i64,
-        limit: u32,
-    ) -> Result<Vec<DesktopEvent>> {
-        let rows = sqlx::query(EVENTS_AFTER)
-            .bind(run_id)
-            .bind(after)
-            .bind(i64::from(limit))
-            .fetch_all(self.pool())
-            .await?;
-        rows.iter()
-            .map(|row| {
-                Ok(DesktopEvent {
-                    sequence: int(row, "seq")?,
-                    event_id: text(row, "event_id")?,
-                    body: from_hex(&text(row, "body")?)?,
-                })
-            })
-            .collect()
-    }
-
-    /// Forgets assignments finished before `before` (the coordinator has
-    /// long recorded them in the run's receipt and event log).
-    pub async fn purge_finished_desktop_runs(&self, before: DateTime<Utc>) -> Result<u64> {
-        let mut tx = self.begin_write().await?;
-        sqlx::query(DELETE_FINISHED_EVENTS_BEFORE)
-            .bind(micros(before))
-            .execute(&mut *tx)
-            .await?;
-        let done = sqlx::query(DELETE_FINISHED_BEFORE)
-            .bind(micros(before))
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        Ok(done.rows_affected())
     }
 }
 

@@ -1,0 +1,71 @@
+//! The `runner_streams` table: each runner's newest stream, on whichever
+//! replica holds it. Opening a stream takes over the runner's live claims,
+//! so an older stream (here or on another replica) can no longer claim or
+//! report.
+
+use chrono::{DateTime, Utc};
+
+use crate::rows::{micros, text};
+use crate::{Result, Store};
+
+const OPEN_STREAM: &str = "INSERT INTO runner_streams (runner_id, stream_id, opened_at) \
+     VALUES ($1, $2, $3) ON CONFLICT (runner_id) \
+     DO UPDATE SET stream_id = excluded.stream_id, opened_at = excluded.opened_at";
+
+/// The newest stream takes over everything of its runner's that is live,
+/// and the runner gets a fresh chance at what it sat on.
+const TAKE_OVER_CLAIMS: &str = "UPDATE desktop_assignments SET stream_id = $2, updated_at = $3 \
+     WHERE runner_id = $1 AND phase <> 'finished'";
+const FORGIVE: &str = "UPDATE desktop_assignments SET passed_over = NULL \
+     WHERE passed_over = $1 AND phase = 'admitted'";
+
+const STREAMS_OPENED_SINCE: &str =
+    "SELECT runner_id, stream_id FROM runner_streams WHERE opened_at >= $1";
+
+impl Store {
+    /// Records `stream_id` as the newest stream of `runner_id` (whichever
+    /// replica holds it): it takes over the runner's live claims, older
+    /// streams can no longer claim or report, and what the runner sat on may
+    /// be offered to it again.
+    pub async fn open_runner_stream(
+        &self,
+        runner_id: &str,
+        stream_id: &str,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
+        let mut tx = self.begin_write().await?;
+        sqlx::query(OPEN_STREAM)
+            .bind(runner_id)
+            .bind(stream_id)
+            .bind(micros(now))
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(TAKE_OVER_CLAIMS)
+            .bind(runner_id)
+            .bind(stream_id)
+            .bind(micros(now))
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(FORGIVE)
+            .bind(runner_id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        self.desktop_changed().await;
+        Ok(())
+    }
+
+    /// Runner streams opened at or after `since`: (runner id, stream id).
+    pub async fn runner_streams_opened_since(
+        &self,
+        since: DateTime<Utc>,
+    ) -> Result<Vec<(String, String)>> {
+        let rows = sqlx::query(STREAMS_OPENED_SINCE)
+            .bind(micros(since))
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter()
+            .map(|row| Ok((text(row, "runner_id")?, text(row, "stream_id")?)))
+            .collect()
+    }
+}

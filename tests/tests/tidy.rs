@@ -1,0 +1,85 @@
+//! Tidiness a reader relies on, checked over the whole workspace: every Rust
+//! source file opens with a `//!` comment saying what it is for, and no
+//! production source file grows past 600 lines (a file that does is doing
+//! more than one thing; split it along its seams).
+
+use std::path::{Path, PathBuf};
+
+/// The longest a production source file may be.
+const MAX_LINES: usize = 600;
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the workspace holds the tests crate")
+        .to_owned()
+}
+
+/// Every `.rs` file below `dir`, skipping build output and tools.
+fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if path.is_dir() {
+            if !matches!(name.as_ref(), "target" | ".tools" | ".git" | "node_modules") {
+                sources(&path, out);
+            }
+        } else if name.ends_with(".rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// Test code: the tests crate, integration tests and benchmarks.
+fn is_test_code(relative: &Path) -> bool {
+    relative.starts_with("tests")
+        || relative
+            .components()
+            .any(|c| matches!(c.as_os_str().to_str(), Some("tests" | "benches")))
+}
+
+#[test]
+fn every_source_file_says_what_it_is_for_and_no_production_file_is_over_600_lines() {
+    let root = workspace();
+    let mut files = vec![];
+    sources(&root, &mut files);
+    assert!(files.len() > 50, "the workspace was not found at {root:?}");
+    let mut undocumented = vec![];
+    let mut too_long = vec![];
+    for path in &files {
+        let text = std::fs::read_to_string(path).expect("readable source");
+        let relative = path.strip_prefix(&root).expect("below the root");
+        if !text.starts_with("//!") {
+            undocumented.push(relative.display().to_string());
+        }
+        let lines = text.lines().count();
+        if !is_test_code(relative) && lines > MAX_LINES {
+            too_long.push(format!("{} ({lines} lines)", relative.display()));
+        }
+    }
+    assert!(
+        undocumented.is_empty(),
+        "files that do not open with a `//!` comment: {undocumented:#?}"
+    );
+    assert!(
+        too_long.is_empty(),
+        "production files over {MAX_LINES} lines: {too_long:#?}"
+    );
+}
+
+#[test]
+fn test_code_is_told_apart_from_production_code() {
+    assert!(is_test_code(Path::new("tests/src/lib.rs")));
+    assert!(is_test_code(Path::new("cli/tests/chaos.rs")));
+    assert!(is_test_code(Path::new(
+        "crates/engine/benches/engine_overhead.rs"
+    )));
+    assert!(!is_test_code(Path::new("crates/engine/src/native.rs")));
+    assert!(!is_test_code(Path::new(
+        "services/run-coordinator/src/driver/mod.rs"
+    )));
+}
