@@ -19,7 +19,7 @@ pub struct AdminArgs {
         hide_env_values = true,
         global = true
     )]
-    internal_token: Option<String>,
+    internal_token: Option<automesh_rpc::auth::Secret>,
     /// The dev mesh's data directory.
     #[arg(
         long,
@@ -57,7 +57,7 @@ enum AdminCommand {
 
 pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
     let secret = match args.internal_token {
-        Some(t) => t,
+        Some(t) => t.expose().to_owned(),
         None => {
             let path = args.data_dir.join("internal-token");
             std::fs::read_to_string(&path)

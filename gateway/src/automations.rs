@@ -37,7 +37,7 @@ impl Gateway {
             .map_err(status::forward)?;
         resp.into_inner()
             .automation
-            .ok_or_else(|| Status::internal("scheduler returned no automation"))
+            .ok_or_else(|| status::internal("the scheduler's answer", &"no automation in it"))
     }
 }
 
@@ -131,7 +131,7 @@ impl Automations for Gateway {
                 .automation
                 .unwrap_or_default();
             let placement = convert::placement_from_pb(current.placement)
-                .ok_or_else(|| Status::internal("stored automation without placement"))?;
+                .ok_or_else(|| status::internal("the stored automation", &"no placement"))?;
             self.check_model(&owner, model, placement)?;
         }
         let resp = scheduler

@@ -180,7 +180,7 @@ impl Args {
                     ),
                 };
                 let mut config = OpenCodeConfig::new(url);
-                config.password = password;
+                config.password = password.map(Secret::from);
                 config.idle_timeout = self.idle_timeout;
                 Arc::new(OpenCodeEngine { config, policies })
             }

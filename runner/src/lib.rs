@@ -165,6 +165,16 @@ pub fn finished(run_id: &str, engine: &str, outcome: &Outcome) -> rpb::RunFinish
     }
 }
 
+/// A span of the runner's handling of an assignment, in its run's trace.
+fn assignment_span(name: &'static str, a: &rpb::Assignment) -> tracing::Span {
+    let span = tracing::info_span!("automesh.runner", otel.name = name, run_id = %a.run_id);
+    automesh_rpc::propagation::continue_trace(
+        &span,
+        Some(a.traceparent.as_str()).filter(|t| !t.is_empty()),
+    );
+    span
+}
+
 fn jitter(base: Duration) -> Duration {
     // Full jitter in [base/2, base]: reconnecting runners spread out.
     let r = (uuid::Uuid::new_v4().as_u128() % 1000) as u32;
@@ -338,14 +348,7 @@ impl Runner {
                 Some(Down::Assignment(a)) => self.on_assignment(a, &tx).await,
                 Some(Down::CancelAssignment(c)) => self.on_cancel(&c, &tx).await,
                 Some(Down::AssignmentConfirmed(c)) => self.on_confirmed(&c.run_id),
-                Some(Down::ProtocolError(e)) => {
-                    tracing::warn!(run_id = %e.run_id, code = %e.code, message = %e.message, "the gateway refused a report");
-                    // A held run the gateway says is not this stream's was
-                    // never started here: it is another runner's now.
-                    if e.code == "not_assigned" && self.record.let_go(&e.run_id) {
-                        tracing::info!(run_id = %e.run_id, "a held run that never started is let go");
-                    }
-                }
+                Some(Down::ProtocolError(e)) => self.on_refusal(&e),
                 Some(Down::HeartbeatAck(_)) | Some(Down::Welcome(_)) | None => {}
             }
         }
@@ -391,32 +394,35 @@ impl Runner {
     }
 
     async fn on_assignment(&self, a: rpb::Assignment, tx: &mpsc::Sender<rpb::ConnectRequest>) {
-        let run_id = a.run_id.clone();
-        if let Some(run) = self.record.get(&run_id) {
-            // Known already: never run again; tell the gateway where it is.
-            self.stats.duplicates.fetch_add(1, Ordering::SeqCst);
-            tracing::info!(run_id = %run_id, "assignment already held; not run again");
-            let report = match run.finished {
-                Some(f) => Up::RunFinished(f),
-                None => Up::AssignmentAccepted(rpb::AssignmentAccepted { run_id }),
-            };
-            send(tx, up(report)).await;
-            return;
-        }
-        // Held (synced) before it is accepted; started only once the
-        // gateway confirms the acceptance (see `on_confirmed`).
-        match self.record.hold(&run_id, &a.encode_to_vec()) {
-            Ok(_) => {}
-            Err(error) => {
+        let span = assignment_span("automesh.runner.assignment", &a);
+        async {
+            let run_id = a.run_id.clone();
+            if let Some(run) = self.record.get(&run_id) {
+                // Known already: never run again; tell the gateway where it is.
+                self.stats.duplicates.fetch_add(1, Ordering::SeqCst);
+                tracing::info!(run_id = %run_id, "assignment already held; not run again");
+                let report = match run.finished {
+                    Some(f) => Up::RunFinished(f),
+                    None => Up::AssignmentAccepted(rpb::AssignmentAccepted { run_id }),
+                };
+                send(tx, up(report)).await;
+                return;
+            }
+            // Held (synced) before it is accepted; started only once the
+            // gateway confirms the acceptance (see `on_confirmed`).
+            if let Err(error) = self.record.hold(&run_id, &a.encode_to_vec()) {
                 // Not recorded, so not accepted: the gateway offers it again.
                 tracing::error!(run_id = %run_id, %error, "cannot record the assignment; not accepting it");
                 return;
             }
+            tracing::info!(run_id = %run_id, "assignment held; accepting it");
+            send(
+                tx,
+                up(Up::AssignmentAccepted(rpb::AssignmentAccepted { run_id })),
+            )
+            .await;
         }
-        send(
-            tx,
-            up(Up::AssignmentAccepted(rpb::AssignmentAccepted { run_id })),
-        )
+        .instrument(span)
         .await;
     }
 
@@ -432,8 +438,13 @@ impl Runner {
             self.record.let_go(run_id);
             return;
         };
+        let span = assignment_span("automesh.runner.confirmed", &a);
+        let _in_run = span.enter();
         match self.record.accept(run_id) {
-            Ok(true) => self.start(a),
+            Ok(true) => {
+                tracing::info!(run_id, "acceptance confirmed; the run starts");
+                self.start(a);
+            }
             Ok(false) => {}
             Err(error) => {
                 // Not started: the acceptance is confirmed again after a
@@ -441,6 +452,24 @@ impl Runner {
                 tracing::error!(run_id, %error, "cannot record the acceptance; the run does not start");
             }
         }
+    }
+
+    /// The gateway refused a report. A held run the gateway says is not
+    /// this stream's was never started here: it is another runner's now.
+    fn on_refusal(&self, e: &rpb::ProtocolError) {
+        let span = self.held_span(&e.run_id);
+        let _in_run = span.as_ref().map(tracing::Span::enter);
+        tracing::warn!(run_id = %e.run_id, code = %e.code, message = %e.message, "the gateway refused a report");
+        if e.code == "not_assigned" && self.record.let_go(&e.run_id) {
+            tracing::info!(run_id = %e.run_id, "a held run that never started is let go; another runner has it");
+        }
+    }
+
+    /// The span of a held run's handling, in its trace.
+    fn held_span(&self, run_id: &str) -> Option<tracing::Span> {
+        let body = self.record.get(run_id)?.held?;
+        let a = rpb::Assignment::decode(body.as_slice()).ok()?;
+        Some(assignment_span("automesh.runner.let_go", &a))
     }
 
     /// Starts the engine on an accepted run.
@@ -483,7 +512,9 @@ impl Runner {
         }
         // Nothing runs here: idle. A held run never started and is let go;
         // a finished run's result goes first, then the record of it can go.
+        let span = self.held_span(&c.run_id);
         if self.record.let_go(&c.run_id) {
+            let _in_run = span.as_ref().map(tracing::Span::enter);
             tracing::info!(run_id = %c.run_id, reason = %c.reason, "a held run that never started is let go");
         }
         if let Some(f) = self.record.get(&c.run_id).and_then(|r| r.finished) {

@@ -21,8 +21,6 @@ use automesh_store::{Backend, Store};
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tonic::metadata::{Ascii, MetadataValue};
-use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
@@ -291,11 +289,10 @@ impl Mesh {
             };
             tasks.spawn(automesh_scheduler::serve(
                 store.clone(),
-                automesh_scheduler::occurrences::Settings {
-                    catch_up_window: options.catch_up_window,
-                    run_deadline: options.run_deadline,
-                    max_sleep: Duration::from_secs(1),
-                },
+                automesh_scheduler::occurrences::Settings::new(
+                    options.run_deadline,
+                    options.catch_up_window,
+                ),
                 credential.clone(),
                 l,
                 shutdown.clone(),
@@ -431,10 +428,7 @@ impl Mesh {
     /// A public-API channel that presents `token` (or nothing).
     pub fn channel(&self, token: Option<&str>) -> AuthedChannel {
         let channel = automesh_rpc::client::channel(&self.gateway).expect("channel");
-        InterceptedService::new(
-            channel,
-            Bearer(token.map(|t| format!("Bearer {t}").parse().expect("ascii"))),
-        )
+        InterceptedService::new(channel, token.map_or_else(Bearer::none, Bearer::new))
     }
 
     pub fn automations(&self, token: Option<&str>) -> AutomationsClient<AuthedChannel> {
@@ -739,56 +733,7 @@ pub async fn until_ended(store: &Store, run_id: &str, within: Duration) -> autom
     }
 }
 
-/// Waits (bounded) until `addr`'s overall health is SERVING (`want = true`)
-/// or NOT_SERVING (`want = false`).
-pub async fn wait_for_health(addr: &str, within: Duration, want: bool) -> anyhow::Result<()> {
-    use tonic_health::pb::HealthCheckRequest;
-    use tonic_health::pb::health_check_response::ServingStatus;
-    use tonic_health::pb::health_client::HealthClient;
-    let mut client = HealthClient::new(automesh_rpc::client::channel(addr)?);
-    let give_up = tokio::time::Instant::now() + within;
-    let mut last = None;
-    loop {
-        if let Ok(r) = client
-            .check(HealthCheckRequest {
-                service: String::new(),
-            })
-            .await
-        {
-            let serving = r.get_ref().status == ServingStatus::Serving as i32;
-            if serving == want {
-                return Ok(());
-            }
-            last = Some(r.get_ref().status);
-        }
-        anyhow::ensure!(
-            tokio::time::Instant::now() < give_up,
-            "{addr} did not become {} within {within:?} (last status {last:?})",
-            if want { "SERVING" } else { "NOT_SERVING" }
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// Adds `authorization: Bearer <token>` when there is a token.
-#[derive(Clone)]
-pub struct Bearer(pub(crate) Option<MetadataValue<Ascii>>);
-
-impl Bearer {
-    /// Presents `token`.
-    pub fn new(token: &str) -> Self {
-        Bearer(format!("Bearer {token}").parse().ok())
-    }
-}
-
-impl Interceptor for Bearer {
-    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
-        if let Some(v) = &self.0 {
-            req.metadata_mut().insert("authorization", v.clone());
-        }
-        Ok(req)
-    }
-}
+pub use automesh_rpc::client::{Bearer, wait_for_health};
 
 pub type AuthedChannel = InterceptedService<Channel, Bearer>;
 

@@ -547,7 +547,7 @@ impl Cluster {
     pub fn channel(&self, token: &str) -> ClusterChannel {
         tonic::service::interceptor::InterceptedService::new(
             automesh_rpc::client::replicas(&self.addrs(Kind::Gateway)).expect("gateway addresses"),
-            Bearer(Some(format!("Bearer {token}").parse().expect("ascii"))),
+            Bearer::new(token),
         )
     }
 

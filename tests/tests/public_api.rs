@@ -1328,11 +1328,10 @@ async fn health_is_not_serving_while_the_database_is_unreachable() {
         automesh_rpc::InternalCredential::new("test-internal-credential-0123").expect("cred");
     let server = tokio::spawn(automesh_scheduler::serve(
         store,
-        automesh_scheduler::occurrences::Settings {
-            catch_up_window: Duration::from_secs(60),
-            run_deadline: Duration::from_secs(60),
-            max_sleep: Duration::from_secs(1),
-        },
+        automesh_scheduler::occurrences::Settings::new(
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+        ),
         credential,
         listener,
         shutdown.clone(),

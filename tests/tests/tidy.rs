@@ -1,7 +1,10 @@
 //! Tidiness a reader relies on, checked over the whole workspace: every Rust
-//! source file opens with a `//!` comment saying what it is for, and no
+//! source file opens with a `//!` comment saying what it is for; no
 //! production source file grows past 600 lines (a file that does is doing
-//! more than one thing; split it along its seams).
+//! more than one thing; split it along its seams); and UNAVAILABLE and
+//! INTERNAL answers are built only in `crates/rpc/src/status.rs`, the one
+//! error edge (so a corrupt row can never be answered as retryable in one
+//! service and not in another).
 
 use std::path::{Path, PathBuf};
 
@@ -68,6 +71,32 @@ fn every_source_file_says_what_it_is_for_and_no_production_file_is_over_600_line
     assert!(
         too_long.is_empty(),
         "production files over {MAX_LINES} lines: {too_long:#?}"
+    );
+}
+
+#[test]
+fn unavailable_and_internal_answers_are_built_only_at_the_error_edge() {
+    let root = workspace();
+    let mut files = vec![];
+    sources(&root, &mut files);
+    let edge = Path::new("crates/rpc/src/status.rs");
+    let mut elsewhere = vec![];
+    for path in &files {
+        let relative = path.strip_prefix(&root).expect("below the root");
+        if is_test_code(relative) || relative == edge {
+            continue;
+        }
+        let text = std::fs::read_to_string(path).expect("readable source");
+        for (n, line) in text.lines().enumerate() {
+            if line.contains("Status::unavailable(") || line.contains("Status::internal(") {
+                elsewhere.push(format!("{}:{}: {}", relative.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        elsewhere.is_empty(),
+        "build these through automesh_rpc::status (failure, internal, unavailable, \
+         shutting_down): {elsewhere:#?}"
     );
 }
 

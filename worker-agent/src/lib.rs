@@ -37,7 +37,7 @@ use automesh_proto::agent::v1::worker_agent_service_server::{
 };
 use automesh_proto::v1 as pb;
 use automesh_rpc::auth::Secret;
-use automesh_rpc::{GrpcServer, ServerSettings};
+use automesh_rpc::{GrpcServer, ServerSettings, status};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, mpsc};
 use tokio_stream::Stream;
@@ -198,7 +198,10 @@ impl WorkerAgentService for Agent {
             ));
         }
         {
-            let threads = self.threads.lock().map_err(|_| Status::internal("lock"))?;
+            let threads = self
+                .threads
+                .lock()
+                .map_err(|e| status::internal("the threads", &e))?;
             if let Some(thread_id) = threads.by_message.get(&req.message_id) {
                 let thread = threads
                     .by_id
@@ -227,7 +230,10 @@ impl WorkerAgentService for Agent {
         let cancel = self.stop.child_token();
         // Checked again under the lock that inserts: one execution per id.
         let raced = {
-            let mut threads = self.threads.lock().map_err(|_| Status::internal("lock"))?;
+            let mut threads = self
+                .threads
+                .lock()
+                .map_err(|e| status::internal("the threads", &e))?;
             if threads.by_message.contains_key(&req.message_id) {
                 true
             } else {
@@ -236,13 +242,13 @@ impl WorkerAgentService for Agent {
                 match self.journal.accept_with(&req.message_id, &req.thread_id) {
                     Ok(true) => {}
                     Ok(false) => {
-                        return Err(Status::internal(
-                            "the journal holds a message the agent does not",
+                        return Err(status::internal(
+                            "journaling the message",
+                            &"the journal holds a message the agent does not",
                         ));
                     }
                     Err(error) => {
-                        tracing::error!(%error, "cannot journal the message; refusing it");
-                        return Err(Status::internal("the agent cannot journal the message"));
+                        return Err(status::internal("journaling the message", &error));
                     }
                 }
                 threads
@@ -478,11 +484,11 @@ impl WorkerAgentService for Agent {
         all.insert(r.model.clone(), (r.name.clone(), r.url.clone()));
         let path = registrations_path(&self.settings);
         let tmp = path.with_extension("json.tmp");
-        let text =
-            serde_json::to_string_pretty(&all).map_err(|e| Status::internal(e.to_string()))?;
+        let text = serde_json::to_string_pretty(&all)
+            .map_err(|e| status::internal("the registrations", &e))?;
         std::fs::write(&tmp, text)
             .and_then(|()| std::fs::rename(&tmp, &path))
-            .map_err(|e| Status::internal(format!("cannot persist the registration: {e}")))?;
+            .map_err(|e| status::internal("persisting the registration", &e))?;
         tracing::info!(model = %r.model, "MCP registration written");
         Ok(Response::new(apb::PutMcpRegistrationResponse {
             registration: Some(r),

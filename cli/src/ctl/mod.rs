@@ -14,7 +14,6 @@ use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand, ValueEnum};
 use tokio_stream::StreamExt;
 use tonic::metadata::{Ascii, MetadataValue};
-use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
@@ -32,7 +31,7 @@ pub struct CtlArgs {
     addr: String,
     /// Bearer token; defaults to AUTOMESH_TOKEN, then <data-dir>/dev-token.
     #[arg(long, env = "AUTOMESH_TOKEN", hide_env_values = true, global = true)]
-    token: Option<String>,
+    token: Option<automesh_rpc::auth::Secret>,
     /// The dev mesh's data directory (for its token and signing key).
     #[arg(
         long,
@@ -170,18 +169,7 @@ enum CtlCommand {
     },
 }
 
-#[derive(Clone)]
-struct Bearer(MetadataValue<Ascii>);
-
-impl Interceptor for Bearer {
-    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
-        req.metadata_mut().insert("authorization", self.0.clone());
-        req.set_timeout(Duration::from_secs(30));
-        Ok(req)
-    }
-}
-
-type Authed = InterceptedService<Channel, Bearer>;
+type Authed = InterceptedService<Channel, automesh_rpc::client::Bearer>;
 
 /// A status as a person should read it: code, message, offending fields.
 fn explain(status: tonic::Status) -> anyhow::Error {
@@ -198,7 +186,7 @@ fn explain(status: tonic::Status) -> anyhow::Error {
 
 fn token(args: &CtlArgs) -> anyhow::Result<String> {
     if let Some(t) = &args.token {
-        return Ok(t.clone());
+        return Ok(t.expose().to_owned());
     }
     let path = args.data_dir.join("dev-token");
     std::fs::read_to_string(&path)
@@ -292,11 +280,16 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
         println!("{token}");
         return Ok(());
     }
-    let bearer: MetadataValue<Ascii> = format!("Bearer {}", token(&args)?)
-        .parse()
-        .context("the token is not valid ASCII")?;
+    let token = token(&args)?;
+    anyhow::ensure!(
+        format!("Bearer {token}")
+            .parse::<MetadataValue<Ascii>>()
+            .is_ok(),
+        "the token is not valid ASCII"
+    );
+    let bearer = automesh_rpc::client::Bearer::new(&token).with_timeout(Duration::from_secs(30));
     let channel = automesh_rpc::client::channel(&args.addr)?;
-    let authed: Authed = InterceptedService::new(channel, Bearer(bearer));
+    let authed: Authed = InterceptedService::new(channel, bearer);
     let mut automations = AutomationsClient::new(authed.clone());
     let mut runs = RunsClient::new(authed);
 

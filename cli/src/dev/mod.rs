@@ -285,11 +285,8 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let mut tasks: JoinSet<(&'static str, anyhow::Result<()>)> = JoinSet::new();
     {
         let (s, c, sd) = (store.clone(), credential.clone(), shutdown.clone());
-        let settings = automesh_scheduler::occurrences::Settings {
-            catch_up_window: args.catch_up_window,
-            run_deadline: args.run_deadline,
-            max_sleep: Duration::from_secs(1),
-        };
+        let settings =
+            automesh_scheduler::occurrences::Settings::new(args.run_deadline, args.catch_up_window);
         tasks.spawn(async move {
             (
                 "scheduler",
@@ -478,7 +475,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         args.gateway_listen
     );
 
-    match wait_serving(&public, Duration::from_secs(30)).await {
+    match automesh_rpc::client::wait_serving(&public, Duration::from_secs(30)).await {
         Ok(()) => println!("ready"),
         Err(e) => tracing::warn!(error = %e, "the mesh is not serving yet"),
     }
@@ -513,31 +510,6 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     }
     store.close().await;
     Ok(())
-}
-
-/// Waits, bounded, until the gateway's health reports SERVING.
-pub async fn wait_serving(addr: &str, within: Duration) -> anyhow::Result<()> {
-    use tonic_health::pb::HealthCheckRequest;
-    use tonic_health::pb::health_check_response::ServingStatus;
-    use tonic_health::pb::health_client::HealthClient;
-    let channel = automesh_rpc::client::channel(addr)?;
-    let mut client = HealthClient::new(channel);
-    let give_up = tokio::time::Instant::now() + within;
-    loop {
-        if let Ok(r) = client
-            .check(HealthCheckRequest {
-                service: String::new(),
-            })
-            .await
-            && r.get_ref().status == ServingStatus::Serving as i32
-        {
-            return Ok(());
-        }
-        if tokio::time::Instant::now() >= give_up {
-            anyhow::bail!("{addr} did not report SERVING within {within:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// A database URL without its password, for printing.

@@ -153,13 +153,13 @@ impl NativeEngine {
                 provider: crate::provider::ProviderConfig {
                     kind: "openai-compatible".into(),
                     base_url: provider_url.to_owned(),
-                    api_key: provider_key.to_owned(),
+                    api_key: provider_key.into(),
                     request_timeout: settings.request_timeout,
                     stream: settings.stream,
                 },
                 connect: crate::connect::ConnectConfig {
                     url: connect_url.to_owned(),
-                    token: connect_token.to_owned(),
+                    token: connect_token.into(),
                     call_timeout: settings.connect_call_timeout,
                 },
                 connect_token_expires_at: None,

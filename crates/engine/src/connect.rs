@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use automesh_domain::ErrorCode;
+use automesh_rpc::auth::Secret;
 use rmcp::model::{CallToolRequestParams, ClientCapabilities, ClientConfig, Implementation};
 use rmcp::service::{ClientInitializeError, RoleClient, RunningService};
 use rmcp::transport::StreamableHttpClientTransport;
@@ -19,23 +20,13 @@ use crate::provider::ToolSpec;
 pub const REVIEWED_TOOLS: [&str; 2] = ["search_capabilities", "execute_capability"];
 
 /// Where the run's Connect endpoint is, and its credential.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct ConnectConfig {
     pub url: String,
     /// The run's bearer token; sent only as `Authorization: Bearer`.
-    pub token: String,
+    pub token: Secret,
     /// Bound on connecting, listing, and each tool call.
     pub call_timeout: Duration,
-}
-
-impl std::fmt::Debug for ConnectConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ConnectConfig")
-            .field("url", &self.url)
-            .field("token", &"<redacted>")
-            .field("call_timeout", &self.call_timeout)
-            .finish()
-    }
 }
 
 /// An open, admitted Connect session.
@@ -106,7 +97,7 @@ impl Connect {
     pub async fn open(config: &ConnectConfig) -> Result<Connect, EngineError> {
         let mut transport_config =
             StreamableHttpClientTransportConfig::with_uri(config.url.clone())
-                .auth_header(config.token.clone());
+                .auth_header(config.token.expose().to_owned());
         // Every request of the session carries the run's trace context.
         transport_config.custom_headers = crate::trace::headers()
             .into_iter()

@@ -10,6 +10,7 @@
 use std::time::Duration;
 
 use automesh_domain::ErrorCode;
+use automesh_rpc::auth::Secret;
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -21,29 +22,17 @@ use crate::error::EngineError;
 pub const ALLOWED_KINDS: &[&str] = &["openai-compatible", "openai"];
 
 /// Where and how to reach a provider.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct ProviderConfig {
     /// One of [`ALLOWED_KINDS`]; anything else is refused.
     pub kind: String,
     /// Such as `https://api.openai.com/v1`; `/chat/completions` is appended.
     pub base_url: String,
-    pub api_key: String,
+    pub api_key: Secret,
     /// Bound on one HTTP request (120 s by default).
     pub request_timeout: Duration,
     /// Use `stream: true` and parse server-sent events.
     pub stream: bool,
-}
-
-impl std::fmt::Debug for ProviderConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ProviderConfig")
-            .field("kind", &self.kind)
-            .field("base_url", &self.base_url)
-            .field("api_key", &"<redacted>")
-            .field("request_timeout", &self.request_timeout)
-            .field("stream", &self.stream)
-            .finish()
-    }
 }
 
 /// One message of the conversation, in the wire format.
@@ -270,7 +259,7 @@ impl Provider {
         let response = self
             .http
             .post(self.url())
-            .bearer_auth(&self.config.api_key)
+            .bearer_auth(self.config.api_key.expose())
             // The provider's side of the call joins the run's trace.
             .headers(crate::trace::headers())
             .json(body)

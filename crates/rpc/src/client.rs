@@ -301,3 +301,81 @@ mod tests {
         ));
     }
 }
+
+/// Adds `authorization: Bearer <token>` when there is a token, and a
+/// deadline when one is set: how the mesh's own tools (`ctl`, `dev`, the
+/// test harnesses) call the public API as a user.
+#[derive(Clone, Debug, Default)]
+pub struct Bearer {
+    value: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+    timeout: Option<Duration>,
+}
+
+impl Bearer {
+    /// Presents `token` (a token that is not valid ASCII presents nothing,
+    /// and the server answers UNAUTHENTICATED).
+    pub fn new(token: &str) -> Self {
+        Self {
+            value: format!("Bearer {token}").parse().ok(),
+            timeout: None,
+        }
+    }
+
+    /// Presents nothing.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Bounds every call by `timeout` (the server sees it as the deadline).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+}
+
+impl Interceptor for Bearer {
+    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(v) = &self.value {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        if let Some(t) = self.timeout {
+            req.set_timeout(t);
+        }
+        Ok(req)
+    }
+}
+
+/// Waits, bounded by `within`, until the gRPC health of `addr` reports
+/// SERVING (`want` true) or anything else (`want` false); the error names
+/// the last status seen.
+pub async fn wait_for_health(addr: &str, within: Duration, want: bool) -> anyhow::Result<()> {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    let mut client = HealthClient::new(channel(addr)?);
+    let give_up = tokio::time::Instant::now() + within;
+    let mut last = None;
+    loop {
+        let check = client.check(HealthCheckRequest {
+            service: String::new(),
+        });
+        if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_secs(2), check).await {
+            let serving = r.get_ref().status == ServingStatus::Serving as i32;
+            if serving == want {
+                return Ok(());
+            }
+            last = Some(r.get_ref().status);
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < give_up,
+            "{addr} did not become {} within {within:?} (last status {last:?})",
+            if want { "SERVING" } else { "NOT_SERVING" }
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits, bounded by `within`, until `addr` reports SERVING.
+pub async fn wait_serving(addr: &str, within: Duration) -> anyhow::Result<()> {
+    wait_for_health(addr, within, true).await
+}

@@ -62,6 +62,12 @@ pub fn unavailable(context: &str, error: &dyn std::fmt::Display) -> Status {
     Status::unavailable(format!("{context}: temporarily unavailable"))
 }
 
+/// UNAVAILABLE because this server is shutting down: the caller retries
+/// against another replica, as `what` says.
+pub fn shutting_down(what: &str) -> Status {
+    Status::unavailable(format!("shutting down; {what}"))
+}
+
 /// The one answer to a failure of kind `kind` while doing `context`
 /// (`error` says what exactly; it is logged, and for bad input shown). A
 /// missing thing is named by `context`.

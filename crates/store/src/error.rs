@@ -64,17 +64,33 @@ pub(crate) fn storable(field: &str, value: &str) -> Result<()> {
     Ok(())
 }
 
+/// PostgreSQL's SQLSTATE for a refused CHECK (and the schema's triggers).
+const PG_CHECK_VIOLATION: &str = "23514";
+/// SQLite's extended result codes for `RAISE(ABORT, …)` in a trigger and a
+/// refused CHECK constraint.
+const SQLITE_CONSTRAINT_TRIGGER: &str = "1811";
+const SQLITE_CONSTRAINT_CHECK: &str = "275";
+
 impl From<sqlx::Error> for StoreError {
     fn from(e: sqlx::Error) -> Self {
         if let sqlx::Error::Database(db) = &e {
             let msg = db.message();
-            if msg.contains("placement is immutable") || msg.contains("is terminal") {
+            let code = db.code();
+            let code = code.as_deref().unwrap_or_default();
+            // The schema's invariants (placement is immutable, a terminal
+            // run is final) are triggers: PostgreSQL raises them as
+            // check_violation, SQLite as a trigger constraint. A CHECK
+            // constraint refusing a value is the same kind of refusal.
+            if matches!(
+                code,
+                PG_CHECK_VIOLATION | SQLITE_CONSTRAINT_TRIGGER | SQLITE_CONSTRAINT_CHECK
+            ) {
                 return StoreError::Invariant(msg.to_owned());
             }
             // SQLSTATE class 22 (data exception: a character not in the
             // encoding, a value out of range): the data is at fault, not the
             // database; retrying can never succeed.
-            if db.code().is_some_and(|c| c.starts_with("22")) {
+            if code.starts_with("22") && code.len() == 5 {
                 return StoreError::Refused(msg.to_owned());
             }
         }

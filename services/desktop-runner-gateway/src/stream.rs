@@ -328,7 +328,7 @@ async fn follow(
             next = tokio::time::timeout(settings.dead_after, inbound.next()) => next,
             () = session.closed.cancelled() => return Err(Status::aborted("replaced by a newer stream of this runner")),
             () = session.revoked.cancelled() => return Err(Status::unauthenticated("the runner was revoked")),
-            () = shutdown.cancelled() => return Err(Status::unavailable("gateway shutting down; reconnect")),
+            () = shutdown.cancelled() => return Err(status::shutting_down("reconnect")),
         };
         let message = match next {
             Err(_) => {
@@ -413,8 +413,9 @@ async fn follow(
                         ));
                     }
                     Err(_) => {
-                        return Err(Status::unavailable(
-                            "recording the runner's report timed out; reconnect",
+                        return Err(status::unavailable(
+                            "recording the runner's report",
+                            &"timed out; reconnect",
                         ));
                     }
                 }

@@ -127,7 +127,7 @@ async fn follow(
         tokio::select! {
             () = tokio::time::sleep(POLL_INTERVAL) => {}
             () = tx.closed() => return Ok(()),
-            () = shutdown.cancelled() => return Err(Status::unavailable("server shutting down; resume from the last sequence")),
+            () = shutdown.cancelled() => return Err(automesh_rpc::status::shutting_down("resume from the last sequence")),
         }
     }
 }

@@ -50,11 +50,7 @@ pub struct Config {
 
 impl Config {
     pub fn settings(&self) -> occurrences::Settings {
-        occurrences::Settings {
-            catch_up_window: self.catch_up_window,
-            run_deadline: self.run_deadline,
-            max_sleep: Duration::from_secs(1),
-        }
+        occurrences::Settings::new(self.run_deadline, self.catch_up_window)
     }
 }
 

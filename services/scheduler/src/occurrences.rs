@@ -50,6 +50,21 @@ pub struct Settings {
     pub max_sleep: Duration,
 }
 
+impl Settings {
+    /// The longest sleep between passes, unless a caller needs another.
+    pub const MAX_SLEEP: Duration = Duration::from_secs(1);
+
+    /// Settings with runs of `run_deadline` and a catch-up window of
+    /// `catch_up_window`, sleeping at most [`Settings::MAX_SLEEP`].
+    pub fn new(run_deadline: Duration, catch_up_window: Duration) -> Self {
+        Self {
+            catch_up_window,
+            run_deadline,
+            max_sleep: Self::MAX_SLEEP,
+        }
+    }
+}
+
 /// What to do with an automation's due occurrences.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {

@@ -192,11 +192,10 @@ async fn main() -> anyhow::Result<()> {
     // Scheduler cost per wake-up with nothing due, before and after adding
     // `--idle` inactive and far-future automations: an index probe, not a scan.
     let idle = arg("--idle", 100_000);
-    let settings = automesh_scheduler::occurrences::Settings {
-        catch_up_window: Duration::from_secs(3600),
-        run_deadline: Duration::from_secs(60),
-        max_sleep: Duration::from_secs(1),
-    };
+    let settings = automesh_scheduler::occurrences::Settings::new(
+        Duration::from_secs(60),
+        Duration::from_secs(3600),
+    );
     let wake_cost = |store: Store| {
         let settings = settings.clone();
         async move {

@@ -45,7 +45,7 @@ impl Drive<'_> {
             .request(method, self.url(path))
             .timeout(self.cfg.request_timeout);
         match &self.cfg.password {
-            Some(pw) => r.basic_auth(&self.cfg.username, Some(pw)),
+            Some(pw) => r.basic_auth(&self.cfg.username, Some(pw.expose())),
             None => r,
         }
     }
@@ -123,7 +123,7 @@ impl Drive<'_> {
         // here (the run's watchdogs bound the reading).
         let mut r = self.http.get(self.url("/event"));
         if let Some(pw) = &self.cfg.password {
-            r = r.basic_auth(&self.cfg.username, Some(pw));
+            r = r.basic_auth(&self.cfg.username, Some(pw.expose()));
         }
         let resp = tokio::time::timeout(self.cfg.request_timeout, r.send())
             .await

@@ -48,13 +48,13 @@ pub use sse::IGNORED_EVENTS;
 use session::Drive;
 
 /// How to reach and bound an OpenCode server.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct OpenCodeConfig {
     /// Such as `http://127.0.0.1:4096`.
     pub base_url: String,
     /// HTTP Basic credentials, when the server has a password.
     pub username: String,
-    pub password: Option<String>,
+    pub password: Option<automesh_rpc::auth::Secret>,
     /// The project directory (`?directory=`), or the server's own.
     pub directory: Option<String>,
     /// Time without progress of the session after which it is ended.
@@ -67,18 +67,6 @@ pub struct OpenCodeConfig {
     pub cancel_timeout: Duration,
     /// Retries of a failing model after which the run ends.
     pub max_model_retries: u64,
-}
-
-impl std::fmt::Debug for OpenCodeConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("OpenCodeConfig")
-            .field("base_url", &self.base_url)
-            .field("username", &self.username)
-            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
-            .field("directory", &self.directory)
-            .field("idle_timeout", &self.idle_timeout)
-            .finish_non_exhaustive()
-    }
 }
 
 impl OpenCodeConfig {

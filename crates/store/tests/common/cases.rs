@@ -251,6 +251,9 @@ pub async fn placement_is_immutable_in_the_schema(store: &Store) {
         .await
         .expect_err("the schema must refuse a placement change");
     assert!(err.to_string().contains("placement is immutable"), "{err}");
+    let err = StoreError::from(err);
+    assert!(matches!(err, StoreError::Invariant(_)), "{err:?}");
+    assert_eq!(err.kind(), automesh_domain::FailureKind::FailedPrecondition);
     let a = store.get_automation(&alice(), "a1").await.expect("get");
     assert_eq!(a.placement, Placement::Cloud);
 }
@@ -341,6 +344,8 @@ pub async fn terminal_runs_are_final_in_the_schema(store: &Store) {
         .await
         .expect_err("the schema must refuse to reopen a terminal run");
     assert!(err.to_string().contains("terminal"), "{err}");
+    let err = StoreError::from(err);
+    assert!(matches!(err, StoreError::Invariant(_)), "{err:?}");
     assert_eq!(
         store.get_run_unscoped("r1").await.expect("get").state,
         RunState::Succeeded
@@ -1064,4 +1069,277 @@ pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
     assert_eq!(r5.runner_id.as_deref(), Some("rx"));
     let r1 = store.desktop_run("r1").await.expect("read").expect("r1");
     assert_eq!(r1.runner_id.as_deref(), Some("rx"));
+}
+
+/// A live run is leased to one coordinator at a time; its lease is renewed
+/// only by its holder (fencing: once another coordinator took an expired
+/// lease, the old holder's renewals fail); a run is claimed only by a
+/// coordinator of its placement until it is orphaned; and a run submits
+/// under one message id, whoever asks first.
+pub async fn runs_are_leased_to_one_coordinator_and_fenced(store: &Store) {
+    use automesh_store::leases::Renewal;
+    let a = create(store, &alice(), "a1", t(0)).await;
+    let (run, _) = store
+        .create_run(&new_run(&a, "r1"), t(1))
+        .await
+        .expect("create");
+    assert_eq!(run.placement, Placement::Cloud);
+    let long_ago = t(-100_000);
+    // A coordinator without the run's placement does not take it.
+    let none = store
+        .claim_runs("desk", &[Placement::Desktop], t(30), t(2), long_ago, 10)
+        .await
+        .expect("claim");
+    assert!(none.is_empty(), "{none:?}");
+    let first = store
+        .claim_runs("c1", &[Placement::Cloud], t(30), t(2), long_ago, 10)
+        .await
+        .expect("claim");
+    assert_eq!(first.len(), 1);
+    assert_eq!((first[0].run.id.as_str(), first[0].claims), ("r1", 1));
+    // Held: nobody else claims it, and only its holder renews it.
+    let second = store
+        .claim_runs("c2", &[Placement::Cloud], t(40), t(10), long_ago, 10)
+        .await
+        .expect("claim");
+    assert!(second.is_empty());
+    assert_eq!(
+        store.renew_lease("r1", "c2", t(40)).await.expect("renew"),
+        Renewal::Lost
+    );
+    assert_eq!(
+        store.renew_lease("r1", "c1", t(60)).await.expect("renew"),
+        Renewal::Held {
+            cancel_requested: false
+        }
+    );
+    // Expired: another coordinator takes it, and the old holder is fenced.
+    let taken = store
+        .claim_runs("c2", &[Placement::Cloud], t(120), t(61), long_ago, 10)
+        .await
+        .expect("claim");
+    assert_eq!(taken.len(), 1);
+    assert_eq!(taken[0].claims, 2, "a takeover counts as a second claim");
+    assert_eq!(
+        store.renew_lease("r1", "c1", t(120)).await.expect("renew"),
+        Renewal::Lost
+    );
+    // A cancellation request reaches the holder with its next renewal.
+    assert!(store.request_cancel("r1", t(62)).await.expect("cancel"));
+    assert_eq!(
+        store.renew_lease("r1", "c2", t(130)).await.expect("renew"),
+        Renewal::Held {
+            cancel_requested: true
+        }
+    );
+
+    // One message id per run, forever: the first candidate wins, however
+    // many ask at once.
+    let mut asks = tokio::task::JoinSet::new();
+    for i in 0..8 {
+        let store = store.clone();
+        asks.spawn(async move {
+            store
+                .ensure_message_id("r1", &format!("msg-{i}"))
+                .await
+                .expect("ensure")
+        });
+    }
+    let ids = asks.join_all().await;
+    assert!(ids.iter().all(|id| id == &ids[0]), "{ids:?}");
+    assert_eq!(
+        store
+            .ensure_message_id("r1", "msg-late")
+            .await
+            .expect("again"),
+        ids[0]
+    );
+    assert!(matches!(
+        store.ensure_message_id("no-such-run", "msg").await,
+        Err(StoreError::NotFound)
+    ));
+}
+
+/// Concurrent wakes of a stopped worker start it once; a start whose holder
+/// stopped renewing it is taken over after its lease, and the old holder
+/// can neither renew it nor declare the worker ready.
+pub async fn concurrent_wakes_start_a_worker_once(store: &Store) {
+    use automesh_store::cloud::Wake;
+    let worker = store
+        .register_worker(&alice(), "local-process", t(0))
+        .await
+        .expect("worker");
+    let mut wakes = tokio::task::JoinSet::new();
+    for i in 0..6 {
+        let (store, id) = (store.clone(), worker.id.clone());
+        wakes.spawn(async move {
+            let woke = store
+                .wake_worker(&id, &format!("starter-{i}"), t(30), t(1))
+                .await
+                .expect("wake");
+            (i, woke)
+        });
+    }
+    let mut woke = wakes.join_all().await;
+    woke.sort_by_key(|(i, _)| *i);
+    let woke: Vec<Wake> = woke.into_iter().map(|(_, w)| w).collect();
+    let starts = woke.iter().filter(|w| matches!(w, Wake::Start)).count();
+    assert_eq!(starts, 1, "{woke:?}");
+    assert!(
+        woke.iter()
+            .all(|w| matches!(w, Wake::Start | Wake::Starting)),
+        "{woke:?}"
+    );
+    let holder = woke
+        .iter()
+        .position(|w| matches!(w, Wake::Start))
+        .map(|i| format!("starter-{i}"))
+        .expect("one start");
+    assert!(
+        store
+            .renew_worker_start(&worker.id, &holder, t(60))
+            .await
+            .expect("renew")
+    );
+    // The holder goes quiet; after its lease another starter takes over.
+    assert!(matches!(
+        store
+            .wake_worker(&worker.id, "late", t(120), t(61))
+            .await
+            .expect("wake"),
+        Wake::Start
+    ));
+    assert!(
+        !store
+            .renew_worker_start(&worker.id, &holder, t(200))
+            .await
+            .expect("renew")
+    );
+    assert!(
+        !store
+            .worker_ready(&worker.id, &holder, "http://old", "agent-old", t(62))
+            .await
+            .expect("ready")
+    );
+    assert!(
+        store
+            .worker_ready(&worker.id, "late", "http://new", "agent-new", t(63))
+            .await
+            .expect("ready")
+    );
+    match store
+        .wake_worker(&worker.id, "anyone", t(200), t(64))
+        .await
+        .expect("wake")
+    {
+        Wake::Ready { endpoint, agent_id } => {
+            assert_eq!(
+                (endpoint.as_str(), agent_id.as_str()),
+                ("http://new", "agent-new")
+            );
+        }
+        other => panic!("a ready worker is not started again: {other:?}"),
+    }
+}
+
+/// Idle stop never stops a worker with a live run: the admission's dispatch
+/// row holds it, whatever the worker's last use; once the run finished it
+/// may stop, a wake meanwhile waits for it, and a stopped worker starts
+/// afresh.
+pub async fn a_worker_with_a_live_run_is_never_stopped(store: &Store) {
+    use automesh_store::cloud::{Reservation, Wake};
+    let worker = store
+        .register_worker(&alice(), "local-process", t(0))
+        .await
+        .expect("worker");
+    assert!(matches!(
+        store
+            .wake_worker(&worker.id, "s", t(30), t(1))
+            .await
+            .expect("wake"),
+        Wake::Start
+    ));
+    assert!(
+        store
+            .worker_ready(&worker.id, "s", "http://w", "agent-1", t(2))
+            .await
+            .expect("ready")
+    );
+    let reservation = Reservation {
+        run_id: "r1",
+        org_id: "org-a",
+        owner_id: "alice",
+        worker_id: &worker.id,
+        workspace_id: "ws-1",
+        thread_id: "th-1",
+        message_id: "msg_r1",
+        spec: b"spec",
+    };
+    assert!(
+        store
+            .reserve_cloud_run(&reservation, t(3))
+            .await
+            .expect("reserve")
+    );
+    assert!(
+        !store
+            .reserve_cloud_run(&reservation, t(4))
+            .await
+            .expect("again"),
+        "one reservation per run"
+    );
+    // Unused for a long time, but a run is live on it: not stopped.
+    let later = t(10_000);
+    assert_eq!(
+        store
+            .idle_worker_candidates(later)
+            .await
+            .expect("candidates"),
+        vec![worker.id.clone()]
+    );
+    assert!(
+        !store
+            .begin_worker_stop(&worker.id, later, later)
+            .await
+            .expect("stop")
+    );
+    assert!(
+        store
+            .finish_cloud_run("r1", b"done", t(5))
+            .await
+            .expect("finish")
+    );
+    assert!(
+        !store
+            .finish_cloud_run("r1", b"again", t(6))
+            .await
+            .expect("finish"),
+        "an outcome is recorded once"
+    );
+    assert!(
+        store
+            .begin_worker_stop(&worker.id, later, later)
+            .await
+            .expect("stop")
+    );
+    assert!(matches!(
+        store
+            .wake_worker(&worker.id, "w", t(20_000), later)
+            .await
+            .expect("wake"),
+        Wake::Stopping
+    ));
+    assert!(
+        store
+            .worker_stopped(&worker.id, later)
+            .await
+            .expect("stopped")
+    );
+    assert!(matches!(
+        store
+            .wake_worker(&worker.id, "w", t(20_000), later)
+            .await
+            .expect("wake"),
+        Wake::Start
+    ));
 }

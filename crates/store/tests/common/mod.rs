@@ -30,6 +30,9 @@ macro_rules! conformance_suite {
             desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_it,
             text_no_backend_can_store_is_refused_alike_and_never_as_retryable,
             a_runners_newest_stream_holds_its_claims,
+            runs_are_leased_to_one_coordinator_and_fenced,
+            concurrent_wakes_start_a_worker_once,
+            a_worker_with_a_live_run_is_never_stopped,
         );
     };
     ($backend:expr; $($case:ident),* $(,)?) => {

@@ -39,6 +39,7 @@ use automesh_proto::executor::v1 as epb;
 use automesh_proto::v1 as pb;
 use automesh_rpc::InternalCredential;
 use automesh_rpc::auth::Secret;
+use automesh_rpc::status;
 use automesh_store::Store;
 use automesh_store::cloud::{CloudDispatch, CloudPhase};
 use chrono::Utc;
@@ -230,18 +231,18 @@ impl Cloud {
     fn agent(&self, endpoint: &str, worker_id: &str) -> Result<Agent, Status> {
         let launch = self.launch(worker_id);
         let channel = tonic::transport::Endpoint::from_shared(endpoint.to_owned())
-            .map_err(|_| Status::internal("bad worker endpoint"))?
+            .map_err(|e| status::internal("the worker's endpoint", &e))?
             .connect_timeout(Duration::from_secs(5))
             .timeout(Duration::from_secs(15))
             .connect_lazy();
         let auth = AgentAuth {
             bearer: format!("Bearer {}", launch.collaborator_token)
                 .parse()
-                .map_err(|_| Status::internal("token"))?,
+                .map_err(|e| status::internal("the collaborator token", &e))?,
             host: launch
                 .host_credential
                 .parse()
-                .map_err(|_| Status::internal("host credential"))?,
+                .map_err(|e| status::internal("the host credential", &e))?,
         };
         Ok(WorkerAgentServiceClient::with_interceptor(channel, auth))
     }
