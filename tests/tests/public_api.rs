@@ -74,6 +74,61 @@ fn expect_field(result: Result<impl std::fmt::Debug, tonic::Status>, code: Code,
     }
 }
 
+/// A table of bad-input cases, each named by its number and the answer it
+/// expects (code and field); every case runs before the test fails.
+#[derive(Default)]
+struct Cases {
+    ran: usize,
+    failed: Vec<String>,
+}
+
+impl Cases {
+    /// Case `self.ran + 1`: `result` must fail with `code`, naming `field`
+    /// (unless empty) among its violations.
+    fn check(
+        &mut self,
+        result: Result<impl std::fmt::Debug, tonic::Status>,
+        code: Code,
+        field: &str,
+    ) {
+        self.ran += 1;
+        let name = format!("case {} ({code:?} {field})", self.ran);
+        let status = match result {
+            Ok(ok) => {
+                self.failed.push(format!("{name}: succeeded: {ok:?}"));
+                return;
+            }
+            Err(status) => status,
+        };
+        if status.code() != code {
+            self.failed.push(format!("{name}: answered {status:?}"));
+            return;
+        }
+        if !field.is_empty() {
+            let fields: Vec<String> = field_violations(&status)
+                .into_iter()
+                .map(|(f, _)| f)
+                .collect();
+            if !fields.iter().any(|f| f == field) {
+                self.failed.push(format!(
+                    "{name}: violations {fields:?} ({})",
+                    status.message()
+                ));
+            }
+        }
+    }
+
+    fn all_answered(&self) {
+        assert!(
+            self.failed.is_empty(),
+            "{} of {} bad-input cases got the wrong answer:\n{}",
+            self.failed.len(),
+            self.ran,
+            self.failed.join("\n")
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reflection_sees_the_public_api() {
     let mesh = Mesh::start(Backend::Sqlite).await.expect("mesh");
@@ -250,6 +305,9 @@ async fn automation_lifecycle(backend: Backend) {
 
 async fn bad_input_changes_nothing(backend: Backend) {
     let mesh = Mesh::start(backend).await.expect("mesh");
+    // Every case runs; the test fails at the end naming each case that
+    // did not get its answer, so one failure does not hide the rest.
+    let mut cases = Cases::default();
     let alice_token = mesh.token("acme", "alice");
     let mut alice = mesh.automations(Some(&alice_token));
     mesh.store()
@@ -341,7 +399,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
     let create = |a: pb::Automation, s: pb::Surface| create_req(a, s);
 
     // Schedules.
-    expect_field(
+    cases.check(
         alice
             .create_automation(create(
                 automation("x", "fake/echo", daily(9, 0, "Mars/Olympus_Mons")),
@@ -351,7 +409,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         Code::InvalidArgument,
         "automation.schedule.daily.time_zone",
     );
-    expect_field(
+    cases.check(
         alice
             .create_automation(create(
                 automation("x", "fake/echo", daily(24, 0, "UTC")),
@@ -361,7 +419,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         Code::InvalidArgument,
         "automation.schedule.daily.time_of_day",
     );
-    expect_field(
+    cases.check(
         alice
             .create_automation(create(
                 automation("x", "fake/echo", weekly_no_days),
@@ -371,7 +429,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         Code::InvalidArgument,
         "automation.schedule.weekly.days",
     );
-    expect_field(
+    cases.check(
         alice
             .create_automation(create(
                 automation("x", "fake/echo", once_past),
@@ -381,7 +439,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         Code::InvalidArgument,
         "automation.schedule.once.at",
     );
-    expect_field(
+    cases.check(
         alice
             .create_automation(create(
                 pb::Automation {
@@ -395,7 +453,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         "automation.schedule",
     );
     // Text fields and the model.
-    expect_field(
+    cases.check(
         alice
             .create_automation(create(
                 pb::Automation {
@@ -408,7 +466,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         Code::InvalidArgument,
         "automation.prompt",
     );
-    expect_field(
+    cases.check(
         alice
             .create_automation(create(
                 pb::Automation {
@@ -421,7 +479,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         Code::InvalidArgument,
         "automation.prompt",
     );
-    expect_field(
+    cases.check(
         alice
             .create_automation(create(
                 automation("", "fake/echo", daily(9, 0, "UTC")),
@@ -431,7 +489,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         Code::InvalidArgument,
         "automation.name",
     );
-    expect_field(
+    cases.check(
         alice
             .create_automation(create(
                 automation("x", "nobody/knows", daily(9, 0, "UTC")),
@@ -442,7 +500,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         "automation.model",
     );
     // Placement belongs to the surface, and never changes.
-    expect_field(
+    cases.check(
         alice
             .create_automation(create_req(
                 automation("x", "fake/echo", daily(9, 0, "UTC")),
@@ -452,7 +510,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         Code::InvalidArgument,
         "surface",
     );
-    expect_field(
+    cases.check(
         alice
             .create_automation(create(
                 pb::Automation {
@@ -465,7 +523,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         Code::InvalidArgument,
         "automation.placement",
     );
-    expect_field(
+    cases.check(
         alice
             .update_automation(pb::UpdateAutomationRequest {
                 automation: Some(pb::Automation {
@@ -481,7 +539,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         Code::InvalidArgument,
         "update_mask",
     );
-    expect_field(
+    cases.check(
         alice
             .update_automation(pb::UpdateAutomationRequest {
                 automation: Some(pb::Automation {
@@ -499,7 +557,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         "automation.placement",
     );
     // Concurrency.
-    expect_field(
+    cases.check(
         alice
             .update_automation(pb::UpdateAutomationRequest {
                 automation: Some(pb::Automation {
@@ -516,7 +574,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         Code::Aborted,
         "",
     );
-    expect_field(
+    cases.check(
         alice
             .deactivate_automation(pb::DeactivateAutomationRequest {
                 id: desktop.id.clone(),
@@ -526,7 +584,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         Code::Aborted,
         "",
     );
-    expect_field(
+    cases.check(
         alice
             .update_automation(pb::UpdateAutomationRequest {
                 automation: Some(pb::Automation {
@@ -545,7 +603,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
     );
     // Creation rules for cloud automations.
     let bob_token = mesh.token("acme", "bob");
-    expect_field(
+    cases.check(
         mesh.automations(Some(&bob_token))
             .create_automation(create(
                 automation("x", "fake/echo", daily(9, 0, "UTC")),
@@ -556,7 +614,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         "",
     );
     let carol_token = mesh.token("other", "carol");
-    expect_field(
+    cases.check(
         mesh.automations(Some(&carol_token))
             .create_automation(create(
                 automation("x", "restricted/acme-only", daily(9, 0, "UTC")),
@@ -567,7 +625,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         "",
     );
     // Paging and run-now input.
-    expect_field(
+    cases.check(
         alice
             .list_automations(pb::ListAutomationsRequest {
                 page_size: -1,
@@ -577,7 +635,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         Code::InvalidArgument,
         "page_size",
     );
-    expect_field(
+    cases.check(
         alice
             .list_automations(pb::ListAutomationsRequest {
                 page_token: "forged".into(),
@@ -587,7 +645,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         Code::InvalidArgument,
         "page_token",
     );
-    expect_field(
+    cases.check(
         alice
             .run_automation_now(pb::RunAutomationNowRequest {
                 id: desktop.id.clone(),
@@ -598,7 +656,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         "idempotency_key",
     );
     // Authentication.
-    expect_field(
+    cases.check(
         mesh.automations(None)
             .list_automations(pb::ListAutomationsRequest::default())
             .await,
@@ -612,7 +670,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         chrono::Duration::hours(1),
     )
     .expect("mint");
-    expect_field(
+    cases.check(
         mesh.automations(Some(&forged))
             .create_automation(create(
                 automation("x", "fake/echo", daily(9, 0, "UTC")),
@@ -622,7 +680,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         Code::Unauthenticated,
         "",
     );
-    expect_field(
+    cases.check(
         mesh.automations(Some("not-a-jwt"))
             .get_automation(pb::GetAutomationRequest {
                 id: desktop.id.clone(),
@@ -638,7 +696,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         mesh.token("acme", "bob"),
     ] {
         let mut api = mesh.automations(Some(&token));
-        expect_field(
+        cases.check(
             api.get_automation(pb::GetAutomationRequest {
                 id: desktop.id.clone(),
             })
@@ -646,7 +704,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
             Code::NotFound,
             "",
         );
-        expect_field(
+        cases.check(
             api.update_automation(pb::UpdateAutomationRequest {
                 automation: Some(pb::Automation {
                     id: desktop.id.clone(),
@@ -661,7 +719,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
             Code::NotFound,
             "",
         );
-        expect_field(
+        cases.check(
             api.archive_automation(pb::ArchiveAutomationRequest {
                 id: cloud.id.clone(),
                 etag: String::new(),
@@ -670,7 +728,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
             Code::NotFound,
             "",
         );
-        expect_field(
+        cases.check(
             api.deactivate_automation(pb::DeactivateAutomationRequest {
                 id: cloud.id.clone(),
                 etag: String::new(),
@@ -679,7 +737,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
             Code::NotFound,
             "",
         );
-        expect_field(
+        cases.check(
             api.run_automation_now(pb::RunAutomationNowRequest {
                 id: desktop.id.clone(),
                 idempotency_key: "steal".into(),
@@ -689,18 +747,18 @@ async fn bad_input_changes_nothing(backend: Backend) {
             "",
         );
         let mut runs = mesh.runs(Some(&token));
-        expect_field(
+        cases.check(
             runs.get_run(pb::GetRunRequest { id: run.id.clone() }).await,
             Code::NotFound,
             "",
         );
-        expect_field(
+        cases.check(
             runs.cancel_run(pb::CancelRunRequest { id: run.id.clone() })
                 .await,
             Code::NotFound,
             "",
         );
-        expect_field(
+        cases.check(
             runs.list_run_events(pb::ListRunEventsRequest {
                 run_id: run.id.clone(),
                 ..Default::default()
@@ -717,6 +775,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         assert!(listed.automations.is_empty());
     }
 
+    cases.all_answered();
     assert_eq!(
         snapshot(&mesh).await,
         before,

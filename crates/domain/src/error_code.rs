@@ -97,6 +97,25 @@ impl ErrorCode {
     }
 }
 
+/// A failure named by one of the closed set of [`ErrorCode`]s, with a
+/// message for people that never carries a credential: how an engine run,
+/// a worker driver or any step of either fails.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct CodedError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl CodedError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,7 +19,7 @@ pub mod worker;
 pub use automation::{
     Automation, AutomationPatch, AutomationState, NewAutomation, Placement, StateChange, Surface,
 };
-pub use error_code::ErrorCode;
+pub use error_code::{CodedError, ErrorCode};
 pub use failure::FailureKind;
 pub use models::{ModelCatalog, ModelSpec, Price};
 pub use principal::Principal;

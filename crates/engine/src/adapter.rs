@@ -13,9 +13,9 @@ use tokio_util::sync::CancellationToken;
 use automesh_domain::Usage;
 use serde::{Deserialize, Serialize};
 
-use crate::error::EngineError;
 use crate::native::{self, NativeRun};
 use crate::provider::Message;
+use automesh_domain::CodedError;
 
 // The contract types: what an engine reports and how its run ends.
 
@@ -66,7 +66,7 @@ pub enum EngineEvent {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Ending {
     Succeeded { answer: String },
-    Failed(EngineError),
+    Failed(CodedError),
     Cancelled,
 }
 

@@ -13,8 +13,8 @@ use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::{ServiceError, ServiceExt};
 
-use crate::error::EngineError;
 use crate::provider::ToolSpec;
+use automesh_domain::CodedError;
 
 /// The only tools a native run may see and call.
 pub const REVIEWED_TOOLS: [&str; 2] = ["search_capabilities", "execute_capability"];
@@ -48,9 +48,9 @@ impl std::fmt::Debug for Connect {
 /// Receipt messages are for people: they name what went wrong in words and
 /// never carry a URL or a type name. The detail goes to the log, its URLs
 /// removed (a URL may carry a key).
-fn init_error(e: ClientInitializeError) -> EngineError {
+fn init_error(e: ClientInitializeError) -> CodedError {
     if e.is_authorization_required() || e.to_string().contains("401") {
-        return EngineError::new(
+        return CodedError::new(
             ErrorCode::ConnectUnauthorized,
             "the Connect endpoint refused the run's token",
         );
@@ -65,12 +65,12 @@ fn init_error(e: ClientInitializeError) -> EngineError {
         }
         _ => "the Connect endpoint answered the handshake with something that is not MCP",
     };
-    EngineError::new(ErrorCode::ToolError, message)
+    CodedError::new(ErrorCode::ToolError, message)
 }
 
-fn call_error(e: ServiceError) -> EngineError {
+fn call_error(e: ServiceError) -> CodedError {
     if e.is_authorization_required() || e.to_string().contains("401") {
-        return EngineError::new(
+        return CodedError::new(
             ErrorCode::ConnectTokenExpired,
             "the Connect endpoint stopped accepting the run's token",
         );
@@ -88,13 +88,13 @@ fn call_error(e: ServiceError) -> EngineError {
         ServiceError::Timeout { .. } => "the Connect endpoint did not answer in time".into(),
         _ => "the Connect endpoint answered with something that is not MCP".into(),
     };
-    EngineError::new(ErrorCode::ToolError, message)
+    CodedError::new(ErrorCode::ToolError, message)
 }
 
 impl Connect {
     /// Connects, lists the tools, and admits the session only if the list is
     /// exactly [`REVIEWED_TOOLS`].
-    pub async fn open(config: &ConnectConfig) -> Result<Connect, EngineError> {
+    pub async fn open(config: &ConnectConfig) -> Result<Connect, CodedError> {
         let mut transport_config =
             StreamableHttpClientTransportConfig::with_uri(config.url.clone())
                 .auth_header(config.token.expose().to_owned());
@@ -111,7 +111,7 @@ impl Connect {
         let client = tokio::time::timeout(config.call_timeout, hello.serve(transport))
             .await
             .map_err(|_| {
-                EngineError::new(
+                CodedError::new(
                     ErrorCode::ToolError,
                     "the Connect endpoint did not answer the handshake in time",
                 )
@@ -120,7 +120,7 @@ impl Connect {
         let listed = tokio::time::timeout(config.call_timeout, client.list_all_tools())
             .await
             .map_err(|_| {
-                EngineError::new(
+                CodedError::new(
                     ErrorCode::ToolError,
                     "the Connect endpoint did not list its tools in time",
                 )
@@ -132,7 +132,7 @@ impl Connect {
         reviewed.sort();
         if names != reviewed {
             let _ = client.cancel().await;
-            return Err(EngineError::new(
+            return Err(CodedError::new(
                 ErrorCode::ToolInventoryMismatch,
                 format!("the Connect endpoint lists {names:?}; exactly {reviewed:?} is required"),
             ));
@@ -169,9 +169,9 @@ impl Connect {
         &self,
         name: &str,
         arguments_json: &str,
-    ) -> Result<(String, bool), EngineError> {
+    ) -> Result<(String, bool), CodedError> {
         if !REVIEWED_TOOLS.contains(&name) {
-            return Err(EngineError::new(
+            return Err(CodedError::new(
                 ErrorCode::ToolError,
                 format!("tool {name:?} is not a reviewed Connect tool"),
             ));
@@ -194,7 +194,7 @@ impl Connect {
         let result = tokio::time::timeout(self.call_timeout, self.client.call_tool(params))
             .await
             .map_err(|_| {
-                EngineError::new(
+                CodedError::new(
                     ErrorCode::ToolError,
                     format!("{name} did not answer in time"),
                 )

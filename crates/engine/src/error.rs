@@ -1,24 +1,6 @@
-//! The engine's error: always one of the closed set of error codes, with a
-//! message that never carries a credential.
-
-use automesh_domain::ErrorCode;
-
-/// Why an engine run (or one step of it) failed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{code}: {message}")]
-pub struct EngineError {
-    pub code: ErrorCode,
-    pub message: String,
-}
-
-impl EngineError {
-    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        Self {
-            code,
-            message: message.into(),
-        }
-    }
-}
+//! Keeping error texts clean: an engine fails with an
+//! [`automesh_domain::CodedError`] (one of the closed set of error codes),
+//! whose message never carries a credential or a URL.
 
 /// `text` with every URL in it replaced by `<url>`: error texts from HTTP
 /// clients name the URL they failed on, and a URL may carry a key.

@@ -18,4 +18,3 @@ pub mod trace;
 pub mod wire;
 
 pub use adapter::{EngineAdapter, EngineRequest, NativeEngine};
-pub use error::EngineError;

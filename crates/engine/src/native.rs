@@ -17,8 +17,8 @@ use tracing::Instrument;
 
 use crate::adapter::{Checkpoint, Ending, EngineEvent, Outcome};
 use crate::connect::{Connect, ConnectConfig, REVIEWED_TOOLS};
-use crate::error::EngineError;
 use crate::provider::{ChatRequest, Message, Provider, ProviderConfig};
+use automesh_domain::CodedError;
 
 /// The default bound on model calls per run.
 pub const DEFAULT_MAX_STEPS: u32 = 32;
@@ -91,7 +91,7 @@ async fn bounded<T>(
 fn interrupted(i: Interrupt) -> Ending {
     match i {
         Interrupt::Cancelled => Ending::Cancelled,
-        Interrupt::Deadline => Ending::Failed(EngineError::new(
+        Interrupt::Deadline => Ending::Failed(CodedError::new(
             ErrorCode::DeadlineExceeded,
             "the run reached its deadline",
         )),
@@ -107,13 +107,13 @@ async fn drive(
 ) -> Ending {
     // Authority and token expiry before anything starts.
     if !run.model_authorized {
-        return Ending::Failed(EngineError::new(
+        return Ending::Failed(CodedError::new(
             ErrorCode::ModelNotAuthorized,
             format!("model {} is not authorised for the owner", run.model),
         ));
     }
     if token_expired(run.connect_token_expires_at) {
-        return Ending::Failed(EngineError::new(
+        return Ending::Failed(CodedError::new(
             ErrorCode::ConnectTokenExpired,
             "the run's Connect token expired before the run started",
         ));
@@ -160,13 +160,13 @@ async fn steps_loop(
     };
     loop {
         if *steps >= run.max_steps {
-            return Ending::Failed(EngineError::new(
+            return Ending::Failed(CodedError::new(
                 ErrorCode::StepLimitExceeded,
                 format!("the loop reached its limit of {} steps", run.max_steps),
             ));
         }
         if token_expired(run.connect_token_expires_at) {
-            return Ending::Failed(EngineError::new(
+            return Ending::Failed(CodedError::new(
                 ErrorCode::ConnectTokenExpired,
                 "the run's Connect token expired during the run",
             ));

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::time::Instant;
 
-use crate::error::EngineError;
+use automesh_domain::CodedError;
 
 /// Provider kinds the engine speaks: both are the OpenAI wire protocol.
 pub const ALLOWED_KINDS: &[&str] = &["openai-compatible", "openai"];
@@ -138,18 +138,18 @@ pub struct Provider {
     config: ProviderConfig,
 }
 
-fn unavailable(message: impl Into<String>) -> EngineError {
-    EngineError::new(ErrorCode::ProviderUnavailable, message)
+fn unavailable(message: impl Into<String>) -> CodedError {
+    CodedError::new(ErrorCode::ProviderUnavailable, message)
 }
 
-fn malformed(message: impl Into<String>) -> EngineError {
-    EngineError::new(ErrorCode::ProviderError, message)
+fn malformed(message: impl Into<String>) -> CodedError {
+    CodedError::new(ErrorCode::ProviderError, message)
 }
 
 impl Provider {
     /// A client, or `provider_unavailable` for a kind outside the allowlist
     /// (checked before any request is made).
-    pub fn new(config: ProviderConfig) -> Result<Self, EngineError> {
+    pub fn new(config: ProviderConfig) -> Result<Self, CodedError> {
         if !ALLOWED_KINDS.contains(&config.kind.as_str()) {
             return Err(unavailable(format!(
                 "provider kind {:?} is not an OpenAI-compatible provider; allowed: {}",
@@ -210,7 +210,7 @@ impl Provider {
         &self,
         req: &ChatRequest,
         deadline: Instant,
-    ) -> Result<ChatResponse, EngineError> {
+    ) -> Result<ChatResponse, CodedError> {
         let body = self.body(req);
         let mut backoff = Duration::from_millis(250);
         let mut attempt = 0u32;
@@ -314,7 +314,7 @@ impl Provider {
 }
 
 enum Failure {
-    Fatal(EngineError),
+    Fatal(CodedError),
     Retryable {
         status: u16,
         retry_after: Option<Duration>,
@@ -341,7 +341,7 @@ pub fn retry_after(value: &str, now: std::time::SystemTime) -> Option<Duration> 
     Some(at.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
-fn parse_completion(v: &Value) -> Result<ChatResponse, EngineError> {
+fn parse_completion(v: &Value) -> Result<ChatResponse, CodedError> {
     let choice = v
         .get("choices")
         .and_then(|c| c.get(0))
@@ -385,7 +385,7 @@ struct PartialCall {
     arguments: String,
 }
 
-async fn read_stream(response: reqwest::Response) -> Result<ChatResponse, EngineError> {
+async fn read_stream(response: reqwest::Response) -> Result<ChatResponse, CodedError> {
     let mut bytes = response.bytes_stream();
     // Bytes, not text: a multi-byte character may be split across chunks;
     // only whole lines are decoded.

@@ -112,7 +112,7 @@ impl Store {
             .bind(schedule_json(&new.schedule))
             .bind(opt_micros(next_run_at))
             .bind(micros(now))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         self.get_automation_unscoped(&new.id).await
     }
@@ -123,7 +123,7 @@ impl Store {
             .bind(id)
             .bind(&owner.org_id)
             .bind(&owner.user_id)
-            .fetch_optional(self.pool())
+            .fetch_optional(self.db())
             .await?
             .ok_or(StoreError::NotFound)?;
         decode(&row)
@@ -133,7 +133,7 @@ impl Store {
     pub async fn get_automation_unscoped(&self, id: &str) -> Result<Automation> {
         let row = sqlx::query(GET_UNSCOPED)
             .bind(id)
-            .fetch_optional(self.pool())
+            .fetch_optional(self.db())
             .await?
             .ok_or(StoreError::NotFound)?;
         decode(&row)
@@ -154,7 +154,7 @@ impl Store {
             .bind(&after.id)
             .bind(i64::from(show_archived))
             .bind(i64::from(limit) + 1)
-            .fetch_all(self.pool())
+            .fetch_all(self.db())
             .await?;
         let items = rows.iter().map(decode).collect::<Result<Vec<_>>>()?;
         Ok(Page::from_rows(items, limit, |x| Cursor {
@@ -193,7 +193,7 @@ impl Store {
             .bind(opt_micros(updated.next_run_at))
             .bind(micros(now))
             .bind(expected_version)
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         let owner = Principal::new(&updated.org_id, &updated.owner_id);
         let stored = self.get_automation(&owner, &updated.id).await?;

@@ -201,14 +201,14 @@ impl Store {
             .bind(micros(now))
             .bind(starter)
             .bind(micros(until))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         if done.rows_affected() == 1 {
             return Ok(Wake::Start);
         }
         let row = sqlx::query(STATE)
             .bind(worker_id)
-            .fetch_optional(self.pool())
+            .fetch_optional(self.db())
             .await?
             .ok_or(StoreError::NotFound)?;
         Ok(match text(&row, "state")?.as_str() {
@@ -232,7 +232,7 @@ impl Store {
             .bind(worker_id)
             .bind(starter)
             .bind(micros(until))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -241,7 +241,7 @@ impl Store {
     pub async fn worker_endpoint(&self, worker_id: &str) -> Result<Option<ReadyWorker>> {
         let row = sqlx::query(STATE)
             .bind(worker_id)
-            .fetch_optional(self.pool())
+            .fetch_optional(self.db())
             .await?;
         match row {
             Some(row) if text(&row, "state")? == "ready" => Ok(
@@ -274,7 +274,7 @@ impl Store {
             .bind(endpoint)
             .bind(agent_id)
             .bind(micros(now))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -290,7 +290,7 @@ impl Store {
             .bind(worker_id)
             .bind(starter)
             .bind(micros(now))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -308,7 +308,7 @@ impl Store {
             .bind(worker_id)
             .bind(agent_id)
             .bind(micros(now))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -318,7 +318,7 @@ impl Store {
         let done = sqlx::query(FAILED)
             .bind(worker_id)
             .bind(micros(now))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -327,7 +327,7 @@ impl Store {
     pub async fn ready_workers(&self, limit: u32) -> Result<Vec<ReadyWorker>> {
         let rows = sqlx::query(READY_WORKERS)
             .bind(i64::from(limit))
-            .fetch_all(self.pool())
+            .fetch_all(self.db())
             .await?;
         rows.iter()
             .map(|row| {
@@ -342,7 +342,7 @@ impl Store {
 
     /// How many workers are in each state.
     pub async fn workers_by_state(&self) -> Result<Vec<(String, i64)>> {
-        let rows = sqlx::query(BY_STATE).fetch_all(self.pool()).await?;
+        let rows = sqlx::query(BY_STATE).fetch_all(self.db()).await?;
         rows.iter()
             .map(|r| Ok((text(r, "state")?, int(r, "n")?)))
             .collect()
@@ -354,7 +354,7 @@ impl Store {
         Ok(sqlx::query_scalar(UNDRIVEN)
             .bind(micros(now))
             .bind(i64::from(limit))
-            .fetch_all(self.pool())
+            .fetch_all(self.db())
             .await?)
     }
 
@@ -364,7 +364,7 @@ impl Store {
         let done = sqlx::query(TOUCH)
             .bind(worker_id)
             .bind(micros(now))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -373,7 +373,7 @@ impl Store {
     pub async fn idle_worker_candidates(&self, cutoff: DateTime<Utc>) -> Result<Vec<String>> {
         Ok(sqlx::query_scalar(IDLE_CANDIDATES)
             .bind(micros(cutoff))
-            .fetch_all(self.pool())
+            .fetch_all(self.db())
             .await?)
     }
 
@@ -390,7 +390,7 @@ impl Store {
             .bind(worker_id)
             .bind(micros(cutoff))
             .bind(micros(now))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -400,7 +400,7 @@ impl Store {
         let done = sqlx::query(STOPPED)
             .bind(worker_id)
             .bind(micros(now))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -418,7 +418,7 @@ impl Store {
             .bind(r.message_id)
             .bind(to_hex(r.spec))
             .bind(micros(now))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -428,7 +428,7 @@ impl Store {
         let sql = format!("SELECT {DISPATCH_COLUMNS} FROM cloud_dispatch WHERE run_id = $1");
         sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(run_id)
-            .fetch_optional(self.pool())
+            .fetch_optional(self.db())
             .await?
             .as_ref()
             .map(decode)
@@ -449,7 +449,7 @@ impl Store {
             .bind(owner)
             .bind(micros(until))
             .bind(micros(now))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -469,7 +469,7 @@ impl Store {
             .bind(wake_micros)
             .bind(admission_micros)
             .bind(micros(now))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -485,7 +485,7 @@ impl Store {
             .bind(run_id)
             .bind(to_hex(outcome))
             .bind(micros(now))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -495,7 +495,7 @@ impl Store {
         let done = sqlx::query(CANCEL)
             .bind(run_id)
             .bind(micros(now))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         Ok(done.rows_affected() == 1)
     }

@@ -66,7 +66,7 @@ impl Store {
             .bind(run_id)
             .bind(after)
             .bind(i64::from(limit))
-            .fetch_all(self.pool())
+            .fetch_all(self.db())
             .await?;
         rows.iter().map(decode).collect()
     }

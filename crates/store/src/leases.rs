@@ -139,7 +139,7 @@ impl Store {
             .bind(id)
             .bind(owner)
             .bind(micros(until))
-            .fetch_optional(self.pool())
+            .fetch_optional(self.db())
             .await?;
         Ok(match row {
             None => Renewal::Lost,
@@ -155,7 +155,7 @@ impl Store {
         let stored: Option<Option<String>> = sqlx::query_scalar(ENSURE_MESSAGE_ID)
             .bind(id)
             .bind(candidate)
-            .fetch_optional(self.pool())
+            .fetch_optional(self.db())
             .await?;
         stored.flatten().ok_or(StoreError::NotFound)
     }
@@ -165,7 +165,7 @@ impl Store {
         sqlx::query(SET_EXECUTOR_SEQ)
             .bind(id)
             .bind(seq)
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         Ok(())
     }
@@ -176,7 +176,7 @@ impl Store {
         let done = sqlx::query(REQUEST_CANCEL)
             .bind(id)
             .bind(micros(now))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -190,7 +190,7 @@ impl Store {
     pub async fn release_all_leases(&self, owner: &str) -> Result<u64> {
         Ok(sqlx::query(RELEASE_ALL)
             .bind(owner)
-            .execute(self.pool())
+            .execute(self.db())
             .await?
             .rows_affected())
     }
@@ -211,7 +211,7 @@ const QUEUE: &str =
 impl Store {
     /// How many runs wait to be claimed, and since when (queue lag).
     pub async fn run_queue(&self) -> Result<Queue> {
-        let row = sqlx::query(QUEUE).fetch_one(self.pool()).await?;
+        let row = sqlx::query(QUEUE).fetch_one(self.db()).await?;
         Ok(Queue {
             pending: crate::rows::int(&row, "n")?,
             oldest: crate::rows::opt_instant(&row, "oldest")?,

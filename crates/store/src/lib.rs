@@ -24,6 +24,7 @@ pub mod runners;
 pub mod runs;
 pub mod scheduling;
 mod signal;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod workers;
 
@@ -200,8 +201,14 @@ impl Store {
     }
 
     /// The pool itself: an escape hatch for tests and benchmarks that must
-    /// check what the schema enforces on its own.
+    /// check what the schema enforces on its own (feature `testing`).
+    #[cfg(any(test, feature = "testing"))]
     pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+
+    /// The pool, for this crate's queries.
+    pub(crate) fn db(&self) -> &AnyPool {
         &self.pool
     }
 

@@ -149,7 +149,7 @@ impl Store {
     pub async fn get_receipt(&self, run_id: &str) -> Result<Option<Receipt>> {
         sqlx::query(GET)
             .bind(run_id)
-            .fetch_optional(self.pool())
+            .fetch_optional(self.db())
             .await?
             .as_ref()
             .map(decode)

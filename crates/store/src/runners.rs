@@ -76,7 +76,7 @@ impl Store {
     pub async fn runners_revoked_since(&self, since: DateTime<Utc>) -> Result<Vec<String>> {
         Ok(sqlx::query_scalar(REVOKED_SINCE)
             .bind(micros(since))
-            .fetch_all(self.pool())
+            .fetch_all(self.db())
             .await?)
     }
 
@@ -86,7 +86,7 @@ impl Store {
             .bind(runner_id)
             .bind(&owner.org_id)
             .bind(&owner.user_id)
-            .fetch_optional(self.pool())
+            .fetch_optional(self.db())
             .await?
             .ok_or(StoreError::NotFound)?;
         decode(&row)
@@ -96,7 +96,7 @@ impl Store {
     pub async fn find_runner_by_token_hash(&self, token_hash: &str) -> Result<Option<Runner>> {
         sqlx::query(FIND_BY_TOKEN)
             .bind(token_hash)
-            .fetch_optional(self.pool())
+            .fetch_optional(self.db())
             .await?
             .as_ref()
             .map(decode)

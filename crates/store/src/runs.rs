@@ -101,7 +101,7 @@ impl Store {
             .bind(id)
             .bind(&owner.org_id)
             .bind(&owner.user_id)
-            .fetch_optional(self.pool())
+            .fetch_optional(self.db())
             .await?
             .ok_or(StoreError::NotFound)?;
         decode(&row)
@@ -111,7 +111,7 @@ impl Store {
     pub async fn get_run_unscoped(&self, id: &str) -> Result<Run> {
         let row = sqlx::query(GET_UNSCOPED)
             .bind(id)
-            .fetch_optional(self.pool())
+            .fetch_optional(self.db())
             .await?
             .ok_or(StoreError::NotFound)?;
         decode(&row)
@@ -132,7 +132,7 @@ impl Store {
             .bind(after.created_micros)
             .bind(&after.id)
             .bind(i64::from(limit) + 1)
-            .fetch_all(self.pool())
+            .fetch_all(self.db())
             .await?;
         let items = rows.iter().map(decode).collect::<Result<Vec<_>>>()?;
         Ok(Page::from_rows(items, limit, |x| Cursor {
@@ -160,7 +160,7 @@ impl Store {
             .bind(error.map(|(_, m)| m))
             .bind(from)
             .bind(micros(now))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         let run = self.get_run_unscoped(id).await?;
         if done.rows_affected() == 1 {

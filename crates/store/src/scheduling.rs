@@ -59,7 +59,7 @@ impl Store {
 
     /// The earliest next occurrence of any active automation (one index probe).
     pub async fn next_due_at(&self) -> Result<Option<DateTime<Utc>>> {
-        let v: Option<i64> = sqlx::query_scalar(NEXT_DUE).fetch_one(self.pool()).await?;
+        let v: Option<i64> = sqlx::query_scalar(NEXT_DUE).fetch_one(self.db()).await?;
         Ok(v.and_then(DateTime::from_timestamp_micros))
     }
 }

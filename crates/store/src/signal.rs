@@ -119,7 +119,7 @@ impl Store {
         if self.backend() == Backend::Postgres {
             sqlx::query("SELECT pg_notify($1, '')")
                 .bind(topic.pg_channel())
-                .execute(self.pool())
+                .execute(self.db())
                 .await?;
         }
         Ok(())

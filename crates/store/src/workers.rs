@@ -44,7 +44,7 @@ impl Store {
             .bind(&owner.user_id)
             .bind(driver)
             .bind(micros(now))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         self.get_worker(owner).await?.ok_or(StoreError::NotFound)
     }
@@ -54,7 +54,7 @@ impl Store {
         sqlx::query(GET_BY_OWNER)
             .bind(&owner.org_id)
             .bind(&owner.user_id)
-            .fetch_optional(self.pool())
+            .fetch_optional(self.db())
             .await?
             .as_ref()
             .map(decode)

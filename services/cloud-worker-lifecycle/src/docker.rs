@@ -15,7 +15,8 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use serde_json::{Value, json};
 
-use crate::driver::{DriverError, WorkerDriver, WorkerLaunch};
+use crate::driver::{WorkerDriver, WorkerLaunch};
+use automesh_domain::CodedError;
 
 /// Bound on one Engine API request.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -44,12 +45,12 @@ impl DockerDriver {
         method: http::Method,
         path: &str,
         body: Option<Value>,
-    ) -> Result<(u16, Value), DriverError> {
+    ) -> Result<(u16, Value), CodedError> {
         let exchange = async {
             let stream = tokio::net::UnixStream::connect(&self.socket)
                 .await
                 .map_err(|e| {
-                    DriverError::new(
+                    CodedError::new(
                         ErrorCode::RuntimeMissing,
                         format!("no container runtime at {}: {e}", self.socket.display()),
                     )
@@ -58,7 +59,7 @@ impl DockerDriver {
                 hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
                     .await
                     .map_err(|e| {
-                        DriverError::new(ErrorCode::RuntimeFailed, format!("Engine API: {e}"))
+                        CodedError::new(ErrorCode::RuntimeFailed, format!("Engine API: {e}"))
                     })?;
             tokio::spawn(connection);
             let bytes = body.map(|b| b.to_string()).unwrap_or_default();
@@ -68,9 +69,9 @@ impl DockerDriver {
                 .header("host", "docker")
                 .header("content-type", "application/json")
                 .body(Full::new(Bytes::from(bytes)))
-                .map_err(|e| DriverError::new(ErrorCode::RuntimeFailed, e.to_string()))?;
+                .map_err(|e| CodedError::new(ErrorCode::RuntimeFailed, e.to_string()))?;
             let response = sender.send_request(request).await.map_err(|e| {
-                DriverError::new(ErrorCode::RuntimeFailed, format!("Engine API: {e}"))
+                CodedError::new(ErrorCode::RuntimeFailed, format!("Engine API: {e}"))
             })?;
             let status = response.status().as_u16();
             let body = response
@@ -78,7 +79,7 @@ impl DockerDriver {
                 .collect()
                 .await
                 .map_err(|e| {
-                    DriverError::new(ErrorCode::RuntimeFailed, format!("Engine API body: {e}"))
+                    CodedError::new(ErrorCode::RuntimeFailed, format!("Engine API body: {e}"))
                 })?
                 .to_bytes();
             let value = if body.is_empty() {
@@ -91,7 +92,7 @@ impl DockerDriver {
         tokio::time::timeout(REQUEST_TIMEOUT, exchange)
             .await
             .map_err(|_| {
-                DriverError::new(
+                CodedError::new(
                     ErrorCode::RuntimeFailed,
                     format!("Engine API {path} timed out"),
                 )
@@ -136,7 +137,7 @@ impl WorkerDriver for DockerDriver {
         "docker"
     }
 
-    async fn start(&self, launch: &WorkerLaunch, within: Duration) -> Result<String, DriverError> {
+    async fn start(&self, launch: &WorkerLaunch, within: Duration) -> Result<String, CodedError> {
         let give_up = tokio::time::Instant::now() + within;
         let name = container_name(&launch.worker_id);
         let (status, body) = self
@@ -151,13 +152,13 @@ impl WorkerDriver for DockerDriver {
             // It exists from an earlier start: start it again.
             409 => {}
             404 => {
-                return Err(DriverError::new(
+                return Err(CodedError::new(
                     ErrorCode::RuntimeMissing,
                     format!("the worker image {} is not available", self.image),
                 ));
             }
             s => {
-                return Err(DriverError::new(
+                return Err(CodedError::new(
                     ErrorCode::RuntimeFailed,
                     format!(
                         "creating the worker container failed ({s}): {}",
@@ -174,7 +175,7 @@ impl WorkerDriver for DockerDriver {
             )
             .await?;
         if !matches!(status, 204 | 304) {
-            return Err(DriverError::new(
+            return Err(CodedError::new(
                 ErrorCode::RuntimeFailed,
                 format!(
                     "starting the worker container failed ({status}): {}",
@@ -190,7 +191,7 @@ impl WorkerDriver for DockerDriver {
             if status == 200 {
                 let state = &c["State"];
                 if state["Status"] == "exited" || state["Status"] == "dead" {
-                    return Err(DriverError::new(
+                    return Err(CodedError::new(
                         ErrorCode::RuntimeFailed,
                         format!("the worker container exited (code {})", state["ExitCode"]),
                     ));
@@ -207,7 +208,7 @@ impl WorkerDriver for DockerDriver {
                 }
             }
             if tokio::time::Instant::now() + backoff >= give_up {
-                return Err(DriverError::new(
+                return Err(CodedError::new(
                     ErrorCode::ReadinessTimeout,
                     format!("the worker container was not running within {within:?}"),
                 ));
@@ -217,7 +218,7 @@ impl WorkerDriver for DockerDriver {
         }
     }
 
-    async fn stop(&self, worker_id: &str) -> Result<(), DriverError> {
+    async fn stop(&self, worker_id: &str) -> Result<(), CodedError> {
         let name = container_name(worker_id);
         let (status, body) = self
             .call(
@@ -228,7 +229,7 @@ impl WorkerDriver for DockerDriver {
             .await?;
         match status {
             204 | 304 | 404 => Ok(()),
-            s => Err(DriverError::new(
+            s => Err(CodedError::new(
                 ErrorCode::RuntimeFailed,
                 format!(
                     "stopping the worker container failed ({s}): {}",

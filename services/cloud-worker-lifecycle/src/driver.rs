@@ -19,25 +19,8 @@ use std::process::Stdio;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use automesh_domain::ErrorCode;
+use automesh_domain::{CodedError, ErrorCode};
 use tokio::io::AsyncBufReadExt;
-
-/// Why a worker could not be started.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{code}: {message}")]
-pub struct DriverError {
-    pub code: ErrorCode,
-    pub message: String,
-}
-
-impl DriverError {
-    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        Self {
-            code,
-            message: message.into(),
-        }
-    }
-}
 
 /// What a started worker needs to know.
 #[derive(Clone)]
@@ -62,9 +45,9 @@ pub trait WorkerDriver: Send + Sync + std::fmt::Debug {
     fn name(&self) -> &'static str;
     /// Starts the worker; returns its agent endpoint (`http://…`) once it
     /// listens, within `within`.
-    async fn start(&self, launch: &WorkerLaunch, within: Duration) -> Result<String, DriverError>;
+    async fn start(&self, launch: &WorkerLaunch, within: Duration) -> Result<String, CodedError>;
     /// Stops the worker (idempotent).
-    async fn stop(&self, worker_id: &str) -> Result<(), DriverError>;
+    async fn stop(&self, worker_id: &str) -> Result<(), CodedError>;
 }
 
 /// What an agent needs of this service's telemetry configuration, so its
@@ -205,20 +188,20 @@ impl LocalProcessDriver {
         self.starts.load(std::sync::atomic::Ordering::SeqCst)
     }
 
-    fn workdir(&self, worker_id: &str) -> Result<PathBuf, DriverError> {
+    fn workdir(&self, worker_id: &str) -> Result<PathBuf, CodedError> {
         let safe = !worker_id.is_empty()
             && worker_id
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
         if !safe {
-            return Err(DriverError::new(
+            return Err(CodedError::new(
                 ErrorCode::RuntimeFailed,
                 "unsafe worker id",
             ));
         }
         let dir = self.root.join(worker_id);
         let failed = |e: std::io::Error| {
-            DriverError::new(ErrorCode::RuntimeFailed, format!("worker directory: {e}"))
+            CodedError::new(ErrorCode::RuntimeFailed, format!("worker directory: {e}"))
         };
         std::fs::create_dir_all(&dir).map_err(failed)?;
         #[cfg(unix)]
@@ -276,9 +259,9 @@ impl WorkerDriver for LocalProcessDriver {
         "local-process"
     }
 
-    async fn start(&self, launch: &WorkerLaunch, within: Duration) -> Result<String, DriverError> {
+    async fn start(&self, launch: &WorkerLaunch, within: Duration) -> Result<String, CodedError> {
         let Some((program, args)) = self.command.split_first() else {
-            return Err(DriverError::new(
+            return Err(CodedError::new(
                 ErrorCode::RuntimeMissing,
                 "no worker agent command configured",
             ));
@@ -287,7 +270,7 @@ impl WorkerDriver for LocalProcessDriver {
         // One agent per worker: a previous one (hung, or left behind by a
         // replica that died) goes first.
         if !self.stop_agent(&launch.worker_id, &dir).await {
-            return Err(DriverError::new(
+            return Err(CodedError::new(
                 ErrorCode::RuntimeFailed,
                 "a previous agent of the worker could not be stopped",
             ));
@@ -330,7 +313,7 @@ impl WorkerDriver for LocalProcessDriver {
             } else {
                 ErrorCode::RuntimeFailed
             };
-            DriverError::new(code, format!("cannot start the worker agent: {e}"))
+            CodedError::new(code, format!("cannot start the worker agent: {e}"))
         })?;
         let pid = child.id().unwrap_or_default();
         let stdout = child.stdout.take();
@@ -362,7 +345,7 @@ impl WorkerDriver for LocalProcessDriver {
             _ = exited => None,
             () = tokio::time::sleep(within) => {
                 automesh_rpc::process::terminate(pid, STOP_GRACE).await;
-                return Err(DriverError::new(
+                return Err(CodedError::new(
                     ErrorCode::ReadinessTimeout,
                     format!("the worker did not become ready within {within:?}"),
                 ));
@@ -375,19 +358,19 @@ impl WorkerDriver for LocalProcessDriver {
                 }
                 Ok(url)
             }
-            None => Err(DriverError::new(
+            None => Err(CodedError::new(
                 ErrorCode::RuntimeFailed,
                 "the worker agent exited before it listened (see its agent.log)",
             )),
         }
     }
 
-    async fn stop(&self, worker_id: &str) -> Result<(), DriverError> {
+    async fn stop(&self, worker_id: &str) -> Result<(), CodedError> {
         let dir = self.workdir(worker_id)?;
         if self.stop_agent(worker_id, &dir).await {
             Ok(())
         } else {
-            Err(DriverError::new(
+            Err(CodedError::new(
                 ErrorCode::RuntimeFailed,
                 "the worker agent did not stop",
             ))

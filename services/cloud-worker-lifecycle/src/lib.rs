@@ -18,7 +18,7 @@ use automesh_proto::worker::v1::cloud_worker_lifecycle_service_server::{
 use automesh_rpc::{
     GrpcServer, InternalCredential, RequireInternal, ServerSettings, convert, status,
 };
-use automesh_store::{Store, StoreError, StoreOptions};
+use automesh_store::{Store, StoreOptions};
 use chrono::Utc;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -212,24 +212,22 @@ impl Config {
     }
 }
 
-/// The lifecycle service's state. Cheap to clone.
+/// The worker registry (`CloudWorkerLifecycleService`): registers and reads
+/// users' cloud workers. The lifecycle itself — waking, admitting, watching
+/// and idle-stopping workers — is `cloud::Cloud`. Cheap to clone.
 #[derive(Debug, Clone)]
-pub struct Lifecycle {
+pub struct WorkerRegistry {
     store: Store,
     driver: String,
 }
 
-impl Lifecycle {
+impl WorkerRegistry {
     pub fn new(store: Store, driver: impl Into<String>) -> Self {
         Self {
             store,
             driver: driver.into(),
         }
     }
-}
-
-fn store_status(e: StoreError) -> Status {
-    status::failure(e.kind(), "cloud worker", &e)
 }
 
 fn worker_to_pb(w: &CloudWorker) -> wpb::Worker {
@@ -251,7 +249,7 @@ fn worker_to_pb(w: &CloudWorker) -> wpb::Worker {
 }
 
 #[tonic::async_trait]
-impl CloudWorkerLifecycleService for Lifecycle {
+impl CloudWorkerLifecycleService for WorkerRegistry {
     async fn get_worker(
         &self,
         request: Request<wpb::GetWorkerRequest>,
@@ -261,7 +259,7 @@ impl CloudWorkerLifecycleService for Lifecycle {
             .store
             .get_worker(&owner)
             .await
-            .map_err(store_status)?
+            .map_err(|e| status::failure(e.kind(), "cloud worker", &e))?
             .ok_or_else(|| status::not_found("cloud worker"))?;
         Ok(Response::new(wpb::GetWorkerResponse {
             worker: Some(worker_to_pb(&worker)),
@@ -277,7 +275,7 @@ impl CloudWorkerLifecycleService for Lifecycle {
             .store
             .register_worker(&owner, &self.driver, Utc::now())
             .await
-            .map_err(store_status)?;
+            .map_err(|e| status::failure(e.kind(), "cloud worker", &e))?;
         tracing::info!(worker_id = %worker.id, driver = %worker.driver, "cloud worker registered");
         Ok(Response::new(wpb::RegisterWorkerResponse {
             worker: Some(worker_to_pb(&worker)),
@@ -338,7 +336,7 @@ pub async fn serve_with(
     let driver_name = driver.name();
     let cloud = cloud::Cloud::new(store.clone(), driver, settings, credential.clone());
     server.add_service(CloudWorkerLifecycleServiceServer::with_interceptor(
-        Lifecycle::new(store.clone(), driver_name),
+        WorkerRegistry::new(store.clone(), driver_name),
         RequireInternal(credential.clone()),
     ));
     server.add_service(

@@ -31,7 +31,7 @@ use automesh_proto::runner::v1::runner_token_service_server::{
 use automesh_rpc::{
     GrpcServer, InternalCredential, RequireInternal, ServerSettings, convert, status,
 };
-use automesh_store::{Store, StoreError, StoreOptions};
+use automesh_store::{Store, StoreOptions};
 use chrono::Utc;
 use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
@@ -88,10 +88,6 @@ pub struct RunnerTokens {
     store: Store,
 }
 
-fn store_status(e: StoreError) -> Status {
-    status::failure(e.kind(), "runner", &e)
-}
-
 #[tonic::async_trait]
 impl RunnerTokenService for RunnerTokens {
     async fn create_runner_token(
@@ -121,7 +117,7 @@ impl RunnerTokenService for RunnerTokens {
                 Utc::now(),
             )
             .await
-            .map_err(store_status)?;
+            .map_err(|e| status::failure(e.kind(), "runner", &e))?;
         tracing::info!(runner_id = %runner.id, "runner token created");
         Ok(Response::new(rpb::CreateRunnerTokenResponse {
             runner_id: runner.id,
@@ -148,7 +144,7 @@ impl RunnerTokenService for RunnerTokens {
         self.store
             .revoke_runner(&owner, &req.runner_id, Utc::now())
             .await
-            .map_err(store_status)?;
+            .map_err(|e| status::failure(e.kind(), "runner", &e))?;
         tracing::info!(runner_id = %req.runner_id, "runner revoked");
         Ok(Response::new(rpb::RevokeRunnerTokenResponse {}))
     }

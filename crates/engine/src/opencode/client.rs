@@ -8,7 +8,7 @@ use futures_util::StreamExt;
 use serde_json::Value;
 use tokio::time::Instant;
 
-use crate::error::EngineError;
+use automesh_domain::CodedError;
 
 use super::session::Drive;
 use super::sse::{EventStream, SseLines};
@@ -56,20 +56,20 @@ impl Drive<'_> {
         method: reqwest::Method,
         path: &str,
         body: Option<Value>,
-    ) -> Result<(u16, Value), EngineError> {
+    ) -> Result<(u16, Value), CodedError> {
         let mut r = self.request(method, path);
         if let Some(b) = body {
             r = r.json(&b);
         }
         let resp = r.send().await.map_err(|e| {
-            EngineError::new(
+            CodedError::new(
                 ErrorCode::RuntimeFailed,
                 format!("OpenCode request {path} failed: {}", without_url(&e)),
             )
         })?;
         let status = resp.status().as_u16();
         if status == 401 {
-            return Err(EngineError::new(
+            return Err(CodedError::new(
                 ErrorCode::RuntimeFailed,
                 "OpenCode refused the credentials (401)",
             ));
@@ -77,13 +77,13 @@ impl Drive<'_> {
         let text = tokio::time::timeout(self.cfg.request_timeout, resp.text())
             .await
             .map_err(|_| {
-                EngineError::new(
+                CodedError::new(
                     ErrorCode::RuntimeFailed,
                     format!("OpenCode {path}: body timed out"),
                 )
             })?
             .map_err(|e| {
-                EngineError::new(
+                CodedError::new(
                     ErrorCode::RuntimeFailed,
                     format!("OpenCode {path}: {}", without_url(&e)),
                 )
@@ -96,7 +96,7 @@ impl Drive<'_> {
         Ok((status, v))
     }
 
-    pub(super) async fn wait_ready(&self, deadline: Instant) -> Result<(), EngineError> {
+    pub(super) async fn wait_ready(&self, deadline: Instant) -> Result<(), CodedError> {
         let give_up = deadline.min(Instant::now() + self.cfg.ready_timeout);
         let mut last;
         loop {
@@ -109,7 +109,7 @@ impl Drive<'_> {
                 Err(e) => last = e.message,
             }
             if Instant::now() + Duration::from_millis(200) >= give_up {
-                return Err(EngineError::new(
+                return Err(CodedError::new(
                     ErrorCode::ReadinessTimeout,
                     format!("the OpenCode server was not ready in time ({last})"),
                 ));
@@ -118,7 +118,7 @@ impl Drive<'_> {
         }
     }
 
-    pub(super) async fn open_events(&self) -> Result<EventStream, EngineError> {
+    pub(super) async fn open_events(&self) -> Result<EventStream, CodedError> {
         // The stream itself is unbounded in time; only its opening is bounded
         // here (the run's watchdogs bound the reading).
         let mut r = self.http.get(self.url("/event"));
@@ -128,19 +128,19 @@ impl Drive<'_> {
         let resp = tokio::time::timeout(self.cfg.request_timeout, r.send())
             .await
             .map_err(|_| {
-                EngineError::new(
+                CodedError::new(
                     ErrorCode::RuntimeFailed,
                     "opening OpenCode's event stream timed out",
                 )
             })?
             .map_err(|e| {
-                EngineError::new(
+                CodedError::new(
                     ErrorCode::RuntimeFailed,
                     format!("OpenCode event stream: {}", without_url(&e)),
                 )
             })?;
         if !resp.status().is_success() {
-            return Err(EngineError::new(
+            return Err(CodedError::new(
                 ErrorCode::RuntimeFailed,
                 format!("OpenCode event stream answered {}", resp.status()),
             ));
@@ -158,7 +158,7 @@ impl Drive<'_> {
                 s.ready.push_front(v.to_string());
                 Ok(s)
             }
-            _ => Err(EngineError::new(
+            _ => Err(CodedError::new(
                 ErrorCode::RuntimeFailed,
                 "OpenCode's event stream did not start",
             )),

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::adapter::{Ending, EngineRequest};
-use crate::error::EngineError;
+use automesh_domain::CodedError;
 
 use super::session::Drive;
 
@@ -29,7 +29,7 @@ pub(super) fn split_model(model: &str, provider_model: &str) -> Option<Value> {
 }
 
 fn failed(code: ErrorCode, message: impl Into<String>) -> Ending {
-    Ending::Failed(EngineError::new(code, message))
+    Ending::Failed(CodedError::new(code, message))
 }
 
 pub(super) async fn drive(
@@ -49,12 +49,12 @@ pub(super) async fn drive(
             )
             .await?;
         let Some(id) = session["id"].as_str().filter(|_| status == 200) else {
-            return Err(EngineError::new(
+            return Err(CodedError::new(
                 ErrorCode::RuntimeFailed,
                 format!("OpenCode did not create a session (status {status})"),
             ));
         };
-        Ok::<_, EngineError>((stream, id.to_owned()))
+        Ok::<_, CodedError>((stream, id.to_owned()))
     };
     let (mut stream, root) = tokio::select! {
         r = before => match r {

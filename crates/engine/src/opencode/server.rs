@@ -9,7 +9,7 @@ use automesh_domain::ErrorCode;
 use tokio::io::AsyncBufReadExt;
 use tokio::sync::mpsc;
 
-use crate::error::EngineError;
+use automesh_domain::CodedError;
 
 /// A `opencode serve` child process, killed when dropped.
 #[derive(Debug)]
@@ -27,9 +27,9 @@ impl OpenCodeServer {
         directory: &Path,
         env: &[(String, String)],
         ready_timeout: Duration,
-    ) -> Result<OpenCodeServer, EngineError> {
+    ) -> Result<OpenCodeServer, CodedError> {
         let missing = |e: std::io::Error| {
-            EngineError::new(
+            CodedError::new(
                 ErrorCode::RuntimeMissing,
                 format!("cannot start OpenCode ({}): {e}", binary.display()),
             )
@@ -65,7 +65,7 @@ impl OpenCodeServer {
             });
         }
         let Some(stdout) = stdout else {
-            return Err(EngineError::new(
+            return Err(CodedError::new(
                 ErrorCode::RuntimeFailed,
                 "OpenCode has no stdout",
             ));
@@ -90,13 +90,13 @@ impl OpenCodeServer {
                 base_url: url,
                 child,
             }),
-            Ok(None) => Err(EngineError::new(
+            Ok(None) => Err(CodedError::new(
                 ErrorCode::RuntimeFailed,
                 "OpenCode exited before it listened",
             )),
             Err(_) => {
                 let _ = child.start_kill();
-                Err(EngineError::new(
+                Err(CodedError::new(
                     ErrorCode::ReadinessTimeout,
                     format!("OpenCode did not listen within {ready_timeout:?}"),
                 ))

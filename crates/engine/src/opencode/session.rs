@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::adapter::{Ending, EngineEvent};
-use crate::error::EngineError;
+use automesh_domain::CodedError;
 
 use super::OpenCodeConfig;
 use super::policy::PermissionPolicy;
@@ -39,7 +39,7 @@ pub(super) struct Drive<'a> {
     /// How the run ends, once decided (then only idle is awaited).
     pub(super) ending: Option<Ending>,
     /// The model's own error, reported by `session.error`.
-    pub(super) model_error: Option<EngineError>,
+    pub(super) model_error: Option<CodedError>,
     pub(super) aborted: Option<Instant>,
     pub(super) root_idle: bool,
     pub(super) busy_seen: bool,
@@ -65,7 +65,7 @@ fn strs(v: &Value) -> Vec<String> {
     }
 }
 
-fn model_error(e: &Value) -> EngineError {
+fn model_error(e: &Value) -> CodedError {
     let name = e["name"].as_str().unwrap_or("UnknownError");
     let message = e["data"]["message"].as_str().unwrap_or("").to_owned();
     let status = e["data"]["statusCode"].as_u64();
@@ -75,7 +75,7 @@ fn model_error(e: &Value) -> EngineError {
         ("APIError", Some(401 | 403)) => ErrorCode::ProviderUnavailable,
         _ => ErrorCode::ProviderError,
     };
-    EngineError::new(code, format!("OpenCode reported {name}: {message}"))
+    CodedError::new(code, format!("OpenCode reported {name}: {message}"))
 }
 
 impl Drive<'_> {
@@ -126,7 +126,7 @@ impl Drive<'_> {
                     let attempt = p["status"]["attempt"].as_u64().unwrap_or(0);
                     if attempt >= self.cfg.max_model_retries && self.ending.is_none() {
                         let msg = p["status"]["message"].as_str().unwrap_or("").to_owned();
-                        self.decide(Ending::Failed(EngineError::new(
+                        self.decide(Ending::Failed(CodedError::new(
                             ErrorCode::ProviderUnavailable,
                             format!("the model kept failing ({attempt} retries): {msg}"),
                         )))
@@ -306,13 +306,13 @@ impl Drive<'_> {
             self.pending = None;
         }
         if !allowed && self.ending.is_none() {
-            self.decide(Ending::Failed(EngineError::new(
+            self.decide(Ending::Failed(CodedError::new(
                 ErrorCode::PermissionDenied,
                 format!("the headless policy does not allow permission {described}"),
             )))
             .await;
         } else if !answered && self.ending.is_none() {
-            self.decide(Ending::Failed(EngineError::new(
+            self.decide(Ending::Failed(CodedError::new(
                 ErrorCode::PermissionPending,
                 format!("permission {described} could not be answered"),
             )))
@@ -372,7 +372,7 @@ impl Drive<'_> {
             Err(e) => tracing::warn!(error = %e.message, "dismissing the question failed"),
         }
         if self.ending.is_none() {
-            self.decide(Ending::Failed(EngineError::new(
+            self.decide(Ending::Failed(CodedError::new(
                 ErrorCode::QuestionUnanswered,
                 format!(
                     "the agent asked {described}, which nobody can answer in a headless run; \

@@ -5,7 +5,7 @@ use automesh_domain::ErrorCode;
 use futures_util::StreamExt;
 use serde_json::Value;
 
-use crate::error::EngineError;
+use automesh_domain::CodedError;
 
 /// The longest SSE line accepted.
 const MAX_LINE: usize = 8 * 1024 * 1024;
@@ -59,7 +59,7 @@ pub(super) struct SseLines {
 }
 
 impl SseLines {
-    pub(super) fn push(&mut self, chunk: &[u8], out: &mut Vec<String>) -> Result<(), EngineError> {
+    pub(super) fn push(&mut self, chunk: &[u8], out: &mut Vec<String>) -> Result<(), CodedError> {
         self.buf.extend_from_slice(chunk);
         while let Some(nl) = self.buf.iter().position(|b| *b == b'\n') {
             let raw: Vec<u8> = self.buf.drain(..=nl).collect();
@@ -77,7 +77,7 @@ impl SseLines {
             }
         }
         if self.buf.len() > MAX_LINE || self.data.len() > MAX_LINE {
-            return Err(EngineError::new(
+            return Err(CodedError::new(
                 ErrorCode::RuntimeFailed,
                 "an OpenCode event exceeds the size bound",
             ));

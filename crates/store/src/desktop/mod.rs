@@ -174,7 +174,7 @@ impl Store {
         for b in binds {
             q = q.bind(*b);
         }
-        let rows = q.fetch_all(self.pool()).await?;
+        let rows = q.fetch_all(self.db()).await?;
         rows.iter().map(decode).collect()
     }
 
@@ -194,7 +194,7 @@ impl Store {
             .bind(owner_id)
             .bind(to_hex(spec))
             .bind(micros(now))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         let offered = done.rows_affected() == 1;
         if offered {
@@ -265,7 +265,7 @@ impl Store {
             .bind(runner_id)
             .bind(stream_id)
             .bind(micros(now))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -397,7 +397,7 @@ impl Store {
                 Arg::Int(i) => q.bind(*i),
             };
         }
-        let changed = q.execute(self.pool()).await?.rows_affected();
+        let changed = q.execute(self.db()).await?.rows_affected();
         if changed > 0 {
             self.desktop_changed().await;
         }
@@ -416,7 +416,7 @@ impl Store {
             .bind(run_id)
             .bind(reason)
             .bind(micros(now))
-            .execute(self.pool())
+            .execute(self.db())
             .await?;
         if done.rows_affected() == 1 {
             self.desktop_changed().await;

@@ -62,7 +62,7 @@ impl Store {
     ) -> Result<Vec<(String, String)>> {
         let rows = sqlx::query(STREAMS_OPENED_SINCE)
             .bind(micros(since))
-            .fetch_all(self.pool())
+            .fetch_all(self.db())
             .await?;
         rows.iter()
             .map(|row| Ok((text(row, "runner_id")?, text(row, "stream_id")?)))

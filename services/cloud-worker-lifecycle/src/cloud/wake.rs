@@ -14,7 +14,7 @@ use chrono::{DateTime, Utc};
 use tracing::Instrument;
 
 use super::{AbortOnDrop, Cloud, KEEPALIVE_TIMEOUT};
-use crate::driver::DriverError;
+use automesh_domain::CodedError;
 
 impl Cloud {
     /// Wakes the worker (or waits for whoever is waking it), bounded by
@@ -23,7 +23,7 @@ impl Cloud {
         &self,
         worker_id: &str,
         give_up: DateTime<Utc>,
-    ) -> Result<ReadyWorker, DriverError> {
+    ) -> Result<ReadyWorker, CodedError> {
         let mut backoff = Duration::from_millis(50);
         loop {
             let now = Utc::now();
@@ -32,7 +32,7 @@ impl Cloud {
                 .store
                 .wake_worker(worker_id, &self.replica, self.lease_until(), now)
                 .await
-                .map_err(|e| DriverError::new(ErrorCode::RuntimeFailed, e.to_string()))?;
+                .map_err(|e| CodedError::new(ErrorCode::RuntimeFailed, e.to_string()))?;
             match wake {
                 Wake::Ready { endpoint, agent_id } => {
                     let ready = ReadyWorker {
@@ -64,7 +64,7 @@ impl Cloud {
             }
             if Utc::now() >= give_up {
                 crate::metrics::metrics().woke(ErrorCode::ReadinessTimeout.as_str());
-                return Err(DriverError::new(
+                return Err(CodedError::new(
                     ErrorCode::ReadinessTimeout,
                     format!(
                         "the worker was not ready within {:?}",
@@ -84,7 +84,7 @@ impl Cloud {
         &self,
         worker_id: &str,
         give_up: DateTime<Utc>,
-    ) -> Result<Option<ReadyWorker>, DriverError> {
+    ) -> Result<Option<ReadyWorker>, CodedError> {
         let renewal = {
             let cloud = self.clone();
             let worker = worker_id.to_owned();
@@ -125,7 +125,7 @@ impl Cloud {
                 .await_agent(&endpoint, worker_id, give_up)
                 .instrument(tracing::info_span!("automesh.cloud.readiness"))
                 .await?;
-            Ok::<_, DriverError>((endpoint, agent_id))
+            Ok::<_, CodedError>((endpoint, agent_id))
         }
         .await;
         drop(renewal);
@@ -145,7 +145,7 @@ impl Cloud {
             .store
             .worker_ready(worker_id, &self.replica, &endpoint, &agent_id, Utc::now())
             .await
-            .map_err(|e| DriverError::new(ErrorCode::RuntimeFailed, e.to_string()))?;
+            .map_err(|e| CodedError::new(ErrorCode::RuntimeFailed, e.to_string()))?;
         if !ready {
             tracing::warn!(
                 worker_id,
@@ -169,10 +169,10 @@ impl Cloud {
         endpoint: &str,
         worker_id: &str,
         give_up: DateTime<Utc>,
-    ) -> Result<String, DriverError> {
+    ) -> Result<String, CodedError> {
         let mut agent = self
             .agent(endpoint, worker_id)
-            .map_err(|_| DriverError::new(ErrorCode::RuntimeFailed, "bad worker endpoint"))?;
+            .map_err(|_| CodedError::new(ErrorCode::RuntimeFailed, "bad worker endpoint"))?;
         let mut backoff = Duration::from_millis(25);
         loop {
             let answer = tokio::time::timeout(
@@ -185,7 +185,7 @@ impl Cloud {
             }
             if Utc::now() >= give_up {
                 crate::metrics::metrics().woke(ErrorCode::ReadinessTimeout.as_str());
-                return Err(DriverError::new(
+                return Err(CodedError::new(
                     ErrorCode::ReadinessTimeout,
                     "the worker agent did not answer before the readiness cap",
                 ));
