@@ -25,6 +25,9 @@ macro_rules! string_enum {
         pub enum $name { $($variant,)* }
 
         impl $name {
+            /// Every value, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$variant,)*];
+
             /// The stable storage and wire name.
             pub fn as_str(self) -> &'static str {
                 match self { $($name::$variant => $s,)* }

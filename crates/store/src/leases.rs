@@ -7,13 +7,16 @@ use automesh_domain::{Placement, Run};
 use chrono::{DateTime, Utc};
 
 use crate::rows::micros;
+use crate::runs::live_states;
 use crate::runs::run_columns;
 use crate::{Backend, Result, Store, StoreError};
 
 const CLAIM_PG: &str = concat!(
     "UPDATE runs SET lease_owner = $1, lease_expires_at = $2, claims = claims + 1 \
      WHERE id IN (SELECT id FROM runs \
-        WHERE state IN ('pending', 'waking', 'admitted', 'running') \
+        WHERE state IN ",
+    live_states!(),
+    " \
           AND (lease_expires_at IS NULL OR lease_expires_at < $3) \
           AND ($5 LIKE '%,' || placement || ',%' \
                OR (message_id IS NULL AND (deadline_at < $3 OR cancel_requested_at IS NOT NULL)) \
@@ -27,7 +30,9 @@ const CLAIM_PG: &str = concat!(
 const CLAIM_SQLITE: &str = concat!(
     "UPDATE runs SET lease_owner = $1, lease_expires_at = $2, claims = claims + 1 \
      WHERE id IN (SELECT id FROM runs \
-        WHERE state IN ('pending', 'waking', 'admitted', 'running') \
+        WHERE state IN ",
+    live_states!(),
+    " \
           AND (lease_expires_at IS NULL OR lease_expires_at < $3) \
           AND ($5 LIKE '%,' || placement || ',%' \
                OR (message_id IS NULL AND (deadline_at < $3 OR cancel_requested_at IS NOT NULL)) \
@@ -38,9 +43,13 @@ const CLAIM_SQLITE: &str = concat!(
     ", executor_seq, claims"
 );
 
-const RENEW: &str = "UPDATE runs SET lease_expires_at = $3 \
-     WHERE id = $1 AND lease_owner = $2 AND state IN ('pending', 'waking', 'admitted', 'running') \
-     RETURNING cancel_requested_at";
+const RENEW: &str = concat!(
+    "UPDATE runs SET lease_expires_at = $3 \
+     WHERE id = $1 AND lease_owner = $2 AND state IN ",
+    live_states!(),
+    " \
+     RETURNING cancel_requested_at"
+);
 
 const ENSURE_MESSAGE_ID: &str =
     "UPDATE runs SET message_id = COALESCE(message_id, $2) WHERE id = $1 RETURNING message_id";
@@ -48,8 +57,11 @@ const ENSURE_MESSAGE_ID: &str =
 const SET_EXECUTOR_SEQ: &str =
     "UPDATE runs SET executor_seq = $2 WHERE id = $1 AND executor_seq < $2";
 
-const REQUEST_CANCEL: &str = "UPDATE runs SET cancel_requested_at = COALESCE(cancel_requested_at, $2) \
-     WHERE id = $1 AND state IN ('pending', 'waking', 'admitted', 'running')";
+const REQUEST_CANCEL: &str = concat!(
+    "UPDATE runs SET cancel_requested_at = COALESCE(cancel_requested_at, $2) \
+     WHERE id = $1 AND state IN ",
+    live_states!()
+);
 
 /// What renewing a lease found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -9,6 +9,7 @@ use sqlx::any::AnyRow;
 
 use crate::events::{append_in, status_event};
 use crate::rows::{instant, int, micros, opt_int, opt_parsed, opt_text, parsed, text};
+use crate::runs::live_states;
 use crate::{Result, Store, StoreError};
 
 const INSERT: &str = "INSERT INTO receipts (run_id, outcome, error_code, error_message, placement, \
@@ -24,13 +25,20 @@ const GET: &str = "SELECT run_id, outcome, error_code, error_message, placement,
      workspace_id, thread_id, message_id, created_at, model, provider_model, \
      price_input_micros_per_mtok, price_output_micros_per_mtok FROM receipts WHERE run_id = $1";
 
-const FINISH: &str = "UPDATE runs SET state = $2, error_code = $3, error_message = $4, \
-     updated_at = $5 WHERE id = $1 AND state IN ('pending', 'waking', 'admitted', 'running')";
+const FINISH: &str = concat!(
+    "UPDATE runs SET state = $2, error_code = $3, error_message = $4, \
+     updated_at = $5 WHERE id = $1 AND state IN ",
+    live_states!()
+);
 
 /// The same, only while `$6` holds the run's lease (a fenced finish).
-const FINISH_AS: &str = "UPDATE runs SET state = $2, error_code = $3, error_message = $4, \
-     updated_at = $5 WHERE id = $1 AND state IN ('pending', 'waking', 'admitted', 'running') \
-     AND lease_owner = $6";
+const FINISH_AS: &str = concat!(
+    "UPDATE runs SET state = $2, error_code = $3, error_message = $4, \
+     updated_at = $5 WHERE id = $1 AND state IN ",
+    live_states!(),
+    " \
+     AND lease_owner = $6"
+);
 
 const CURRENT_STATE: &str = "SELECT state FROM runs WHERE id = $1";
 

@@ -20,6 +20,16 @@ macro_rules! run_columns {
 }
 pub(crate) use run_columns;
 
+/// The states of a live run, as an SQL list: named once, for every query
+/// that must only touch live runs (a unit test keeps it equal to the
+/// domain's non-terminal states).
+macro_rules! live_states {
+    () => {
+        "('pending', 'waking', 'admitted', 'running')"
+    };
+}
+pub(crate) use live_states;
+
 const INSERT: &str = "INSERT INTO runs (id, automation_id, org_id, owner_id, placement, trigger, \
      scheduled_for, idempotency_key, prompt, model, state, error_code, error_message, deadline_at, \
      traceparent, created_at, updated_at) \
@@ -200,4 +210,24 @@ pub(crate) async fn insert(
         .execute(&mut **tx)
         .await?;
     Ok(done.rows_affected() == 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use automesh_domain::RunState;
+
+    #[test]
+    fn the_live_state_list_is_the_domains_non_terminal_states() {
+        let listed: Vec<&str> = live_states!()
+            .trim_matches(|c| c == '(' || c == ')')
+            .split(", ")
+            .map(|s| s.trim_matches('\''))
+            .collect();
+        let live: Vec<&str> = RunState::ALL
+            .iter()
+            .filter(|s| !s.is_terminal())
+            .map(|s| s.as_str())
+            .collect();
+        assert_eq!(listed, live);
+    }
 }

@@ -10,6 +10,7 @@ use sqlx::{Any, Transaction};
 
 use crate::automations::automation_columns;
 use crate::rows::{micros, opt_micros};
+use crate::runs::live_states;
 use crate::{Backend, Result, Store};
 
 const DUE_PG: &str = concat!(
@@ -29,8 +30,11 @@ const DUE_SQLITE: &str = concat!(
 const NEXT_DUE: &str =
     "SELECT MIN(next_run_at) FROM automations WHERE state = 'active' AND next_run_at IS NOT NULL";
 
-const HAS_LIVE_RUN: &str = "SELECT COUNT(*) FROM runs WHERE automation_id = $1 \
-     AND state IN ('pending', 'waking', 'admitted', 'running')";
+const HAS_LIVE_RUN: &str = concat!(
+    "SELECT COUNT(*) FROM runs WHERE automation_id = $1 \
+     AND state IN ",
+    live_states!()
+);
 
 const ADVANCE: &str = "UPDATE automations SET next_run_at = $2, updated_at = $3, \
      version = version + 1 WHERE id = $1";
