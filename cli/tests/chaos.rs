@@ -400,7 +400,7 @@ async fn the_mesh_keeps_its_promises_under_seeded_faults() {
     let mut outcomes: BTreeMap<String, usize> = BTreeMap::new();
     for id in &run_ids {
         let run = loop {
-            let run = read(|| store.get_run_unscoped(id)).await;
+            let run = read(|| store.internal().get_run(id)).await;
             if run.state.is_terminal() {
                 break run;
             }
@@ -417,7 +417,7 @@ async fn the_mesh_keeps_its_promises_under_seeded_faults() {
         );
         *outcomes.entry(label).or_default() += 1;
         // One receipt, agreeing with the run, written in time.
-        let receipt = read(|| store.get_receipt(id))
+        let receipt = read(|| store.internal().receipt(id))
             .await
             .unwrap_or_else(|| panic!("run {id} has no receipt: {run:?}"));
         assert_eq!(receipt.outcome, run.state, "{run:?} {receipt:?}");
@@ -426,7 +426,7 @@ async fn the_mesh_keeps_its_promises_under_seeded_faults() {
             "run {id} was live past its deadline plus grace: {run:?} {receipt:?}"
         );
         // One terminal event, the last one, naming the terminal state.
-        let events = read(|| store.list_events(id, 0, 10_000)).await;
+        let events = read(|| store.internal().events(id, 0, 10_000)).await;
         let ends: Vec<_> = events
             .iter()
             .filter(|e| {
@@ -466,7 +466,7 @@ async fn the_mesh_keeps_its_promises_under_seeded_faults() {
             .and_then(|i| run_ids.get(i));
         let detail = match run {
             Some(id) => {
-                let r = read(|| store.get_run_unscoped(id)).await;
+                let r = read(|| store.internal().get_run(id)).await;
                 format!("{id} {:?} {} {:?}", r.placement, r.state, r.error_code)
             }
             None => "no run".into(),
@@ -489,7 +489,7 @@ async fn the_mesh_keeps_its_promises_under_seeded_faults() {
         let id = start_run(client, surface, runs + i).await;
         let give_up = tokio::time::Instant::now() + Duration::from_secs(90);
         let run = loop {
-            let run = read(|| store.get_run_unscoped(&id)).await;
+            let run = read(|| store.internal().get_run(&id)).await;
             if run.state.is_terminal() {
                 break run;
             }

@@ -104,7 +104,7 @@ impl World {
     async fn until_terminal(&self, run_id: &str) -> automesh_domain::Run {
         let give_up = tokio::time::Instant::now() + Duration::from_secs(120);
         loop {
-            if let Ok(run) = self.cluster.store().get_run_unscoped(run_id).await
+            if let Ok(run) = self.cluster.store().internal().get_run(run_id).await
                 && run.state.is_terminal()
             {
                 return run;
@@ -414,7 +414,8 @@ async fn a_coordinator_killed_right_after_a_run_ends_leaves_its_terminal_event()
     let events = w
         .cluster
         .store()
-        .list_events(&run, 0, 1000)
+        .internal()
+        .events(&run, 0, 1000)
         .await
         .expect("events");
     let ends: Vec<_> = events
@@ -432,7 +433,8 @@ async fn a_coordinator_killed_right_after_a_run_ends_leaves_its_terminal_event()
     assert!(
         w.cluster
             .store()
-            .get_receipt(&run)
+            .internal()
+            .receipt(&run)
             .await
             .expect("receipt")
             .is_some()

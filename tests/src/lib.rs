@@ -184,20 +184,23 @@ pub async fn reprice_keeps_history(
 ) {
     let events_before = mesh
         .store()
-        .list_events(&before.run_id, 0, 1000)
+        .internal()
+        .events(&before.run_id, 0, 1000)
         .await
         .expect("events");
     mesh.reprice(test_models_at(price)).await.expect("reprice");
     let after = mesh
         .store()
-        .get_receipt(&before.run_id)
+        .internal()
+        .receipt(&before.run_id)
         .await
         .expect("get receipt")
         .expect("a receipt");
     assert_eq!(&after, before, "a price change rewrote a receipt");
     let events_after = mesh
         .store()
-        .list_events(&before.run_id, 0, 1000)
+        .internal()
+        .events(&before.run_id, 0, 1000)
         .await
         .expect("events");
     assert_eq!(events_after, events_before, "a price change rewrote events");
@@ -212,7 +215,8 @@ pub async fn assert_charged(
     price: automesh_domain::Price,
 ) -> automesh_domain::Receipt {
     let receipt = store
-        .get_receipt(run_id)
+        .internal()
+        .receipt(run_id)
         .await
         .expect("get receipt")
         .expect("a receipt");
@@ -227,7 +231,11 @@ pub async fn assert_charged(
     assert_eq!(receipt.price, Some(price));
     assert_eq!(receipt.model.as_deref(), Some(PRICED_MODEL));
     assert_eq!(receipt.provider_model.as_deref(), Some("echo"));
-    let events = store.list_events(run_id, 0, 1000).await.expect("events");
+    let events = store
+        .internal()
+        .events(run_id, 0, 1000)
+        .await
+        .expect("events");
     let mut usage_events = 0;
     for e in &events {
         if let automesh_domain::RunEventPayload::Usage(u) = &e.payload {
@@ -494,7 +502,7 @@ impl Mesh {
     pub async fn until_terminal(&self, run_id: &str, within: Duration) -> automesh_domain::Run {
         let give_up = tokio::time::Instant::now() + within;
         loop {
-            let run = self.store().get_run_unscoped(run_id).await.expect("run");
+            let run = self.store().internal().get_run(run_id).await.expect("run");
             if run.state.is_terminal() {
                 return run;
             }
@@ -719,7 +727,7 @@ pub fn daily_automation(
 pub async fn until_ended(store: &Store, run_id: &str, within: Duration) -> automesh_domain::Run {
     let give_up = tokio::time::Instant::now() + within;
     loop {
-        let run = store.get_run_unscoped(run_id).await.ok();
+        let run = store.internal().get_run(run_id).await.ok();
         if let Some(run) = &run
             && run.state.is_terminal()
         {

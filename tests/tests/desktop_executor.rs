@@ -174,7 +174,8 @@ async fn a_desktop_run_reaches_the_owners_runner_and_completes() {
     assert_eq!(assigned.recv().await.as_deref(), Some(run.id.as_str()));
     let receipt = mesh
         .store()
-        .get_receipt(&run.id)
+        .internal()
+        .receipt(&run.id)
         .await
         .expect("get")
         .expect("receipt");
@@ -190,7 +191,8 @@ async fn a_desktop_run_reaches_the_owners_runner_and_completes() {
     );
     let events = mesh
         .store()
-        .list_events(&run.id, 0, 100)
+        .internal()
+        .events(&run.id, 0, 100)
         .await
         .expect("events");
     let texts = events

@@ -193,7 +193,8 @@ async fn an_assignment_made_through_replica_b_reaches_the_runner_on_a_and_surviv
     let events = desk
         .mesh
         .store()
-        .list_events(&run.id, 0, 100)
+        .internal()
+        .events(&run.id, 0, 100)
         .await
         .expect("events");
     assert!(
@@ -537,7 +538,8 @@ async fn desktop_runs_are_charged_at_the_catalogue_price_and_keep_it() {
     let events = desk
         .mesh
         .store()
-        .list_events(&run.id, 0, 100)
+        .internal()
+        .events(&run.id, 0, 100)
         .await
         .expect("events");
     let position = |want: &dyn Fn(&automesh_domain::RunEventPayload) -> bool| {
@@ -683,7 +685,8 @@ async fn a_desktop_run_executes_through_the_opencode_adapter_under_the_runners_p
     let events = desk
         .mesh
         .store()
-        .list_events(&run.id, 0, 200)
+        .internal()
+        .events(&run.id, 0, 200)
         .await
         .expect("events");
     let replies: Vec<String> = events

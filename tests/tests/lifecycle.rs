@@ -35,7 +35,8 @@ where
 async fn terminal(store: &Store, run_id: &str, within: Duration) -> Run {
     wait_for(within, "the run to end", || async {
         store
-            .get_run_unscoped(run_id)
+            .internal()
+            .get_run(run_id)
             .await
             .ok()
             .filter(|r| r.state.is_terminal())
@@ -159,7 +160,8 @@ async fn a_due_occurrence_runs_to_a_receipt(backend: Backend) {
 
     let receipt = mesh
         .store()
-        .get_receipt(&run.id)
+        .internal()
+        .receipt(&run.id)
         .await
         .expect("get")
         .expect("receipt");
@@ -182,7 +184,8 @@ async fn a_due_occurrence_runs_to_a_receipt(backend: Backend) {
 
     let events = mesh
         .store()
-        .list_events(&run.id, 0, 100)
+        .internal()
+        .events(&run.id, 0, 100)
         .await
         .expect("events");
     let texts = events
@@ -229,7 +232,8 @@ async fn a_killed_coordinator_is_taken_over_without_a_second_submission(backend:
     let run = run_now(&mesh, &token, &a.id, "takeover").await;
     wait_for(Duration::from_secs(10), "the run to be running", || async {
         mesh.store()
-            .get_run_unscoped(&run.id)
+            .internal()
+            .get_run(&run.id)
             .await
             .ok()
             .filter(|r| r.state == RunState::Running)
@@ -252,7 +256,8 @@ async fn a_killed_coordinator_is_taken_over_without_a_second_submission(backend:
     );
     let events = mesh
         .store()
-        .list_events(&run.id, 0, 100)
+        .internal()
+        .events(&run.id, 0, 100)
         .await
         .expect("events");
     let texts = events
@@ -327,7 +332,8 @@ async fn three_days_of_downtime_catch_up_once(backend: Backend) {
         assert_eq!(m.error_code, Some(ErrorCode::MissedDuringDowntime));
         let receipt = mesh
             .store()
-            .get_receipt(&m.id)
+            .internal()
+            .receipt(&m.id)
             .await
             .expect("get")
             .expect("a missed occurrence has a receipt");
@@ -353,7 +359,8 @@ async fn an_occurrence_while_the_previous_run_is_live_is_skipped(backend: Backen
         "the manual run to be running",
         || async {
             mesh.store()
-                .get_run_unscoped(&live.id)
+                .internal()
+                .get_run(&live.id)
                 .await
                 .ok()
                 .filter(|r| r.state == RunState::Running)
@@ -383,7 +390,8 @@ async fn an_occurrence_while_the_previous_run_is_live_is_skipped(backend: Backen
     assert_eq!(skipped.error_code, Some(ErrorCode::PreviousRunLive));
     let receipt = mesh
         .store()
-        .get_receipt(&skipped.id)
+        .internal()
+        .receipt(&skipped.id)
         .await
         .expect("get")
         .expect("receipt");
@@ -531,7 +539,8 @@ async fn cancel_ends_cancelled_once_the_executor_is_idle() {
     let run = run_now(&mesh, &token, &a.id, "c").await;
     wait_for(Duration::from_secs(10), "running", || async {
         mesh.store()
-            .get_run_unscoped(&run.id)
+            .internal()
+            .get_run(&run.id)
             .await
             .ok()
             .filter(|r| r.state == RunState::Running)
@@ -560,7 +569,8 @@ async fn a_cancellation_recorded_by_another_replica_reaches_the_driver() {
     let run = run_now(&mesh, &token, &a.id, "remote").await;
     wait_for(Duration::from_secs(10), "running", || async {
         mesh.store()
-            .get_run_unscoped(&run.id)
+            .internal()
+            .get_run(&run.id)
             .await
             .ok()
             .filter(|r| r.state == RunState::Running)
@@ -570,6 +580,7 @@ async fn a_cancellation_recorded_by_another_replica_reaches_the_driver() {
     // in-process signal to this driver. The heartbeat must bring it.
     assert!(
         mesh.store()
+            .internal()
             .request_cancel(&run.id, Utc::now())
             .await
             .expect("request")
@@ -596,7 +607,8 @@ async fn cancel_on_an_executor_that_never_goes_idle_ends_cancel_unobserved() {
     let run = run_now(&mesh, &token, &a.id, "stuck").await;
     wait_for(Duration::from_secs(10), "running", || async {
         mesh.store()
-            .get_run_unscoped(&run.id)
+            .internal()
+            .get_run(&run.id)
             .await
             .ok()
             .filter(|r| r.state == RunState::Running)

@@ -1305,7 +1305,7 @@ async fn trace_context_follows_run_now_into_the_run() {
         .expect("run");
     // The client's trace crossed the gateway and the scheduler into the stored run.
     assert_eq!(run.trace_id, trace_id);
-    let stored = mesh.store().get_run_unscoped(&run.id).await.expect("run");
+    let stored = mesh.store().internal().get_run(&run.id).await.expect("run");
     let tp = stored.traceparent.expect("stored traceparent");
     assert!(tp.starts_with(&format!("00-{trace_id}-")), "{tp}");
     mesh.stop().await.expect("stop");

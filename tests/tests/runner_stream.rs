@@ -511,7 +511,7 @@ async fn protocol_violations_are_named_on_the_stream_and_leave_the_run_alone() {
         assert_eq!(e.code, "not_assigned", "{e:?}");
     }
     // The run was not touched: still live, and a terminal report ends it.
-    let live = mesh.store().get_run_unscoped(&run.id).await.expect("run");
+    let live = mesh.store().internal().get_run(&run.id).await.expect("run");
     assert!(!live.state.is_terminal(), "{live:?}");
     tx.send(up(Up::RunFinished(rpb::RunFinished {
         run_id: run.id.clone(),

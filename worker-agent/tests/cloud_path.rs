@@ -129,7 +129,7 @@ impl Env {
         let run_id = automesh_domain::ids::scheduled_run_id(automation_id, at);
         let give_up = tokio::time::Instant::now() + Duration::from_secs(90);
         loop {
-            if let Ok(run) = self.mesh.store().get_run_unscoped(&run_id).await
+            if let Ok(run) = self.mesh.store().internal().get_run(&run_id).await
                 && run.state.is_terminal()
             {
                 return run;
@@ -236,7 +236,8 @@ async fn a_stopped_worker_is_woken_for_a_due_run_and_stopped_again_when_idle() {
     let receipt = env
         .mesh
         .store()
-        .get_receipt(&run.id)
+        .internal()
+        .receipt(&run.id)
         .await
         .expect("get")
         .expect("receipt");
@@ -250,7 +251,8 @@ async fn a_stopped_worker_is_woken_for_a_due_run_and_stopped_again_when_idle() {
     let events = env
         .mesh
         .store()
-        .list_events(&run.id, 0, 100)
+        .internal()
+        .events(&run.id, 0, 100)
         .await
         .expect("events");
     assert!(
@@ -585,6 +587,7 @@ async fn cancelling_a_cloud_run_stops_the_thread_and_ends_once_it_is_idle() {
     let run_id = automesh_domain::ids::scheduled_run_id("cancel-me", at);
     env.mesh
         .store()
+        .internal()
         .request_cancel(&run_id, Utc::now())
         .await
         .expect("cancel");
@@ -626,7 +629,7 @@ async fn a_cloud_run_is_running_while_its_agent_executes_it() {
     // The engine spends 3 s in its provider call; within them the run must
     // read `running` (today's bug: `admitted` until the end).
     loop {
-        let now = env.mesh.store().get_run_unscoped(&run_id).await.ok();
+        let now = env.mesh.store().internal().get_run(&run_id).await.ok();
         match now.as_ref().map(|r| r.state) {
             Some(RunState::Running) => break,
             Some(s) if s.is_terminal() => panic!("the run ended without reading running: {now:?}"),
@@ -643,7 +646,8 @@ async fn a_cloud_run_is_running_while_its_agent_executes_it() {
     let events = env
         .mesh
         .store()
-        .list_events(&run.id, 0, 100)
+        .internal()
+        .events(&run.id, 0, 100)
         .await
         .expect("events");
     let seq = |want: &dyn Fn(&automesh_domain::RunEventPayload) -> bool| {
@@ -664,7 +668,8 @@ async fn a_cloud_run_is_running_while_its_agent_executes_it() {
     let receipt = env
         .mesh
         .store()
-        .get_receipt(&run.id)
+        .internal()
+        .receipt(&run.id)
         .await
         .expect("get")
         .expect("receipt");

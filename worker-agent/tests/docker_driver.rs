@@ -270,7 +270,7 @@ async fn a_cloud_run_wakes_a_container_worker_and_idle_stop_stops_it() {
     let run_id = automesh_domain::ids::scheduled_run_id("in-docker", at);
     let give_up = tokio::time::Instant::now() + Duration::from_secs(60);
     let run = loop {
-        if let Ok(run) = mesh.store().get_run_unscoped(&run_id).await
+        if let Ok(run) = mesh.store().internal().get_run(&run_id).await
             && run.state.is_terminal()
         {
             break run;

@@ -114,7 +114,7 @@ impl Store {
             .bind(micros(now))
             .execute(self.db())
             .await?;
-        self.get_automation_unscoped(&new.id).await
+        self.internal().get_automation(&new.id).await
     }
 
     /// One automation of `owner`; another tenant's answers `NotFound`.
@@ -123,16 +123,6 @@ impl Store {
             .bind(id)
             .bind(&owner.org_id)
             .bind(&owner.user_id)
-            .fetch_optional(self.db())
-            .await?
-            .ok_or(StoreError::NotFound)?;
-        decode(&row)
-    }
-
-    /// One automation by id, for internal callers that act for no user.
-    pub async fn get_automation_unscoped(&self, id: &str) -> Result<Automation> {
-        let row = sqlx::query(GET_UNSCOPED)
-            .bind(id)
             .fetch_optional(self.db())
             .await?
             .ok_or(StoreError::NotFound)?;
@@ -204,5 +194,17 @@ impl Store {
                 current: stored.version,
             })
         }
+    }
+}
+
+impl crate::Internal<'_> {
+    /// One automation by id, for internal callers that act for no user.
+    pub async fn get_automation(self, id: &str) -> Result<Automation> {
+        let row = sqlx::query(GET_UNSCOPED)
+            .bind(id)
+            .fetch_optional(self.db())
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        decode(&row)
     }
 }

@@ -59,17 +59,6 @@ impl Store {
         tx.commit().await?;
         Ok(appended)
     }
-
-    /// Up to `limit` events of a run with a sequence greater than `after`.
-    pub async fn list_events(&self, run_id: &str, after: i64, limit: u32) -> Result<Vec<RunEvent>> {
-        let rows = sqlx::query(LIST_AFTER)
-            .bind(run_id)
-            .bind(after)
-            .bind(i64::from(limit))
-            .fetch_all(self.db())
-            .await?;
-        rows.iter().map(decode).collect()
-    }
 }
 
 /// The id of the status event a run's move to `state` is recorded under:
@@ -145,4 +134,17 @@ pub(crate) async fn append_in(
             .await?;
     }
     Ok(appended)
+}
+
+impl crate::Internal<'_> {
+    /// Up to `limit` events of a run with a sequence greater than `after`.
+    pub async fn events(self, run_id: &str, after: i64, limit: u32) -> Result<Vec<RunEvent>> {
+        let rows = sqlx::query(LIST_AFTER)
+            .bind(run_id)
+            .bind(after)
+            .bind(i64::from(limit))
+            .fetch_all(self.db())
+            .await?;
+        rows.iter().map(decode).collect()
+    }
 }

@@ -181,17 +181,6 @@ impl Store {
             .await?;
         Ok(())
     }
-
-    /// Records a cancellation request on a live run; `false` when the run
-    /// is already terminal (or unknown).
-    pub async fn request_cancel(&self, id: &str, now: DateTime<Utc>) -> Result<bool> {
-        let done = sqlx::query(REQUEST_CANCEL)
-            .bind(id)
-            .bind(micros(now))
-            .execute(self.db())
-            .await?;
-        Ok(done.rows_affected() == 1)
-    }
 }
 
 const RELEASE_ALL: &str =
@@ -228,5 +217,18 @@ impl Store {
             pending: crate::rows::int(&row, "n")?,
             oldest: crate::rows::opt_instant(&row, "oldest")?,
         })
+    }
+}
+
+impl crate::Internal<'_> {
+    /// Records a cancellation request on a live run; `false` when the run
+    /// is already terminal (or unknown).
+    pub async fn request_cancel(self, id: &str, now: DateTime<Utc>) -> Result<bool> {
+        let done = sqlx::query(REQUEST_CANCEL)
+            .bind(id)
+            .bind(micros(now))
+            .execute(self.db())
+            .await?;
+        Ok(done.rows_affected() == 1)
     }
 }

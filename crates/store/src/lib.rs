@@ -212,6 +212,12 @@ impl Store {
         &self.pool
     }
 
+    /// The id-only reads and writes, for internal callers that act for no
+    /// user: see [`Internal`].
+    pub fn internal(&self) -> Internal<'_> {
+        Internal(self)
+    }
+
     /// Starts a transaction that will write. On SQLite it takes the write
     /// lock up front (`BEGIN IMMEDIATE`), so two writers queue on the busy
     /// timeout instead of failing when a read lock is upgraded.
@@ -273,5 +279,22 @@ impl Store {
                 }
             })
         })
+    }
+}
+
+/// The store's id-only reads and writes, for internal callers that act for
+/// no user — the coordinator driving a run, the executors, the harnesses.
+/// Everything a user's request reaches takes a [`Principal`] on [`Store`]
+/// itself (another tenant's object is indistinguishable from a missing
+/// one); what is here never checks an owner, so it is reached only through
+/// [`Store::internal`], where a reader sees it.
+///
+/// [`Principal`]: automesh_domain::Principal
+#[derive(Debug, Clone, Copy)]
+pub struct Internal<'a>(&'a Store);
+
+impl Internal<'_> {
+    pub(crate) fn db(&self) -> &AnyPool {
+        self.0.db()
     }
 }

@@ -141,7 +141,7 @@ impl Store {
         }
         insert(&mut tx, receipt).await?;
         tx.commit().await?;
-        self.get_run_unscoped(&receipt.run_id).await
+        self.internal().get_run(&receipt.run_id).await
     }
 
     /// Stores the receipt of a run that was created terminal (skipped or
@@ -151,17 +151,6 @@ impl Store {
         insert(&mut tx, receipt).await?;
         tx.commit().await?;
         Ok(())
-    }
-
-    /// The receipt of a run, once it has one.
-    pub async fn get_receipt(&self, run_id: &str) -> Result<Option<Receipt>> {
-        sqlx::query(GET)
-            .bind(run_id)
-            .fetch_optional(self.db())
-            .await?
-            .as_ref()
-            .map(decode)
-            .transpose()
     }
 }
 
@@ -201,4 +190,17 @@ pub(crate) async fn insert(
         append_in(tx, &r.run_id, &[event], r.created_at).await?;
     }
     Ok(())
+}
+
+impl crate::Internal<'_> {
+    /// The receipt of a run, once it has one.
+    pub async fn receipt(self, run_id: &str) -> Result<Option<Receipt>> {
+        sqlx::query(GET)
+            .bind(run_id)
+            .fetch_optional(self.db())
+            .await?
+            .as_ref()
+            .map(decode)
+            .transpose()
+    }
 }

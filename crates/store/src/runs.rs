@@ -102,7 +102,7 @@ impl Store {
         if created {
             crate::signal::runs_created();
         }
-        Ok((self.get_run_unscoped(&new.id).await?, created))
+        Ok((self.internal().get_run(&new.id).await?, created))
     }
 
     /// One run of `owner`; another tenant's answers `NotFound`.
@@ -111,16 +111,6 @@ impl Store {
             .bind(id)
             .bind(&owner.org_id)
             .bind(&owner.user_id)
-            .fetch_optional(self.db())
-            .await?
-            .ok_or(StoreError::NotFound)?;
-        decode(&row)
-    }
-
-    /// One run by id, for internal callers that act for no user.
-    pub async fn get_run_unscoped(&self, id: &str) -> Result<Run> {
-        let row = sqlx::query(GET_UNSCOPED)
-            .bind(id)
             .fetch_optional(self.db())
             .await?
             .ok_or(StoreError::NotFound)?;
@@ -172,7 +162,7 @@ impl Store {
             .bind(micros(now))
             .execute(self.db())
             .await?;
-        let run = self.get_run_unscoped(id).await?;
+        let run = self.internal().get_run(id).await?;
         if done.rows_affected() == 1 {
             Ok(run)
         } else {
@@ -210,6 +200,18 @@ pub(crate) async fn insert(
         .execute(&mut **tx)
         .await?;
     Ok(done.rows_affected() == 1)
+}
+
+impl crate::Internal<'_> {
+    /// One run by id, for internal callers that act for no user.
+    pub async fn get_run(self, id: &str) -> Result<Run> {
+        let row = sqlx::query(GET_UNSCOPED)
+            .bind(id)
+            .fetch_optional(self.db())
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        decode(&row)
+    }
 }
 
 #[cfg(test)]

@@ -49,7 +49,7 @@ impl Coordinator {
 
     async fn to_pb(&self, run: &Run) -> Result<pb::Run, Error> {
         let receipt = if run.state.is_terminal() {
-            self.store.get_receipt(&run.id).await?
+            self.store.internal().receipt(&run.id).await?
         } else {
             None
         };
@@ -70,7 +70,7 @@ impl Coordinator {
         if run.state.is_terminal() {
             return Ok(run);
         }
-        if self.store.request_cancel(&run.id, now).await? {
+        if self.store.internal().request_cancel(&run.id, now).await? {
             tracing::info!(run_id = %run.id, "cancellation requested");
             self.context.signal_cancel(&run.id);
         }
@@ -164,7 +164,8 @@ impl RunCoordinatorService for Coordinator {
             .map_err(Error::from)?;
         let events = self
             .store
-            .list_events(&list.run_id, list.after_sequence, size)
+            .internal()
+            .events(&list.run_id, list.after_sequence, size)
             .await
             .map_err(Error::from)?;
         let mut events: Vec<pb::RunEvent> = events.iter().map(convert::event_to_pb).collect();

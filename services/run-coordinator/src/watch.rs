@@ -95,12 +95,14 @@ async fn follow(
         // Read the state before draining events: every event committed before
         // a terminal state is then seen before the stream ends.
         let current = store
-            .get_run_unscoped(&run.id)
+            .internal()
+            .get_run(&run.id)
             .await
             .map_err(crate::Error::from)?;
         loop {
             let events = store
-                .list_events(&run.id, after, BATCH)
+                .internal()
+                .events(&run.id, after, BATCH)
                 .await
                 .map_err(crate::Error::from)?;
             let full = events.len() == BATCH as usize;

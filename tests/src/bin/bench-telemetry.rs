@@ -119,7 +119,7 @@ async fn measure(bin: &Path, runs: usize, on: bool) -> anyhow::Result<(f64, f64)
     let give_up = Instant::now() + Duration::from_secs(600);
     for run_id in &run_ids {
         loop {
-            let run = cluster.store().get_run_unscoped(run_id).await?;
+            let run = cluster.store().internal().get_run(run_id).await?;
             if run.state.is_terminal() {
                 anyhow::ensure!(run.state == RunState::Succeeded, "{run:?}");
                 break;

@@ -324,7 +324,7 @@ pub async fn run_transitions_are_guarded(store: &Store) {
         Err(StoreError::NotFound)
     ));
     assert_eq!(
-        store.get_run_unscoped("r1").await.expect("get").state,
+        store.internal().get_run("r1").await.expect("get").state,
         RunState::Failed
     );
 }
@@ -347,7 +347,7 @@ pub async fn terminal_runs_are_final_in_the_schema(store: &Store) {
     let err = StoreError::from(err);
     assert!(matches!(err, StoreError::Invariant(_)), "{err:?}");
     assert_eq!(
-        store.get_run_unscoped("r1").await.expect("get").state,
+        store.internal().get_run("r1").await.expect("get").state,
         RunState::Succeeded
     );
 }
@@ -371,12 +371,20 @@ pub async fn finish_run_writes_exactly_one_receipt(store: &Store) {
         Err(StoreError::IllegalTransition { .. })
     ));
     let stored = store
-        .get_receipt("r1")
+        .internal()
+        .receipt("r1")
         .await
         .expect("get")
         .expect("receipt");
     assert_eq!(stored, failed);
-    assert!(store.get_receipt("nope").await.expect("get").is_none());
+    assert!(
+        store
+            .internal()
+            .receipt("nope")
+            .await
+            .expect("get")
+            .is_none()
+    );
 }
 
 /// The terminal state, the receipt and the terminal status event commit
@@ -398,7 +406,7 @@ pub async fn a_run_ends_with_its_receipt_and_status_event_or_not_at_all(store: &
     failed.error_code = Some(ErrorCode::ProviderUnavailable);
     failed.error_message = Some("the provider kept failing".into());
     store.finish_run(&failed, t(3)).await.expect("finish");
-    let events = store.list_events("r1", 0, 100).await.expect("events");
+    let events = store.internal().events("r1", 0, 100).await.expect("events");
     assert_eq!(events.len(), 2, "{events:?}");
     assert_eq!(
         events[1].payload,
@@ -422,7 +430,12 @@ pub async fn a_run_ends_with_its_receipt_and_status_event_or_not_at_all(store: &
         .await
         .expect("append");
     assert_eq!(
-        store.list_events("r1", 0, 100).await.expect("events").len(),
+        store
+            .internal()
+            .events("r1", 0, 100)
+            .await
+            .expect("events")
+            .len(),
         2
     );
 
@@ -452,9 +465,9 @@ pub async fn a_run_ends_with_its_receipt_and_status_event_or_not_at_all(store: &
             .await
             .is_err()
     );
-    let r2 = store.get_run_unscoped("r2").await.expect("get");
+    let r2 = store.internal().get_run("r2").await.expect("get");
     assert!(!r2.state.is_terminal(), "{r2:?}");
-    assert!(store.get_receipt("r2").await.expect("get").is_none());
+    assert!(store.internal().receipt("r2").await.expect("get").is_none());
 }
 
 pub async fn events_are_ordered_and_deduplicated(store: &Store) {
@@ -492,7 +505,7 @@ pub async fn events_are_ordered_and_deduplicated(store: &Store) {
         .expect("append");
     assert_eq!(more.len(), 1);
     assert_eq!(more[0].sequence, 3);
-    let all = store.list_events("r1", 0, 100).await.expect("list");
+    let all = store.internal().events("r1", 0, 100).await.expect("list");
     assert_eq!(
         all.iter()
             .map(|e| (e.sequence, e.event_id.as_str()))
@@ -503,7 +516,7 @@ pub async fn events_are_ordered_and_deduplicated(store: &Store) {
         all[0].payload,
         RunEventPayload::AssistantText { text: "one".into() }
     );
-    let tail = store.list_events("r1", 2, 100).await.expect("list");
+    let tail = store.internal().events("r1", 2, 100).await.expect("list");
     assert_eq!(tail.len(), 1);
     assert_eq!(tail[0].event_id, "e3");
     assert!(matches!(
@@ -538,7 +551,7 @@ pub async fn concurrent_event_appenders_get_contiguous_sequences(store: &Store) 
     for task in tasks {
         task.await.expect("producer");
     }
-    let all = store.list_events("r1", 0, 1000).await.expect("list");
+    let all = store.internal().events("r1", 0, 1000).await.expect("list");
     assert_eq!(all.len(), 6 * 10 + 10);
     let seqs: Vec<i64> = all.iter().map(|e| e.sequence).collect();
     assert_eq!(seqs, (1..=70).collect::<Vec<_>>());
@@ -1125,7 +1138,13 @@ pub async fn runs_are_leased_to_one_coordinator_and_fenced(store: &Store) {
         Renewal::Lost
     );
     // A cancellation request reaches the holder with its next renewal.
-    assert!(store.request_cancel("r1", t(62)).await.expect("cancel"));
+    assert!(
+        store
+            .internal()
+            .request_cancel("r1", t(62))
+            .await
+            .expect("cancel")
+    );
     assert_eq!(
         store.renew_lease("r1", "c2", t(130)).await.expect("renew"),
         Renewal::Held {

@@ -380,7 +380,7 @@ pub(super) async fn apply_status(
     };
     let now = Utc::now();
     for target in targets {
-        let current = ctx.store.get_run_unscoped(&run.id).await?;
+        let current = ctx.store.internal().get_run(&run.id).await?;
         if current.state.can_move_to(*target) {
             match ctx.store.transition_run(&run.id, *target, None, now).await {
                 Ok(_) => record_status(ctx, run, *target, None, None).await?,

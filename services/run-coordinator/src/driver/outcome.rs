@@ -28,7 +28,7 @@ pub(super) fn micros_between(from: Option<DateTime<Utc>>, to: DateTime<Utc>) -> 
 /// event in one transaction, then what the outcome means for the automation.
 pub(super) async fn finish(ctx: &Context, run: &Run, ending: Ending) -> Result<(), StoreError> {
     let now = Utc::now();
-    let current = ctx.store.get_run_unscoped(&run.id).await?;
+    let current = ctx.store.internal().get_run(&run.id).await?;
     let thread = ending.thread.clone().unwrap_or_default();
     let some = |s: String| (!s.is_empty()).then_some(s);
     let price = ctx.price(run);
@@ -106,7 +106,8 @@ pub(super) async fn update_attention(
     for _ in 0..5 {
         let mut a = ctx
             .store
-            .get_automation_unscoped(&run.automation_id)
+            .internal()
+            .get_automation(&run.automation_id)
             .await?;
         let version = a.version;
         if needs_attention && a.state == AutomationState::Active {
