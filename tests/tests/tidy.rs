@@ -100,6 +100,18 @@ fn unavailable_and_internal_answers_are_built_only_at_the_error_edge() {
     );
 }
 
+/// Proto types never reach the store: the store crate does not even
+/// depend on the generated protobuf code (handlers convert at the edge).
+#[test]
+fn the_store_does_not_depend_on_the_protos() {
+    let manifest = std::fs::read_to_string(workspace().join("crates/store/Cargo.toml"))
+        .expect("the store's manifest");
+    assert!(
+        !manifest.contains("automesh-proto"),
+        "crates/store must not depend on automesh-proto"
+    );
+}
+
 #[test]
 fn test_code_is_told_apart_from_production_code() {
     assert!(is_test_code(Path::new("tests/src/lib.rs")));

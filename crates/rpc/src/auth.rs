@@ -147,4 +147,26 @@ mod derive_tests {
         assert_ne!(c.derive("worker:1"), c.derive("worker:2"));
         assert!(!c.derive("worker:1").contains("a-mesh-internal-credential"));
     }
+
+    #[test]
+    fn secrets_and_credentials_never_print_themselves() {
+        let secret = Secret::from("sk-never-printed-0123");
+        let credential = InternalCredential::new("internal-never-printed-0123").expect("credential");
+        #[derive(Debug)]
+        #[allow(dead_code)]
+        struct Config {
+            key: Secret,
+            optional: Option<Secret>,
+            credential: InternalCredential,
+        }
+        let config = Config {
+            key: secret.clone(),
+            optional: Some(secret.clone()),
+            credential,
+        };
+        let printed = format!("{config:?} {config:#?}");
+        assert!(!printed.contains("never-printed"), "{printed}");
+        assert!(printed.contains("<redacted>"));
+        assert_eq!(secret.expose(), "sk-never-printed-0123");
+    }
 }
