@@ -151,7 +151,8 @@ mod derive_tests {
     #[test]
     fn secrets_and_credentials_never_print_themselves() {
         let secret = Secret::from("sk-never-printed-0123");
-        let credential = InternalCredential::new("internal-never-printed-0123").expect("credential");
+        let credential =
+            InternalCredential::new("internal-never-printed-0123").expect("credential");
         #[derive(Debug)]
         #[allow(dead_code)]
         struct Config {
