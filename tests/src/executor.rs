@@ -3,7 +3,6 @@
 //! tests can prove a prompt was submitted exactly once.
 
 use std::collections::HashMap;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -12,7 +11,6 @@ use automesh_proto::executor::v1::executor_service_server::{
     ExecutorService, ExecutorServiceServer,
 };
 use automesh_proto::v1 as pb;
-use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
@@ -210,21 +208,13 @@ impl TestExecutor {
     }
 }
 
-type ObserveStream = Pin<Box<dyn Stream<Item = Result<epb::ObserveRunResponse, Status>> + Send>>;
-
 #[tonic::async_trait]
 impl ExecutorService for TestExecutor {
     async fn start_run(
         &self,
         request: Request<epb::StartRunRequest>,
     ) -> Result<Response<epb::StartRunResponse>, Status> {
-        let spec = request
-            .into_inner()
-            .run
-            .ok_or_else(|| Status::invalid_argument("run"))?;
-        if spec.message_id.is_empty() {
-            return Err(Status::invalid_argument("message_id is required"));
-        }
+        let spec = automesh_rpc::executor::run_spec(request.into_inner())?;
         let behavior = self.behavior.lock().expect("lock").clone();
         let (submitted, status) = {
             let mut state = self.state.lock().expect("lock");
@@ -260,7 +250,7 @@ impl ExecutorService for TestExecutor {
         }))
     }
 
-    type ObserveRunStream = ObserveStream;
+    type ObserveRunStream = automesh_rpc::executor::ObserveStream;
 
     async fn observe_run(
         &self,
@@ -269,7 +259,7 @@ impl ExecutorService for TestExecutor {
         let req = request.into_inner();
         let state = self.state.clone();
         let stream = async_stream(state, req.run_id, req.after_sequence);
-        Ok(Response::new(Box::pin(stream)))
+        Ok(Response::new(stream))
     }
 
     async fn cancel_run(
@@ -326,10 +316,9 @@ fn async_stream(
     state: Arc<Mutex<State>>,
     run_id: String,
     mut after: i64,
-) -> impl Stream<Item = Result<epb::ObserveRunResponse, Status>> + Send {
-    let (tx, rx) = tokio::sync::mpsc::channel(64);
+) -> automesh_rpc::executor::ObserveStream {
+    let (mut observer, stream) = automesh_rpc::executor::observe();
     tokio::spawn(async move {
-        let mut last_status: Option<epb::ExecutionStatus> = None;
         loop {
             let snapshot = {
                 let s = state.lock().expect("lock");
@@ -344,41 +333,23 @@ fn async_stream(
                 })
             };
             let Some((events, status)) = snapshot else {
-                let _ = tx.send(Err(Status::not_found("run"))).await;
+                observer.fail(Status::not_found("run")).await;
                 return;
             };
             for ev in events {
                 after = ev.sequence;
-                let update = epb::observe_run_response::Update::Event(ev);
-                if tx
-                    .send(Ok(epb::ObserveRunResponse {
-                        update: Some(update),
-                    }))
-                    .await
-                    .is_err()
-                {
+                if !observer.event(ev).await {
                     return;
                 }
             }
-            if last_status.as_ref() != Some(&status) {
-                last_status = Some(status.clone());
-                let finished = status.phase == epb::ExecutionPhase::Finished as i32;
-                let update = epb::observe_run_response::Update::Status(status);
-                if tx
-                    .send(Ok(epb::ObserveRunResponse {
-                        update: Some(update),
-                    }))
-                    .await
-                    .is_err()
-                    || finished
-                {
-                    return;
-                }
+            let finished = status.phase == epb::ExecutionPhase::Finished as i32;
+            if !observer.status(status).await || finished {
+                return;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     });
-    tokio_stream::wrappers::ReceiverStream::new(rx)
+    stream
 }
 
 impl TestExecutor {

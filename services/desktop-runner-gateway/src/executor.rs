@@ -11,18 +11,16 @@
 //! offer simply waits; the coordinator ends it `runner_offline` at the
 //! deadline.
 
-use std::pin::Pin;
 use std::sync::Arc;
 
 use automesh_proto::executor::v1 as epb;
 use automesh_proto::executor::v1::executor_service_server::ExecutorService;
 use automesh_proto::v1 as pb;
-use automesh_rpc::status;
+use automesh_rpc::{executor, status};
 use automesh_store::Store;
 use automesh_store::desktop::{DesktopAssignment, DesktopPhase};
 use chrono::Utc;
 use prost::Message as _;
-use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::dispatch::{Dispatch, POLL};
@@ -77,28 +75,13 @@ impl DesktopExecutor {
     }
 }
 
-type ObserveStream = Pin<Box<dyn Stream<Item = Result<epb::ObserveRunResponse, Status>> + Send>>;
-
 #[tonic::async_trait]
 impl ExecutorService for DesktopExecutor {
     async fn start_run(
         &self,
         request: Request<epb::StartRunRequest>,
     ) -> Result<Response<epb::StartRunResponse>, Status> {
-        let spec = request
-            .into_inner()
-            .run
-            .ok_or_else(|| Status::invalid_argument("run is required"))?;
-        if spec.run_id.is_empty() || spec.message_id.is_empty() {
-            return Err(Status::invalid_argument(
-                "run_id and message_id are required",
-            ));
-        }
-        if spec.organization_id.is_empty() || spec.owner_id.is_empty() {
-            return Err(Status::invalid_argument(
-                "organization_id and owner_id are required",
-            ));
-        }
+        let spec = executor::run_spec(request.into_inner())?;
         let offered = self
             .store
             .offer_desktop_run(
@@ -119,7 +102,7 @@ impl ExecutorService for DesktopExecutor {
         }))
     }
 
-    type ObserveRunStream = ObserveStream;
+    type ObserveRunStream = executor::ObserveStream;
 
     async fn observe_run(
         &self,
@@ -137,10 +120,9 @@ impl ExecutorService for DesktopExecutor {
         }
         let store = self.store.clone();
         let dispatch = self.dispatch.clone();
-        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let (mut observer, stream) = executor::observe();
         tokio::spawn(async move {
             let mut after = req.after_sequence;
-            let mut last: Option<epb::ExecutionStatus> = None;
             loop {
                 let changed = dispatch.changed.notified();
                 tokio::pin!(changed);
@@ -157,8 +139,8 @@ impl ExecutorService for DesktopExecutor {
                 let (a, events) = match read.await {
                     Ok(r) => r,
                     Err(e) => {
-                        let _ = tx
-                            .send(Err(status::failure(e.kind(), "desktop dispatch", &e)))
+                        observer
+                            .fail(status::failure(e.kind(), "desktop dispatch", &e))
                             .await;
                         return;
                     }
@@ -173,7 +155,7 @@ impl ExecutorService for DesktopExecutor {
                 // is read first), the run is running all the same.
                 let mut status = status_of(Some(&a));
                 let running = epb::ExecutionPhase::Running as i32;
-                let seen_running = last.as_ref().is_some_and(|s| {
+                let seen_running = observer.last().is_some_and(|s| {
                     s.phase == running || s.phase == epb::ExecutionPhase::Finished as i32
                 });
                 if !events.is_empty() && !seen_running && status.phase != running {
@@ -185,19 +167,9 @@ impl ExecutorService for DesktopExecutor {
                     };
                 }
                 if status.phase != epb::ExecutionPhase::Finished as i32
-                    && last.as_ref() != Some(&status)
+                    && !observer.status(status).await
                 {
-                    last = Some(status.clone());
-                    let update = epb::observe_run_response::Update::Status(status);
-                    if tx
-                        .send(Ok(epb::ObserveRunResponse {
-                            update: Some(update),
-                        }))
-                        .await
-                        .is_err()
-                    {
-                        return;
-                    }
+                    return;
                 }
                 for e in events {
                     after = e.sequence;
@@ -207,14 +179,7 @@ impl ExecutorService for DesktopExecutor {
                     };
                     event.sequence = e.sequence;
                     event.run_id = req.run_id.clone();
-                    let update = epb::observe_run_response::Update::Event(event);
-                    if tx
-                        .send(Ok(epb::ObserveRunResponse {
-                            update: Some(update),
-                        }))
-                        .await
-                        .is_err()
-                    {
+                    if !observer.event(event).await {
                         return;
                     }
                 }
@@ -222,33 +187,20 @@ impl ExecutorService for DesktopExecutor {
                     continue;
                 }
                 let status = status_of(Some(&a));
-                if last.as_ref() != Some(&status) {
-                    last = Some(status.clone());
-                    let finished = status.phase == epb::ExecutionPhase::Finished as i32;
-                    let update = epb::observe_run_response::Update::Status(status);
-                    if tx
-                        .send(Ok(epb::ObserveRunResponse {
-                            update: Some(update),
-                        }))
-                        .await
-                        .is_err()
-                        || finished
-                    {
-                        return;
-                    }
+                let finished = status.phase == epb::ExecutionPhase::Finished as i32;
+                if !observer.status(status).await || finished {
+                    return;
                 }
                 // Woken by any desktop change, never idle longer than the
                 // poll interval (the coordinator's bounds do the rest).
                 tokio::select! {
                     () = changed => {}
                     () = tokio::time::sleep(POLL) => {}
-                    () = tx.closed() => return,
+                    () = observer.closed() => return,
                 }
             }
         });
-        Ok(Response::new(Box::pin(
-            tokio_stream::wrappers::ReceiverStream::new(rx),
-        )))
+        Ok(Response::new(stream))
     }
 
     async fn cancel_run(

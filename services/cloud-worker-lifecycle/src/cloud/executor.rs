@@ -5,7 +5,6 @@
 //! `CancelRun` and `GetRunStatus` read and write the dispatch row, from any
 //! replica.
 
-use std::pin::Pin;
 use std::time::Duration;
 
 use automesh_domain::ErrorCode;
@@ -13,16 +12,13 @@ use automesh_proto::agent::v1 as apb;
 use automesh_proto::executor::v1 as epb;
 use automesh_proto::executor::v1::executor_service_server::ExecutorService;
 use automesh_proto::v1 as pb;
-use automesh_rpc::status;
+use automesh_rpc::{executor, status};
 use automesh_store::cloud::{CloudPhase, Reservation};
 use chrono::Utc;
 use prost::Message as _;
-use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use super::{Cloud, WATCH, status_of};
-
-type ObserveStream = Pin<Box<dyn Stream<Item = Result<epb::ObserveRunResponse, Status>> + Send>>;
 
 /// How long a thread's event stream may stay silent before it is opened
 /// again (a stalled agent never holds an observer).
@@ -43,7 +39,7 @@ impl Cloud {
         worker_id: &str,
         thread_id: &str,
         after: &mut i64,
-        tx: &tokio::sync::mpsc::Sender<Result<epb::ObserveRunResponse, Status>>,
+        observer: &executor::Observer,
     ) -> bool {
         let Ok(Some(ready)) = self.store.worker_endpoint(worker_id).await else {
             return true;
@@ -67,14 +63,7 @@ impl Cloud {
             if let Some(apb::observe_thread_response::Update::Event(mut e)) = m.update {
                 *after = (*after).max(e.sequence);
                 e.run_id = run_id.to_owned();
-                let update = epb::observe_run_response::Update::Event(e);
-                if tx
-                    .send(Ok(epb::ObserveRunResponse {
-                        update: Some(update),
-                    }))
-                    .await
-                    .is_err()
-                {
+                if !observer.event(e).await {
                     return false;
                 }
             }
@@ -89,15 +78,7 @@ impl ExecutorService for Cloud {
         &self,
         request: Request<epb::StartRunRequest>,
     ) -> Result<Response<epb::StartRunResponse>, Status> {
-        let spec = request
-            .into_inner()
-            .run
-            .ok_or_else(|| Status::invalid_argument("run is required"))?;
-        if spec.run_id.is_empty() || spec.message_id.is_empty() {
-            return Err(Status::invalid_argument(
-                "run_id and message_id are required",
-            ));
-        }
+        let spec = executor::run_spec(request.into_inner())?;
         if let Some(existing) = self
             .store
             .cloud_run(&spec.run_id)
@@ -165,7 +146,7 @@ impl ExecutorService for Cloud {
         }))
     }
 
-    type ObserveRunStream = ObserveStream;
+    type ObserveRunStream = executor::ObserveStream;
 
     async fn observe_run(
         &self,
@@ -181,10 +162,9 @@ impl ExecutorService for Cloud {
             self.drive(&req.run_id);
         }
         let cloud = self.clone();
-        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let (mut observer, stream) = executor::observe();
         tokio::spawn(async move {
             let mut after = req.after_sequence;
-            let mut last: Option<epb::ExecutionStatus> = None;
             loop {
                 let Ok(Some(d)) = cloud.store.cloud_run(&req.run_id).await else {
                     return;
@@ -196,47 +176,35 @@ impl ExecutorService for Cloud {
                     cloud.drive(&req.run_id);
                     // A phase change goes out before the events after it:
                     // `running` precedes the thread's first event.
-                    let status = status_of(Some(&d));
-                    if last.as_ref() != Some(&status) {
-                        last = Some(status.clone());
-                        let update = epb::observe_run_response::Update::Status(status);
-                        if tx
-                            .send(Ok(epb::ObserveRunResponse {
-                                update: Some(update),
-                            }))
-                            .await
-                            .is_err()
-                        {
-                            return;
-                        }
+                    if !observer.status(status_of(Some(&d))).await {
+                        return;
                     }
                 }
                 if matches!(d.phase, CloudPhase::Running | CloudPhase::Finished)
                     && !cloud
-                        .pump_events(&req.run_id, &d.worker_id, &d.thread_id, &mut after, &tx)
+                        .pump_events(
+                            &req.run_id,
+                            &d.worker_id,
+                            &d.thread_id,
+                            &mut after,
+                            &observer,
+                        )
                         .await
                 {
                     return;
                 }
                 if finished {
                     // The end goes out after every event before it.
-                    let update = epb::observe_run_response::Update::Status(status_of(Some(&d)));
-                    let _ = tx
-                        .send(Ok(epb::ObserveRunResponse {
-                            update: Some(update),
-                        }))
-                        .await;
+                    observer.status(status_of(Some(&d))).await;
                     return;
                 }
                 tokio::select! {
                     () = tokio::time::sleep(WATCH) => {}
-                    () = tx.closed() => return,
+                    () = observer.closed() => return,
                 }
             }
         });
-        Ok(Response::new(Box::pin(
-            tokio_stream::wrappers::ReceiverStream::new(rx),
-        )))
+        Ok(Response::new(stream))
     }
 
     async fn cancel_run(
