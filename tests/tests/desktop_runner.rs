@@ -245,6 +245,40 @@ async fn a_runner_killed_mid_run_and_restarted_against_b_never_runs_it_again() {
     desk.stop().await;
 }
 
+/// Alice's runner connected to replica A through a relay that, from the
+/// moment a run is made, loses everything the runner sends; returns once the
+/// runner holds that run (its journal has it), with the journal's path.
+struct HeldBehindALossyLink {
+    relay: automesh_e2e_tests::relay::Relay,
+    runner: RunnerProc,
+    run: pb::Run,
+    journal: PathBuf,
+}
+
+async fn a_run_held_behind_a_lossy_link(desk: &Desk) -> HeldBehindALossyLink {
+    let a = desk.mesh.runner_gateways[0].clone();
+    let relay = automesh_e2e_tests::relay::Relay::start(
+        a.trim_start_matches("http://").parse().expect("address"),
+    )
+    .await
+    .expect("relay");
+    let runner = desk.start_runner(&[&relay.url]);
+    until("the runner connected", || {
+        runner.stats.connections.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    relay.lose_upstream(true);
+    let run = desk.run_now().await;
+    let journal = desk.state_dir.join(format!("{}.jsonl", run.id));
+    until("the runner holds the assignment", || journal.exists()).await;
+    HeldBehindALossyLink {
+        relay,
+        runner,
+        run,
+        journal,
+    }
+}
+
 /// A runner's acceptance can be lost on the way (a link that carries only
 /// the gateway's side): the gateway then declares the stream dead and gives
 /// the run to the owner's other runner. The first runner must not have run
@@ -258,21 +292,13 @@ async fn a_runner_whose_acceptance_is_lost_never_runs_what_the_gateway_gives_ano
     })
     .await;
     let a = desk.mesh.runner_gateways[0].clone();
-    let relay = automesh_e2e_tests::relay::Relay::start(
-        a.trim_start_matches("http://").parse().expect("address"),
-    )
-    .await
-    .expect("relay");
-    let first = desk.start_runner(&[&relay.url]);
-    until("the first runner connected", || {
-        first.stats.connections.load(Ordering::SeqCst) == 1
-    })
-    .await;
-    // From now on nothing the first runner sends reaches the gateway.
-    relay.lose_upstream(true);
-    let run = desk.run_now().await;
-    let journal = desk.state_dir.join(format!("{}.jsonl", run.id));
-    until("the first runner holds the assignment", || journal.exists()).await;
+    // From the run on, nothing the first runner sends reaches the gateway.
+    let HeldBehindALossyLink {
+        relay,
+        runner: first,
+        run,
+        journal,
+    } = a_run_held_behind_a_lossy_link(&desk).await;
 
     let second_token = desk
         .mesh
@@ -311,20 +337,12 @@ async fn a_runner_restarted_before_its_acceptance_was_confirmed_runs_the_run_onc
     })
     .await;
     let a = desk.mesh.runner_gateways[0].clone();
-    let relay = automesh_e2e_tests::relay::Relay::start(
-        a.trim_start_matches("http://").parse().expect("address"),
-    )
-    .await
-    .expect("relay");
-    let first = desk.start_runner(&[&relay.url]);
-    until("the runner connected", || {
-        first.stats.connections.load(Ordering::SeqCst) == 1
-    })
-    .await;
-    relay.lose_upstream(true);
-    let run = desk.run_now().await;
-    let journal = desk.state_dir.join(format!("{}.jsonl", run.id));
-    until("the runner holds the assignment", || journal.exists()).await;
+    let HeldBehindALossyLink {
+        relay: _link,
+        runner: first,
+        run,
+        ..
+    } = a_run_held_behind_a_lossy_link(&desk).await;
     assert_eq!(first.stats.executions.load(Ordering::SeqCst), 0);
     // Killed, in effect, and started again with its record.
     first.task.abort();
