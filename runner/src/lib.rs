@@ -31,8 +31,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use automesh_domain::ErrorCode;
-use automesh_engine::adapter::EngineAdapter;
-use automesh_engine::adapter::Outcome;
+use automesh_engine::adapter::{EngineAdapter, Outcome};
 use automesh_proto::runner::v1 as rpb;
 use automesh_proto::runner::v1::desktop_runner_service_client::DesktopRunnerServiceClient;
 use automesh_proto::v1 as pb;

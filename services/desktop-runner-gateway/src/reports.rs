@@ -46,7 +46,9 @@ pub(crate) async fn reconcile(
             // machine of an older stream of its token; it is never sent to a
             // second one.
             && a.phase == automesh_store::desktop::DesktopPhase::Admitted
-            && !dispatch.offer(store, session, a, true).await?
+            // A run no runner was sent before is a first delivery, not a
+            // redelivery, however it reaches the runner.
+            && !dispatch.offer(store, session, a, a.runner_id.is_some()).await?
             && session.tx.is_closed()
         {
             // The stream is gone; what was not offered waits for the next.

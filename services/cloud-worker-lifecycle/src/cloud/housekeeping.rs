@@ -59,7 +59,8 @@ impl Cloud {
     pub async fn resume_pass(&self) -> Result<usize, automesh_store::StoreError> {
         let runs = self.store.undriven_cloud_runs(Utc::now(), 100).await?;
         for run_id in &runs {
-            tracing::info!(run_id, "resuming a cloud run whose driver stopped");
+            let span = self.run_span("automesh.cloud.resume", run_id).await;
+            span.in_scope(|| tracing::info!(run_id, "resuming a cloud run whose driver stopped"));
             self.drive(run_id);
         }
         Ok(runs.len())

@@ -49,6 +49,7 @@ use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic::{Request, Status};
+use tracing::Instrument;
 
 use crate::driver::{WorkerDriver, WorkerLaunch};
 
@@ -261,13 +262,36 @@ impl Cloud {
         let cloud = self.clone();
         let run_id = run_id.to_owned();
         tokio::spawn(async move {
-            if let Err(error) = cloud.drive_run(&run_id).await {
-                tracing::warn!(run_id = %run_id, %error, "cloud run driver stopped; it will be resumed");
+            // Everything the driver logs belongs to the run's trace.
+            let span = cloud.run_span("automesh.cloud.driver", &run_id).await;
+            async {
+                if let Err(error) = cloud.drive_run(&run_id).await {
+                    tracing::warn!(run_id = %run_id, %error, "cloud run driver stopped; it will be resumed");
+                }
             }
+            .instrument(span)
+            .await;
             if let Ok(mut d) = cloud.driving.lock() {
                 d.remove(&run_id);
             }
         });
+    }
+
+    /// A span in `run_id`'s trace (the traceparent its dispatch carries), for
+    /// work on the run that is not inside a request of it.
+    pub(super) async fn run_span(&self, name: &'static str, run_id: &str) -> tracing::Span {
+        let span = tracing::info_span!(parent: None, "automesh.cloud", otel.name = name, run_id);
+        let traceparent = self
+            .store
+            .cloud_run(run_id)
+            .await
+            .ok()
+            .flatten()
+            .and_then(|d| epb::RunSpec::decode(d.spec.as_slice()).ok())
+            .map(|spec| spec.traceparent)
+            .filter(|t| !t.is_empty());
+        automesh_rpc::propagation::continue_trace(&span, traceparent.as_deref());
+        span
     }
 
     /// Takes the run's drive, or `None` while another live replica has it;
@@ -284,37 +308,42 @@ impl Cloud {
         let cloud = self.clone();
         let run = run_id.to_owned();
         let signal = lost.clone();
-        let renewal = tokio::spawn(async move {
-            let every = cloud.settings.lease / 3;
-            let mut valid_until = tokio::time::Instant::now() + cloud.settings.lease;
-            loop {
-                tokio::time::sleep(every).await;
-                let sent = tokio::time::Instant::now();
-                let renewed = tokio::time::timeout(
-                    every,
-                    cloud.store.take_cloud_drive(
-                        &run,
-                        &cloud.replica,
-                        cloud.lease_until(),
-                        Utc::now(),
-                    ),
-                )
-                .await;
-                match renewed {
-                    Ok(Ok(true)) => valid_until = sent + cloud.settings.lease,
-                    // Finished, or another replica has it.
-                    Ok(Ok(false)) => break,
-                    Ok(Err(error)) => {
-                        tracing::warn!(run_id = %run, %error, "cannot renew the cloud drive")
+        let renewal = tokio::spawn(
+            async move {
+                let every = cloud.settings.lease / 3;
+                let mut valid_until = tokio::time::Instant::now() + cloud.settings.lease;
+                loop {
+                    tokio::time::sleep(every).await;
+                    let sent = tokio::time::Instant::now();
+                    let renewed = tokio::time::timeout(
+                        every,
+                        cloud.store.take_cloud_drive(
+                            &run,
+                            &cloud.replica,
+                            cloud.lease_until(),
+                            Utc::now(),
+                        ),
+                    )
+                    .await;
+                    match renewed {
+                        Ok(Ok(true)) => valid_until = sent + cloud.settings.lease,
+                        // Finished, or another replica has it.
+                        Ok(Ok(false)) => break,
+                        Ok(Err(error)) => {
+                            tracing::warn!(run_id = %run, %error, "cannot renew the cloud drive")
+                        }
+                        Err(_) => {
+                            tracing::warn!(run_id = %run, "renewing the cloud drive timed out")
+                        }
                     }
-                    Err(_) => tracing::warn!(run_id = %run, "renewing the cloud drive timed out"),
+                    if tokio::time::Instant::now() + every >= valid_until {
+                        break;
+                    }
                 }
-                if tokio::time::Instant::now() + every >= valid_until {
-                    break;
-                }
+                signal.cancel();
             }
-            signal.cancel();
-        });
+            .instrument(tracing::Span::current()),
+        );
         Ok(Some(Held {
             lost,
             _renewal: AbortOnDrop(renewal),
