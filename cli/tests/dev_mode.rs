@@ -368,34 +368,16 @@ async fn traces_are_exported_over_otlp_and_one_trace_crosses_the_services() {
 
     let channel = automesh_rpc::client::channel(&format!("http://{gateway}")).expect("channel");
     let mut api = AutomationsClient::new(channel);
-    fn with_auth<T>(token: &str, mut r: tonic::Request<T>) -> tonic::Request<T> {
-        r.metadata_mut().insert(
-            "authorization",
-            format!("Bearer {token}").parse().expect("ascii"),
-        );
-        r
-    }
     let created = api
-        .create_automation(with_auth(
+        .create_automation(with_bearer(
             &token,
-            tonic::Request::new(pb::CreateAutomationRequest {
-                automation: Some(pb::Automation {
-                    name: "traced".into(),
-                    prompt: "p".into(),
-                    model: "fake/echo".into(),
-                    schedule: Some(pb::Schedule {
-                        kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
-                            time_of_day: Some(pb::TimeOfDay {
-                                hours: 7,
-                                minutes: 0,
-                            }),
-                            time_zone: "UTC".into(),
-                        })),
-                    }),
-                    ..Default::default()
-                }),
-                surface: pb::Surface::Desktop as i32,
-            }),
+            tonic::Request::new(daily_automation(
+                "traced",
+                "p",
+                "fake/echo",
+                pb::Surface::Desktop,
+                (7, 0, "UTC"),
+            )),
         ))
         .await
         .expect("create")
@@ -404,7 +386,7 @@ async fn traces_are_exported_over_otlp_and_one_trace_crosses_the_services() {
         .expect("automation");
 
     let trace_id = "0af7651916cd43dd8448eb211c80319c";
-    let mut request = with_auth(
+    let mut request = with_bearer(
         &token,
         tonic::Request::new(pb::RunAutomationNowRequest {
             id: created.id,
@@ -538,24 +520,13 @@ async fn a_runner_process_killed_mid_run_never_runs_it_again_after_a_restart() {
     let automation = automations
         .create_automation(with_bearer(
             &token,
-            tonic::Request::new(pb::CreateAutomationRequest {
-                automation: Some(pb::Automation {
-                    name: "desk".into(),
-                    prompt: "tidy my downloads".into(),
-                    model: "fake/echo".into(),
-                    schedule: Some(pb::Schedule {
-                        kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
-                            time_of_day: Some(pb::TimeOfDay {
-                                hours: 9,
-                                minutes: 0,
-                            }),
-                            time_zone: "UTC".into(),
-                        })),
-                    }),
-                    ..Default::default()
-                }),
-                surface: pb::Surface::Desktop as i32,
-            }),
+            tonic::Request::new(daily_automation(
+                "desk",
+                "tidy my downloads",
+                "fake/echo",
+                pb::Surface::Desktop,
+                (9, 0, "UTC"),
+            )),
         ))
         .await
         .expect("create")
@@ -639,6 +610,32 @@ async fn runs_now(
         .expect("run")
 }
 
+/// A create request for a daily automation at (hours, minutes, time zone).
+fn daily_automation(
+    name: &str,
+    prompt: &str,
+    model: &str,
+    surface: automesh_proto::v1::Surface,
+    (hours, minutes, time_zone): (i32, i32, &str),
+) -> automesh_proto::v1::CreateAutomationRequest {
+    use automesh_proto::v1 as pb;
+    pb::CreateAutomationRequest {
+        automation: Some(pb::Automation {
+            name: name.into(),
+            prompt: prompt.into(),
+            model: model.into(),
+            schedule: Some(pb::Schedule {
+                kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
+                    time_of_day: Some(pb::TimeOfDay { hours, minutes }),
+                    time_zone: time_zone.into(),
+                })),
+            }),
+            ..Default::default()
+        }),
+        surface: surface as i32,
+    }
+}
+
 fn with_bearer<T>(token: &str, mut r: tonic::Request<T>) -> tonic::Request<T> {
     r.metadata_mut().insert(
         "authorization",
@@ -712,24 +709,13 @@ async fn a_first_run_succeeds_out_of_the_box_on_both_placements() {
         let automation = automations
             .create_automation(with_bearer(
                 &token,
-                tonic::Request::new(pb::CreateAutomationRequest {
-                    automation: Some(pb::Automation {
-                        name: name.into(),
-                        prompt: prompt.into(),
-                        model: "openai/gpt-4.1-mini".into(),
-                        schedule: Some(pb::Schedule {
-                            kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
-                                time_of_day: Some(pb::TimeOfDay {
-                                    hours: 9,
-                                    minutes: 30,
-                                }),
-                                time_zone: "Europe/Paris".into(),
-                            })),
-                        }),
-                        ..Default::default()
-                    }),
-                    surface: surface as i32,
-                }),
+                tonic::Request::new(daily_automation(
+                    name,
+                    prompt,
+                    "openai/gpt-4.1-mini",
+                    surface,
+                    (9, 30, "Europe/Paris"),
+                )),
             ))
             .await
             .unwrap_or_else(|e| panic!("create {name}: {e:?}"))
@@ -1104,24 +1090,13 @@ async fn a_configured_provider_and_connect_endpoint_replace_the_demo_ones() {
     let automation = automations
         .create_automation(with_bearer(
             &token,
-            tonic::Request::new(pb::CreateAutomationRequest {
-                automation: Some(pb::Automation {
-                    name: "configured".into(),
-                    prompt: "say hello".into(),
-                    model: "openai/gpt-4.1-mini".into(),
-                    schedule: Some(pb::Schedule {
-                        kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
-                            time_of_day: Some(pb::TimeOfDay {
-                                hours: 9,
-                                minutes: 0,
-                            }),
-                            time_zone: "UTC".into(),
-                        })),
-                    }),
-                    ..Default::default()
-                }),
-                surface: pb::Surface::Desktop as i32,
-            }),
+            tonic::Request::new(daily_automation(
+                "configured",
+                "say hello",
+                "openai/gpt-4.1-mini",
+                pb::Surface::Desktop,
+                (9, 0, "UTC"),
+            )),
         ))
         .await
         .expect("create")

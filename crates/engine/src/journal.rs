@@ -166,6 +166,18 @@ impl<F: prost::Message + Default + Clone> Record<F> {
         })
     }
 
+    /// Refuses a run id that could name a file outside the journal.
+    fn check(&self, run_id: &str) -> Result<(), RecordError> {
+        if valid_run_id(run_id) {
+            Ok(())
+        } else {
+            Err(RecordError::Io {
+                path: self.dir.clone(),
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "bad run id"),
+            })
+        }
+    }
+
     fn path(&self, run_id: &str) -> PathBuf {
         self.dir.join(format!("{run_id}.jsonl"))
     }
@@ -191,12 +203,7 @@ impl<F: prost::Message + Default + Clone> Record<F> {
 
     /// [`Record::accept`], keeping `note` beside the id.
     pub fn accept_with(&self, run_id: &str, note: &str) -> Result<bool, RecordError> {
-        if !valid_run_id(run_id) {
-            return Err(RecordError::Io {
-                path: self.dir.clone(),
-                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "bad run id"),
-            });
-        }
+        self.check(run_id)?;
         let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
         if runs.get(run_id).is_some_and(|r| r.held.is_none()) {
             return Ok(false);
@@ -220,12 +227,7 @@ impl<F: prost::Message + Default + Clone> Record<F> {
     /// when the run is known already (held or accepted). Synced to disk
     /// before it returns. [`Record::accept`] starts it later.
     pub fn hold(&self, run_id: &str, assignment: &[u8]) -> Result<bool, RecordError> {
-        if !valid_run_id(run_id) {
-            return Err(RecordError::Io {
-                path: self.dir.clone(),
-                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "bad run id"),
-            });
-        }
+        self.check(run_id)?;
         let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
         if runs.contains_key(run_id) {
             return Ok(false);
