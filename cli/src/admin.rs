@@ -1,8 +1,6 @@
 //! `automesh admin`: operator tasks that go to internal services with the
 //! internal credential.
 
-use std::path::PathBuf;
-
 use anyhow::Context;
 use automesh_domain::Principal;
 use automesh_proto::worker::v1 as wpb;
@@ -20,14 +18,8 @@ pub struct AdminArgs {
         global = true
     )]
     internal_token: Option<automesh_rpc::auth::Secret>,
-    /// The dev mesh's data directory.
-    #[arg(
-        long,
-        env = "AUTOMESH_DATA_DIR",
-        default_value = ".automesh",
-        global = true
-    )]
-    data_dir: PathBuf,
+    #[command(flatten)]
+    data_dir: crate::dev::DataDir,
     #[command(subcommand)]
     command: AdminCommand,
 }
@@ -59,7 +51,7 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
     let secret = match args.internal_token {
         Some(t) => t.expose().to_owned(),
         None => {
-            let path = args.data_dir.join("internal-token");
+            let path = args.data_dir.path.join("internal-token");
             std::fs::read_to_string(&path)
                 .with_context(|| {
                     format!(

@@ -53,22 +53,7 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
-    let runtime = match tokio::runtime::Runtime::new() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
-            return std::process::ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(execute(cli.command)) {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            // `{:#}` prints the chain of causes, without a backtrace.
-            eprintln!("error: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    automesh_rpc::runtime::exit_after(execute(Cli::parse().command))
 }
 
 async fn execute(command: Command) -> anyhow::Result<()> {

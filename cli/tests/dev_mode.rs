@@ -644,26 +644,82 @@ fn with_bearer<T>(token: &str, mut r: tonic::Request<T>) -> tonic::Request<T> {
     r
 }
 
-/// A coordinator with no executor would let every run time out at its
-/// deadline: it refuses to start, naming what is missing.
+/// Every service checks its configuration before it serves: a bad setting
+/// stops the real binary, naming the setting to fix (and not the good ones).
+/// A coordinator with no executor, for one, would let every run time out at
+/// its deadline.
 #[test]
-fn a_coordinator_without_executors_refuses_to_start() {
-    let out = Command::new(env!("CARGO_BIN_EXE_automesh"))
-        .args(["run-coordinator", "--listen", "127.0.0.1:0"])
-        .env_clear()
-        .env("AUTOMESH_DATABASE_URL", "sqlite::memory:")
-        .env("AUTOMESH_INTERNAL_TOKEN", "internal-token-of-this-test")
-        .env("AUTOMESH_DESKTOP_EXECUTOR_ADDR", "http://127.0.0.1:9")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run the coordinator");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "it started: {stderr}");
-    assert!(stderr.contains("AUTOMESH_CLOUD_EXECUTOR_ADDR"), "{stderr}");
-    assert!(
-        !stderr.contains("AUTOMESH_DESKTOP_EXECUTOR_ADDR"),
-        "{stderr}"
-    );
+fn every_service_refuses_a_bad_configuration_before_it_serves() {
+    let bad_models = std::env::temp_dir().join(format!("models-{}.json", std::process::id()));
+    std::fs::write(&bad_models, r#"{"models": [{"id": "x", "colour": "red"}]}"#).expect("write");
+    let bad_models = bad_models.to_string_lossy().into_owned();
+    // (service, its environment, what the error names, what it must not)
+    type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], &'a str, &'a str);
+    let cases: &[Case] = &[
+        (
+            "run-coordinator",
+            &[("AUTOMESH_DESKTOP_EXECUTOR_ADDR", "http://127.0.0.1:9")],
+            "AUTOMESH_CLOUD_EXECUTOR_ADDR",
+            "AUTOMESH_DESKTOP_EXECUTOR_ADDR",
+        ),
+        (
+            "run-coordinator",
+            &[
+                ("AUTOMESH_DESKTOP_EXECUTOR_ADDR", "http://127.0.0.1:9"),
+                ("AUTOMESH_CLOUD_EXECUTOR_ADDR", "http://127.0.0.1:9"),
+                ("AUTOMESH_CLAIM_POLL", "0s"),
+            ],
+            "AUTOMESH_CLAIM_POLL",
+            "AUTOMESH_RUN_LEASE",
+        ),
+        (
+            "run-coordinator",
+            &[("AUTOMESH_MODELS_FILE", &bad_models)],
+            "invalid model catalogue",
+            "EXECUTOR_ADDR",
+        ),
+        (
+            "desktop-runner-gateway",
+            &[("AUTOMESH_RUNNER_HEARTBEAT", "20s")],
+            "AUTOMESH_RUNNER_HEARTBEAT",
+            "AUTOMESH_RUNNER_ACCEPT_WITHIN",
+        ),
+        (
+            "cloud-worker-lifecycle",
+            &[("AUTOMESH_CLOUD_LEASE", "0s")],
+            "AUTOMESH_CLOUD_LEASE",
+            "AUTOMESH_READINESS_CAP",
+        ),
+        (
+            "scheduler",
+            &[("AUTOMESH_RUN_DEADLINE", "0s")],
+            "AUTOMESH_RUN_DEADLINE",
+            "AUTOMESH_CATCH_UP_WINDOW",
+        ),
+    ];
+    let mut wrong = vec![];
+    for (service, env, named, not_named) in cases {
+        let out = Command::new(env!("CARGO_BIN_EXE_automesh"))
+            .args([
+                service,
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "127.0.0.1:0",
+            ])
+            .env_clear()
+            .env("AUTOMESH_DATABASE_URL", "sqlite::memory:")
+            .env("AUTOMESH_INTERNAL_TOKEN", "internal-token-of-this-test")
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .output()
+            .expect("run the service");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if out.status.success() || !stderr.contains(named) || stderr.contains(not_named) {
+            wrong.push(format!("{service} {env:?}: {:?}, {stderr}", out.status));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
 /// A newcomer's first run: the real `automesh dev` binary with an empty

@@ -9,10 +9,9 @@ mod automations;
 mod runs;
 pub mod upstream;
 
-use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 
+use anyhow::Result;
 use automesh_domain::{ModelCatalog, Placement, Principal};
 use automesh_proto::v1::automations_server::AutomationsServer;
 use automesh_proto::v1::runs_server::RunsServer;
@@ -25,23 +24,13 @@ use tonic::{Code, Status};
 pub use auth::{Authenticator, mint};
 pub use upstream::{UpstreamAddrs, Upstreams};
 
-/// Settings of a gateway process.
-#[derive(Debug, Clone, clap::Args)]
-pub struct Config {
-    /// Address to listen on.
-    #[arg(
-        long = "listen",
-        env = "AUTOMESH_GATEWAY_LISTEN",
-        default_value = "127.0.0.1:50051"
-    )]
-    pub listen: SocketAddr,
+automesh_rpc::service_config! {
+    /// Settings of a gateway process.
+    listen("AUTOMESH_GATEWAY_LISTEN", "127.0.0.1:50051");
     #[command(flatten)]
     pub upstreams: UpstreamAddrs,
-    /// The model catalogue (JSON, see docs/models.md); without it, the
-    /// development catalogue is used. The run-coordinator must read the same
-    /// file: it prices runs from it.
-    #[arg(long, env = "AUTOMESH_MODELS_FILE")]
-    pub models_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub models: automesh_rpc::runtime::Models,
     /// The HS256 key that verifies bearer tokens (at least 32 bytes).
     #[arg(long, env = "AUTOMESH_JWT_SECRET", hide_env_values = true)]
     pub jwt_secret: automesh_rpc::auth::Secret,
@@ -56,7 +45,7 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    pub fn new(auth: Authenticator, models: ModelCatalog, upstreams: Upstreams) -> Self {
+    fn new(auth: Authenticator, models: ModelCatalog, upstreams: Upstreams) -> Self {
         Self {
             auth,
             models: Arc::new(models),
@@ -121,47 +110,57 @@ impl Gateway {
     }
 }
 
-/// Loads the configured model catalogue, or the development one.
-pub fn load_models(path: Option<&std::path::Path>) -> anyhow::Result<ModelCatalog> {
-    ModelCatalog::load(path).map_err(anyhow::Error::msg)
-}
-
-/// Serves the public API on `listener` until `shutdown` is cancelled.
-pub async fn serve(
+/// The gateway assembled from its configuration. Its binary, `dev` mode and
+/// the test harness all start it the same way: [`Service::new`], then
+/// [`Service::serve`].
+#[derive(Debug)]
+pub struct Service {
     gateway: Gateway,
-    listener: TcpListener,
-    shutdown: CancellationToken,
-) -> anyhow::Result<()> {
-    let mut server = GrpcServer::new(ServerSettings::default())?;
-    server.add_service(AutomationsServer::new(gateway.clone()));
-    server.add_service(RunsServer::new(gateway.clone()));
-    let upstreams = gateway.upstreams.clone();
-    server
-        .serve(
-            listener,
-            shutdown,
-            Box::new(move || {
-                let upstreams = upstreams.clone();
-                Box::pin(async move { upstreams.all_serving().await })
-            }),
-        )
-        .await?;
-    Ok(())
 }
 
-/// Builds a gateway from its configuration and serves it.
-pub async fn run(
+impl Service {
+    /// Checks `config` (the token key, the upstream addresses) and
+    /// assembles the gateway; the internal services need not be up yet.
+    pub fn new(config: &Config, credential: InternalCredential) -> Result<Self> {
+        Ok(Self {
+            gateway: Gateway::new(
+                Authenticator::hs256(config.jwt_secret.expose().as_bytes())?,
+                config.models.catalog(),
+                Upstreams::new(&config.upstreams, &credential)?,
+            ),
+        })
+    }
+
+    /// Serves the public API on `listener` until `shutdown` is cancelled;
+    /// it reports SERVING while every upstream does.
+    pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
+        let gateway = self.gateway;
+        let mut server = GrpcServer::new(ServerSettings::default())?;
+        server.add_service(AutomationsServer::new(gateway.clone()));
+        server.add_service(RunsServer::new(gateway.clone()));
+        let upstreams = gateway.upstreams.clone();
+        server
+            .serve(
+                listener,
+                shutdown,
+                Box::new(move || {
+                    let upstreams = upstreams.clone();
+                    Box::pin(async move { upstreams.all_serving().await })
+                }),
+            )
+            .await?;
+        Ok(())
+    }
+}
+
+/// The binary.
+async fn run(
     config: Config,
-    credential: InternalCredential,
-    listener: TcpListener,
-    shutdown: CancellationToken,
-) -> anyhow::Result<()> {
-    let gateway = Gateway::new(
-        Authenticator::hs256(config.jwt_secret.expose().as_bytes())?,
-        load_models(config.models_file.as_deref())?,
-        Upstreams::new(&config.upstreams, &credential)?,
-    );
-    serve(gateway, listener, shutdown).await
+    cred: InternalCredential,
+    l: TcpListener,
+    stop: CancellationToken,
+) -> Result<()> {
+    Service::new(&config, cred)?.serve(l, stop).await
 }
 
 automesh_rpc::service_main!(Config, "automesh-gateway", "127.0.0.1:9451", run);

@@ -1,19 +1,7 @@
 //! The public API gateway as its own process.
 
-use clap::Parser;
-
-#[derive(Debug, Parser)]
-#[command(
-    name = "automesh-gateway",
-    about = "The automesh public API gateway",
-    version
-)]
-struct Cli {
-    #[command(flatten)]
-    command: automesh_gateway::Command,
-}
-
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    Cli::parse().command.execute().await
-}
+automesh_rpc::service_binary!(
+    automesh_gateway,
+    "automesh-gateway",
+    "The automesh public API gateway"
+);

@@ -298,12 +298,7 @@ impl ExecutorService for TestExecutor {
             .runs
             .get(&run_id)
             .map(Self::status)
-            .unwrap_or(epb::ExecutionStatus {
-                phase: epb::ExecutionPhase::Unknown as i32,
-                idle: true,
-                outcome: None,
-                unaccepted: false,
-            });
+            .unwrap_or_else(automesh_rpc::executor::unknown_status);
         Ok(Response::new(epb::GetRunStatusResponse {
             status: Some(status),
         }))

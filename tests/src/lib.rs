@@ -79,11 +79,29 @@ pub struct MeshOptions {
     pub models: ModelCatalog,
 }
 
-/// The cloud path of a test mesh.
+/// The cloud path of a test mesh: the lifecycle's configuration, and the
+/// worker driver it runs (a real local-process driver the test keeps a
+/// handle on, or a fake container runtime).
 #[derive(Debug, Clone)]
 pub struct CloudOptions {
     pub driver: std::sync::Arc<dyn automesh_cloud_worker_lifecycle::driver::WorkerDriver>,
-    pub settings: automesh_cloud_worker_lifecycle::cloud::CloudSettings,
+    pub config: automesh_cloud_worker_lifecycle::Config,
+}
+
+/// A configuration as its service's flags give it by default. Its database
+/// URL is never read: a test mesh gives every service its own store.
+pub fn service_config<C: clap::Args>() -> C {
+    automesh_rpc::runtime::config_from_args(&["--database-url", "the-test-mesh's"])
+        .expect("the flags' defaults parse")
+}
+
+/// The lifecycle's default configuration in a test mesh, its workers'
+/// directories under the temporary directory.
+pub fn lifecycle_config() -> automesh_cloud_worker_lifecycle::Config {
+    automesh_cloud_worker_lifecycle::Config {
+        workers_dir: std::env::temp_dir().join("automesh-workers"),
+        ..service_config()
+    }
 }
 
 impl Default for MeshOptions {
@@ -289,22 +307,22 @@ impl Mesh {
         let coordinated_gateway =
             runner_gateway_internals[runner_gateway_internals.len() - 1].clone();
         let store = db.store.clone();
+        // Every service is assembled as its binary assembles it, from its
+        // configuration, over the mesh's store.
         let mut first = Some(sl);
         for _ in 0..options.schedulers.max(1) {
             let l = match first.take() {
                 Some(l) => l,
                 None => listener().await?.0,
             };
-            tasks.spawn(automesh_scheduler::serve(
-                store.clone(),
-                automesh_scheduler::occurrences::Settings::new(
-                    options.run_deadline,
-                    options.catch_up_window,
-                ),
-                credential.clone(),
-                l,
-                shutdown.clone(),
-            ));
+            let config = automesh_scheduler::Config {
+                run_deadline: options.run_deadline,
+                catch_up_window: options.catch_up_window,
+                ..service_config()
+            };
+            let scheduler =
+                automesh_scheduler::Service::new(&config, store.clone(), credential.clone())?;
+            tasks.spawn(scheduler.serve(l, shutdown.clone()));
         }
         let mut coordinators = vec![];
         let mut first = Some(cl);
@@ -323,23 +341,33 @@ impl Mesh {
                 &lifecycle,
             )?);
         }
-        match &options.cloud {
-            Some(cloud) => tasks.spawn(automesh_cloud_worker_lifecycle::serve_with(
-                store.clone(),
-                cloud.driver.clone(),
-                cloud.settings.clone(),
-                credential.clone(),
-                ll,
-                shutdown.clone(),
-            )),
-            None => tasks.spawn(automesh_cloud_worker_lifecycle::serve(
-                store.clone(),
-                credential.clone(),
-                ll,
-                shutdown.clone(),
-            )),
+        // Without a cloud path, the lifecycle has no worker agent to run:
+        // workers can be recorded and read, and a cloud run that reaches it
+        // ends `runtime_missing`.
+        let (cloud_config, cloud_driver) = match &options.cloud {
+            Some(cloud) => (cloud.config.clone(), Some(cloud.driver.clone())),
+            None => (
+                automesh_cloud_worker_lifecycle::Config {
+                    agent_command: vec!["automesh-worker-agent-not-installed".into()],
+                    ..lifecycle_config()
+                },
+                None,
+            ),
         };
+        let mut cloud = automesh_cloud_worker_lifecycle::Service::new(
+            &cloud_config,
+            store.clone(),
+            credential.clone(),
+        )?;
+        if let Some(driver) = cloud_driver {
+            cloud = cloud.with_driver(driver);
+        }
+        tasks.spawn(cloud.serve(ll, shutdown.clone()));
         let mut runner_gateway_stops = vec![];
+        let config = automesh_desktop_runner_gateway::Config {
+            streams: options.runner_streams.clone(),
+            ..service_config()
+        };
         for (i, l) in runner_listeners.into_iter().enumerate() {
             // The first replica shares the mesh's pool; the others have
             // their own, as separate processes would.
@@ -350,26 +378,28 @@ impl Mesh {
             };
             let stop = shutdown.child_token();
             runner_gateway_stops.push(stop.clone());
-            tasks.spawn(automesh_desktop_runner_gateway::serve_with(
+            let replica = automesh_desktop_runner_gateway::Service::new(
+                &config,
                 replica_store,
-                options.runner_streams.clone(),
                 credential.clone(),
-                l,
-                stop,
-            ));
+            )?;
+            tasks.spawn(replica.serve(l, stop));
         }
-        let upstreams = automesh_gateway::UpstreamAddrs {
-            scheduler_addr: scheduler.clone(),
-            coordinator_addr: coordinator.clone(),
-            lifecycle_addr: lifecycle.clone(),
-            runner_gateway_addr: coordinated_gateway.clone(),
+        let config = automesh_gateway::Config {
+            upstreams: automesh_gateway::UpstreamAddrs {
+                scheduler_addr: scheduler.clone(),
+                coordinator_addr: coordinator.clone(),
+                lifecycle_addr: lifecycle.clone(),
+                runner_gateway_addr: coordinated_gateway.clone(),
+            },
+            models: automesh_rpc::runtime::Models::of(options.models.clone()),
+            ..automesh_rpc::runtime::config_from_args(&[
+                "--jwt-secret",
+                std::str::from_utf8(JWT_SECRET)?,
+            ])?
         };
-        let gw = automesh_gateway::Gateway::new(
-            automesh_gateway::Authenticator::hs256(JWT_SECRET)?,
-            options.models.clone(),
-            automesh_gateway::Upstreams::new(&upstreams, &credential)?,
-        );
-        tasks.spawn(automesh_gateway::serve(gw, gl, shutdown.clone()));
+        let gw = automesh_gateway::Service::new(&config, credential.clone())?;
+        tasks.spawn(gw.serve(gl, shutdown.clone()));
         let mesh = Mesh {
             db,
             gateway,
@@ -547,32 +577,39 @@ fn spawn_coordinator(
     runner_gateway: &str,
     lifecycle: &str,
 ) -> anyhow::Result<tokio::task::JoinHandle<anyhow::Result<()>>> {
+    // Each placement goes to its real executor where the options say so,
+    // else to the test executor; without either, the coordinators execute
+    // no runs of that placement (its runs stay pending).
     let desktop = if options.desktop_via_runner_gateway {
-        Some(runner_gateway)
+        Some(runner_gateway.to_owned())
     } else {
-        options.executor.as_deref()
+        options.executor.clone()
     };
     let cloud = if options.cloud.is_some() {
-        Some(lifecycle)
+        Some(lifecycle.to_owned())
     } else {
-        options.executor.as_deref()
+        options.executor.clone()
     };
-    let executors = automesh_run_coordinator::executors(desktop, cloud, credential)?;
-    let settings = automesh_run_coordinator::driver::Settings {
+    let placements = [
+        (automesh_domain::Placement::Desktop, &desktop),
+        (automesh_domain::Placement::Cloud, &cloud),
+    ]
+    .into_iter()
+    .filter_map(|(p, executor)| executor.as_ref().map(|_| p))
+    .collect();
+    let config = automesh_run_coordinator::Config {
+        desktop_executor_addr: desktop,
+        cloud_executor_addr: cloud,
+        placements,
         lease: options.lease,
         cancel_bound: options.cancel_bound,
-        poll: Duration::from_millis(100),
-        models: std::sync::Arc::new(options.models.clone()),
-        ..Default::default()
+        claim_poll: Duration::from_millis(100),
+        models: automesh_rpc::runtime::Models::of(options.models.clone()),
+        ..service_config()
     };
-    Ok(tokio::spawn(automesh_run_coordinator::serve(
-        store.clone(),
-        settings,
-        executors,
-        credential.clone(),
-        listener,
-        shutdown.clone(),
-    )))
+    let coordinator =
+        automesh_run_coordinator::Service::new(&config, store.clone(), credential.clone())?;
+    Ok(tokio::spawn(coordinator.serve(listener, shutdown.clone())))
 }
 
 /// Sends `body` (already protobuf-encoded, possibly invalid) as one unary

@@ -561,7 +561,7 @@ async fn cancel_ends_cancelled_once_the_executor_is_idle() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cancellation_recorded_by_another_replica_reaches_the_driver() {
+async fn a_cancellation_recorded_by_another_replica_reaches_its_drive() {
     let (mesh, executor) =
         mesh_with(Backend::Postgres, Behavior::Forever, MeshOptions::default()).await;
     let token = mesh.token("acme", "alice");

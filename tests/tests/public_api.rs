@@ -1385,16 +1385,13 @@ async fn health_is_not_serving_while_the_database_is_unreachable() {
     let shutdown = tokio_util::sync::CancellationToken::new();
     let credential =
         automesh_rpc::InternalCredential::new("test-internal-credential-0123").expect("cred");
-    let server = tokio::spawn(automesh_scheduler::serve(
-        store,
-        automesh_scheduler::occurrences::Settings::new(
-            Duration::from_secs(60),
-            Duration::from_secs(60),
-        ),
-        credential,
-        listener,
-        shutdown.clone(),
-    ));
+    let config = automesh_scheduler::Config {
+        run_deadline: Duration::from_secs(60),
+        catch_up_window: Duration::from_secs(60),
+        ..automesh_e2e_tests::service_config()
+    };
+    let scheduler = automesh_scheduler::Service::new(&config, store, credential).expect("config");
+    let server = tokio::spawn(scheduler.serve(listener, shutdown.clone()));
     wait_for_health(&addr, Duration::from_secs(10), false)
         .await
         .expect("NOT_SERVING");

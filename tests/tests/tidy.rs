@@ -121,6 +121,6 @@ fn test_code_is_told_apart_from_production_code() {
     )));
     assert!(!is_test_code(Path::new("crates/engine/src/native.rs")));
     assert!(!is_test_code(Path::new(
-        "services/run-coordinator/src/driver/mod.rs"
+        "services/run-coordinator/src/drive/mod.rs"
     )));
 }

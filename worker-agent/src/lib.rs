@@ -24,7 +24,6 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -40,7 +39,6 @@ use automesh_rpc::auth::Secret;
 use automesh_rpc::{GrpcServer, ServerSettings, status};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, mpsc};
-use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
@@ -183,7 +181,7 @@ impl Agent {
     }
 }
 
-type ObserveStream = Pin<Box<dyn Stream<Item = Result<apb::ObserveThreadResponse, Status>> + Send>>;
+type ObserveStream = automesh_rpc::executor::Updates<apb::ObserveThreadResponse>;
 
 #[tonic::async_trait]
 impl WorkerAgentService for Agent {
@@ -364,10 +362,9 @@ impl WorkerAgentService for Agent {
             return Err(Status::not_found("unknown thread"));
         }
         let agent = self.clone();
-        let (tx, rx) = mpsc::channel(64);
+        let (mut observer, stream) = automesh_rpc::executor::updates();
         tokio::spawn(async move {
             let mut after = req.after_sequence;
-            let mut last: Option<apb::Thread> = None;
             loop {
                 let changed = agent.changed.notified();
                 tokio::pin!(changed);
@@ -388,42 +385,21 @@ impl WorkerAgentService for Agent {
                 };
                 for e in events {
                     after = e.sequence;
-                    let update = apb::observe_thread_response::Update::Event(e);
-                    if tx
-                        .send(Ok(apb::ObserveThreadResponse {
-                            update: Some(update),
-                        }))
-                        .await
-                        .is_err()
-                    {
+                    if !observer.event(e).await {
                         return;
                     }
                 }
-                if last.as_ref() != Some(&thread) {
-                    last = Some(thread.clone());
-                    let idle = thread.status == apb::ThreadStatus::Idle as i32;
-                    let update = apb::observe_thread_response::Update::Thread(thread);
-                    if tx
-                        .send(Ok(apb::ObserveThreadResponse {
-                            update: Some(update),
-                        }))
-                        .await
-                        .is_err()
-                        || idle
-                    {
-                        return;
-                    }
+                // An idle thread is the end of the stream.
+                let idle = thread.status == apb::ThreadStatus::Idle as i32;
+                if !observer.status(thread).await || idle {
+                    return;
                 }
-                tokio::select! {
-                    () = changed => {}
-                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
-                    () = tx.closed() => return,
+                if !observer.wait(changed, Duration::from_secs(1)).await {
+                    return;
                 }
             }
         });
-        Ok(Response::new(Box::pin(
-            tokio_stream::wrappers::ReceiverStream::new(rx),
-        )))
+        Ok(Response::new(stream))
     }
 
     async fn cancel_thread(

@@ -8,13 +8,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use automesh_cloud_worker_lifecycle::cloud::{Cloud, CloudSettings, ConnectSettings};
-use automesh_cloud_worker_lifecycle::driver::{EngineSettings, LocalProcessDriver};
+use automesh_cloud_worker_lifecycle::cloud::{Cloud, CloudSettings};
+use automesh_cloud_worker_lifecycle::driver::LocalProcessDriver;
+use automesh_cloud_worker_lifecycle::{Config, WorkerEnv};
 use automesh_domain::automation::NewAutomation;
 use automesh_domain::{
     AutomationState, ErrorCode, Principal, RunState, Schedule, Surface, WorkerState,
 };
-use automesh_e2e_tests::{CloudOptions, Mesh, MeshOptions};
+use automesh_e2e_tests::{CloudOptions, Mesh, MeshOptions, lifecycle_config};
 use automesh_store::Backend;
 use automesh_testkit::{FakeMcp, FakeProvider, Reply, mcp, provider, text_completion};
 use chrono::Utc;
@@ -38,7 +39,7 @@ fn owner() -> Principal {
 
 async fn env(
     script: impl Fn(usize, &serde_json::Value) -> Reply + Send + Sync + 'static,
-    tune: impl FnOnce(&mut CloudSettings, &mut Vec<String>, &mut EngineSettings),
+    tune: impl FnOnce(&mut Config),
 ) -> Env {
     let (provider_url, fake) = provider(script).await;
     let (mcp_url, mcp_stop) = mcp(
@@ -50,31 +51,39 @@ async fn env(
         "automesh-workers-{}",
         uuid::Uuid::new_v4().simple()
     ));
-    let mut settings = CloudSettings {
+    let defaults = lifecycle_config();
+    let mut config = Config {
         readiness_cap: Duration::from_secs(30),
         idle_after: Duration::from_secs(3),
         idle_check: Duration::from_millis(300),
-        connect: Some(ConnectSettings {
-            url: mcp_url.clone(),
-            token: MCP_TOKEN.to_owned().into(),
-        }),
         lease: Duration::from_secs(3),
-        keepalive_every: Duration::from_secs(1),
+        agent_orphan_after: Duration::from_secs(10),
+        agent_command: vec![env!("CARGO_BIN_EXE_automesh-worker-agent").to_owned()],
+        workers_dir: workers.clone(),
+        worker: WorkerEnv {
+            provider_url: Some(provider_url),
+            provider_key: PROVIDER_KEY.into(),
+            connect_url: Some(mcp_url.clone()),
+            connect_token: MCP_TOKEN.into(),
+            ..defaults.worker.clone()
+        },
+        ..defaults
     };
-    let mut command = vec![env!("CARGO_BIN_EXE_automesh-worker-agent").to_owned()];
-    let mut engine = EngineSettings::default();
-    tune(&mut settings, &mut command, &mut engine);
+    tune(&mut config);
+    // The lifecycle's own driver for this configuration, kept to count its
+    // starts.
     let driver = Arc::new(
-        LocalProcessDriver::new(command, workers.clone(), provider_url, PROVIDER_KEY.into())
-            .with_orphan_after(Duration::from_secs(10))
-            .with_engine(engine),
+        config
+            .worker
+            .local_driver(config.agent_command.clone(), config.workers_dir.clone())
+            .with_orphan_after(config.agent_orphan_after),
     );
     let mesh = Mesh::start_with(
         Backend::Postgres,
         MeshOptions {
             cloud: Some(CloudOptions {
                 driver: driver.clone(),
-                settings,
+                config,
             }),
             run_deadline: Duration::from_secs(60),
             ..MeshOptions::default()
@@ -225,7 +234,7 @@ impl Env {
 async fn a_stopped_worker_is_woken_for_a_due_run_and_stopped_again_when_idle() {
     let env = env(
         |_, _| Reply::Json(text_completion("inbox summarised")),
-        |_, _, _| {},
+        |_| {},
     )
     .await;
     assert_eq!(env.worker_state().await, WorkerState::Stopped);
@@ -311,10 +320,10 @@ async fn a_stopped_worker_is_woken_for_a_due_run_and_stopped_again_when_idle() {
 async fn a_worker_that_never_becomes_ready_ends_readiness_timeout_and_needs_attention() {
     let env = env(
         |_, _| Reply::Json(text_completion("never")),
-        |settings, command, _| {
-            settings.readiness_cap = Duration::from_secs(2);
+        |c| {
+            c.readiness_cap = Duration::from_secs(2);
             // A real process that never listens.
-            *command = vec!["/bin/sh".into(), "-c".into(), "sleep 600".into()];
+            c.agent_command = vec!["/bin/sh".into(), "-c".into(), "sleep 600".into()];
         },
     )
     .await;
@@ -334,7 +343,7 @@ async fn a_worker_that_never_becomes_ready_ends_readiness_timeout_and_needs_atte
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_whose_owner_has_no_worker_ends_runtime_missing() {
-    let env = env(|_, _| Reply::Json(text_completion("never")), |_, _, _| {}).await;
+    let env = env(|_, _| Reply::Json(text_completion("never")), |_| {}).await;
     let at = Utc::now() + chrono::Duration::seconds(1);
     env.automation("no-worker", at).await;
     sqlx::query("DELETE FROM cloud_workers")
@@ -356,7 +365,7 @@ async fn a_run_whose_owner_has_no_worker_ends_runtime_missing() {
 async fn a_coordinator_killed_after_submission_is_replaced_and_the_prompt_is_sent_once() {
     let mut env = env(
         |_, _| Reply::Delayed(Duration::from_secs(3), text_completion("done once")),
-        |_, _, _| {},
+        |_| {},
     )
     .await;
     let at = Utc::now() + chrono::Duration::seconds(1);
@@ -383,8 +392,8 @@ async fn a_coordinator_killed_after_submission_is_replaced_and_the_prompt_is_sen
 async fn a_drifted_mcp_registration_is_repaired_before_admission() {
     let env = env(
         |_, _| Reply::Json(text_completion("ok")),
-        |s, _, _| {
-            s.idle_after = Duration::from_secs(600);
+        |c| {
+            c.idle_after = Duration::from_secs(600);
         },
     )
     .await;
@@ -422,7 +431,7 @@ async fn a_drifted_mcp_registration_is_repaired_before_admission() {
 async fn without_a_connect_configuration_a_run_ends_mcp_config_missing_and_never_calls_the_model() {
     let env = env(
         |_, _| Reply::Json(text_completion("never")),
-        |s, _, _| s.connect = None,
+        |c| c.worker.connect_url = None,
     )
     .await;
     let at = Utc::now() + chrono::Duration::seconds(1);
@@ -441,7 +450,7 @@ async fn without_a_connect_configuration_a_run_ends_mcp_config_missing_and_never
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_stop_racing_an_admission_never_stops_a_worker_the_admission_holds() {
-    let env = env(|_, _| Reply::Json(text_completion("ok")), |_, _, _| {}).await;
+    let env = env(|_, _| Reply::Json(text_completion("ok")), |_| {}).await;
     let store = env.mesh.store().clone();
     let worker = store
         .get_worker(&owner())
@@ -529,8 +538,8 @@ async fn idle_stop_racing_an_admission_never_stops_a_worker_the_admission_holds(
 async fn concurrent_runs_waking_one_worker_start_it_once() {
     let env = env(
         |_, _| Reply::Json(text_completion("ok")),
-        |s, _, _| {
-            s.idle_after = Duration::from_secs(600);
+        |c| {
+            c.idle_after = Duration::from_secs(600);
         },
     )
     .await;
@@ -553,7 +562,7 @@ async fn concurrent_runs_waking_one_worker_start_it_once() {
 async fn a_worker_that_cannot_run_ends_runtime_failed_and_needs_attention() {
     let env = env(
         |_, _| Reply::Json(text_completion("never")),
-        |_, command, _| *command = vec!["/bin/false".into()],
+        |c| c.agent_command = vec!["/bin/false".into()],
     )
     .await;
     let at = Utc::now() + chrono::Duration::seconds(1);
@@ -574,7 +583,7 @@ async fn a_worker_that_cannot_run_ends_runtime_failed_and_needs_attention() {
 async fn cancelling_a_cloud_run_stops_the_thread_and_ends_once_it_is_idle() {
     let env = env(
         |_, _| Reply::Delayed(Duration::from_secs(30), text_completion("too late")),
-        |_, _, _| {},
+        |_| {},
     )
     .await;
     let at = Utc::now() + chrono::Duration::seconds(1);
@@ -619,7 +628,7 @@ async fn cancelling_a_cloud_run_stops_the_thread_and_ends_once_it_is_idle() {
 async fn a_cloud_run_is_running_while_its_agent_executes_it() {
     let env = env(
         |_, _| Reply::Delayed(Duration::from_secs(3), text_completion("slow answer")),
-        |_, _, _| {},
+        |_| {},
     )
     .await;
     let at = Utc::now() + chrono::Duration::seconds(1);
@@ -708,14 +717,12 @@ async fn cloud_runs_are_charged_at_the_catalogue_price_and_run_with_the_lifecycl
                 Reply::Json(answer)
             }
         },
-        |s, _, engine| {
+        |c| {
             // Kept alive past the run, so its process can be looked at.
-            s.idle_after = Duration::from_secs(120);
-            *engine = EngineSettings {
-                request_timeout: Duration::from_secs(7),
-                stream: true,
-                max_steps: 5,
-            };
+            c.idle_after = Duration::from_secs(120);
+            c.worker.request_timeout = Duration::from_secs(7);
+            c.worker.stream = true;
+            c.worker.max_steps = 5;
         },
     )
     .await;

@@ -8,12 +8,11 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use automesh_cloud_worker_lifecycle::cloud::{CloudSettings, ConnectSettings};
 use automesh_cloud_worker_lifecycle::docker::{AGENT_PORT, DockerDriver};
 use automesh_cloud_worker_lifecycle::driver::{WorkerDriver, WorkerLaunch};
 use automesh_domain::automation::NewAutomation;
 use automesh_domain::{ErrorCode, Principal, RunState, Schedule, Surface, WorkerState};
-use automesh_e2e_tests::{CloudOptions, Mesh, MeshOptions};
+use automesh_e2e_tests::{CloudOptions, Mesh, MeshOptions, lifecycle_config};
 use automesh_store::Backend;
 use automesh_testkit::{FakeMcp, Reply, mcp, provider, text_completion};
 use axum::Router;
@@ -227,15 +226,14 @@ async fn a_cloud_run_wakes_a_container_worker_and_idle_stop_stops_it() {
         MeshOptions {
             cloud: Some(CloudOptions {
                 driver: Arc::new(driver(socket, IMAGE, &provider_url)),
-                settings: CloudSettings {
-                    readiness_cap: Duration::from_secs(30),
-                    idle_after: Duration::from_secs(2),
-                    idle_check: Duration::from_millis(300),
-                    connect: Some(ConnectSettings {
-                        url: mcp_url,
-                        token: "docker-connect-token".to_owned().into(),
-                    }),
-                    ..CloudSettings::default()
+                config: {
+                    let mut c = lifecycle_config();
+                    c.readiness_cap = Duration::from_secs(30);
+                    c.idle_after = Duration::from_secs(2);
+                    c.idle_check = Duration::from_millis(300);
+                    c.worker.connect_url = Some(mcp_url);
+                    c.worker.connect_token = "docker-connect-token".to_owned().into();
+                    c
                 },
             }),
             ..MeshOptions::default()

@@ -2,7 +2,6 @@
 
 mod print;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -32,14 +31,8 @@ pub struct CtlArgs {
     /// Bearer token; defaults to AUTOMESH_TOKEN, then <data-dir>/dev-token.
     #[arg(long, env = "AUTOMESH_TOKEN", hide_env_values = true, global = true)]
     token: Option<automesh_rpc::auth::Secret>,
-    /// The dev mesh's data directory (for its token and signing key).
-    #[arg(
-        long,
-        env = "AUTOMESH_DATA_DIR",
-        default_value = ".automesh",
-        global = true
-    )]
-    data_dir: PathBuf,
+    #[command(flatten)]
+    data_dir: crate::dev::DataDir,
     #[command(subcommand)]
     command: CtlCommand,
 }
@@ -188,7 +181,7 @@ fn token(args: &CtlArgs) -> anyhow::Result<String> {
     if let Some(t) = &args.token {
         return Ok(t.expose().to_owned());
     }
-    let path = args.data_dir.join("dev-token");
+    let path = args.data_dir.path.join("dev-token");
     std::fs::read_to_string(&path)
         .map(|t| t.trim().to_owned())
         .with_context(|| {
@@ -264,7 +257,7 @@ impl ScheduleArgs {
 
 pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
     if let CtlCommand::Token { user, org, hours } = &args.command {
-        let path = args.data_dir.join("jwt-secret");
+        let path = args.data_dir.path.join("jwt-secret");
         let secret = std::fs::read_to_string(&path).with_context(|| {
             format!(
                 "minting needs the dev mesh's signing key at {}",

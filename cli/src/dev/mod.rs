@@ -13,13 +13,27 @@ use std::time::Duration;
 use anyhow::Context;
 use automesh_domain::Principal;
 use automesh_rpc::InternalCredential;
-use automesh_rpc::runtime::{bind, random_secret, shutdown_on_signal};
+use automesh_rpc::runtime::{bind, config_from_args, random_secret, shutdown_on_signal};
 use automesh_store::{Store, StoreOptions};
 use tokio::task::JoinSet;
 
 /// The user and organisation of the printed development token.
 pub const DEV_USER: &str = "dev";
 pub const DEV_ORG: &str = "dev";
+
+/// The dev mesh's data directory, where `ctl` and `admin` find its tokens
+/// and signing key.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DataDir {
+    /// The dev mesh's data directory (its tokens and signing key).
+    #[arg(
+        long = "data-dir",
+        env = "AUTOMESH_DATA_DIR",
+        default_value = ".automesh",
+        global = true
+    )]
+    pub path: PathBuf,
+}
 
 #[derive(Debug, clap::Args)]
 pub struct DevArgs {
@@ -69,10 +83,8 @@ pub struct DevArgs {
     /// deadline without one).
     #[arg(long)]
     pub no_runner: bool,
-    /// The model catalogue (JSON, docs/models.md) of the gateway and the
-    /// run-coordinator; without it, the development catalogue.
-    #[arg(long, env = "AUTOMESH_MODELS_FILE")]
-    pub models_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub models: automesh_rpc::runtime::Models,
     /// The model provider, the Connect endpoint and the engine settings of
     /// cloud workers and of the dev runner. Without a provider URL, the
     /// built-in demo model serves; without a Connect URL, the demo Connect
@@ -237,8 +249,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot open the database at {database_url}"))?;
     let shutdown = shutdown_on_signal();
     let outside = Outside::resolve(&args.worker, &shutdown).await?;
-    let mut models = automesh_domain::ModelCatalog::load(args.models_file.as_deref())
-        .map_err(anyhow::Error::msg)?;
+    let mut models = args.models.catalog();
     if outside.demo_model {
         // Whatever model a run names, the demo model answers it, and its
         // receipt says so.
@@ -282,111 +293,79 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         metrics_listener,
         shutdown.clone(),
     ));
+    // Each service is assembled from its configuration exactly as its own
+    // binary would be (every default is its flag's), over the one store:
+    // a bad setting stops dev before anything serves.
+    let url = ["--database-url", database_url.as_str()];
+    let scheduler = automesh_scheduler::Service::new(
+        &automesh_scheduler::Config {
+            run_deadline: args.run_deadline,
+            catch_up_window: args.catch_up_window,
+            ..config_from_args(&url)?
+        },
+        store.clone(),
+        credential.clone(),
+    )?;
+    // Desktop runs go to the runner gateway (the desktop executor), cloud
+    // runs to the lifecycle service.
+    let coordinator = automesh_run_coordinator::Service::new(
+        &automesh_run_coordinator::Config {
+            desktop_executor_addr: Some(upstreams.runner_gateway_addr.clone()),
+            cloud_executor_addr: Some(upstreams.lifecycle_addr.clone()),
+            models: automesh_rpc::runtime::Models::of(models),
+            ..config_from_args(&url)?
+        },
+        store.clone(),
+        credential.clone(),
+    )?;
+    // The local-process driver runs this binary's `worker-agent`.
+    let lifecycle = automesh_cloud_worker_lifecycle::Service::new(
+        &automesh_cloud_worker_lifecycle::Config {
+            workers_dir: args.data_dir.join("workers"),
+            worker: outside.worker.clone(),
+            ..config_from_args(&url)?
+        },
+        store.clone(),
+        credential.clone(),
+    )?;
+    let runner_gateway = automesh_desktop_runner_gateway::Service::new(
+        &config_from_args(&url)?,
+        store.clone(),
+        credential.clone(),
+    )?;
+    let gateway = automesh_gateway::Service::new(
+        &automesh_gateway::Config {
+            upstreams: upstreams.clone(),
+            models: automesh_rpc::runtime::Models::of(gateway_models),
+            ..config_from_args(&["--jwt-secret", jwt_secret.as_str()])?
+        },
+        credential.clone(),
+    )?;
     let mut tasks: JoinSet<(&'static str, anyhow::Result<()>)> = JoinSet::new();
-    {
-        let (s, c, sd) = (store.clone(), credential.clone(), shutdown.clone());
-        let settings =
-            automesh_scheduler::occurrences::Settings::new(args.run_deadline, args.catch_up_window);
-        tasks.spawn(async move {
-            (
-                "scheduler",
-                automesh_scheduler::serve(s, settings, c, scheduler_l, sd).await,
-            )
-        });
-    }
-    {
-        let (s, c, sd) = (store.clone(), credential.clone(), shutdown.clone());
-        let desktop_executor = upstreams.runner_gateway_addr.clone();
-        let cloud_executor = upstreams.lifecycle_addr.clone();
-        tasks.spawn(async move {
-            (
-                "run-coordinator",
-                async {
-                    // Desktop runs go to the runner gateway (the desktop
-                    // executor), cloud runs to the lifecycle service.
-                    let executors = automesh_run_coordinator::executors(
-                        Some(&desktop_executor),
-                        Some(&cloud_executor),
-                        &c,
-                    )?;
-                    automesh_run_coordinator::serve(
-                        s,
-                        automesh_run_coordinator::driver::Settings {
-                            models: std::sync::Arc::new(models),
-                            ..Default::default()
-                        },
-                        executors,
-                        c,
-                        coordinator_l,
-                        sd,
-                    )
-                    .await
-                }
-                .await,
-            )
-        });
-    }
-    {
-        let (s, c, sd) = (store.clone(), credential.clone(), shutdown.clone());
-        // The local-process driver runs this binary's `worker-agent`.
-        let driver = outside.worker.local_driver(
-            vec![
-                std::env::current_exe()?.to_string_lossy().into_owned(),
-                "worker-agent".into(),
-            ],
-            args.data_dir.join("workers"),
-        );
-        let settings = automesh_cloud_worker_lifecycle::cloud::CloudSettings {
-            connect: outside.worker.connect(),
-            ..Default::default()
-        };
-        tasks.spawn(async move {
-            (
-                "cloud-worker-lifecycle",
-                automesh_cloud_worker_lifecycle::serve_with(
-                    s,
-                    std::sync::Arc::new(driver),
-                    settings,
-                    c,
-                    lifecycle_l,
-                    sd,
-                )
-                .await,
-            )
-        });
-    }
-    {
-        let (s, c, sd) = (store.clone(), credential.clone(), shutdown.clone());
-        tasks.spawn(async move {
-            (
-                "desktop-runner-gateway",
-                automesh_desktop_runner_gateway::serve(
-                    s,
-                    c,
-                    automesh_desktop_runner_gateway::Listeners {
-                        runners: runner_l,
-                        internal: runner_internal_l,
-                    },
-                    sd,
-                )
-                .await,
-            )
-        });
-    }
-    {
-        let gateway = automesh_gateway::Gateway::new(
-            automesh_gateway::Authenticator::hs256(jwt_secret.as_bytes())?,
-            gateway_models,
-            automesh_gateway::Upstreams::new(&upstreams, &credential)?,
-        );
-        let sd = shutdown.clone();
-        tasks.spawn(async move {
-            (
-                "gateway",
-                automesh_gateway::serve(gateway, gateway_l, sd).await,
-            )
-        });
-    }
+    let sd = || shutdown.clone();
+    spawn(&mut tasks, "scheduler", scheduler.serve(scheduler_l, sd()));
+    spawn(
+        &mut tasks,
+        "run-coordinator",
+        coordinator.serve(coordinator_l, sd()),
+    );
+    spawn(
+        &mut tasks,
+        "cloud-worker-lifecycle",
+        lifecycle.serve(lifecycle_l, sd()),
+    );
+    spawn(
+        &mut tasks,
+        "desktop-runner-gateway",
+        runner_gateway.serve(
+            automesh_desktop_runner_gateway::Listeners {
+                runners: runner_l,
+                internal: runner_internal_l,
+            },
+            sd(),
+        ),
+    );
+    spawn(&mut tasks, "gateway", gateway.serve(gateway_l, sd()));
 
     let runner_line = if args.no_runner {
         "none (--no-runner): start one with `automesh runner`".to_owned()
@@ -510,6 +489,15 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     }
     store.close().await;
     Ok(())
+}
+
+/// Runs one service of the mesh, named for the log line if it stops.
+fn spawn(
+    tasks: &mut JoinSet<(&'static str, anyhow::Result<()>)>,
+    name: &'static str,
+    serving: impl std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+) {
+    tasks.spawn(async move { (name, serving.await) });
 }
 
 /// A database URL without its password, for printing.

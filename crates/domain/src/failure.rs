@@ -29,3 +29,14 @@ impl FailureKind {
         matches!(self, FailureKind::Unavailable)
     }
 }
+
+/// A failure that knows its kind: a store error, an executor's or an
+/// engine's coded error. `automesh_rpc::status::of` answers every one.
+pub trait Failure: std::fmt::Display {
+    fn kind(&self) -> FailureKind;
+    /// The request field at fault, when the failure is one field's (a page
+    /// token the store did not issue).
+    fn field(&self) -> Option<&'static str> {
+        None
+    }
+}

@@ -20,7 +20,7 @@ pub use automation::{
     Automation, AutomationPatch, AutomationState, NewAutomation, Placement, StateChange, Surface,
 };
 pub use error_code::{CodedError, ErrorCode};
-pub use failure::FailureKind;
+pub use failure::{Failure, FailureKind};
 pub use models::{ModelCatalog, ModelSpec, Price};
 pub use principal::Principal;
 pub use run::{NewRun, Receipt, Run, RunEvent, RunEventPayload, RunState, RunTrigger, Usage};

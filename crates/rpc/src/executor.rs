@@ -16,12 +16,54 @@ use tonic::Status;
 
 use crate::status;
 
-/// Updates one `ObserveRun` stream may have queued before its feeder waits.
+/// Updates one observe stream may have queued before its feeder waits.
 const OBSERVE_BUFFER: usize = 64;
 
 /// The stream an `ObserveRun` answers with.
-pub type ObserveStream =
-    Pin<Box<dyn Stream<Item = Result<epb::ObserveRunResponse, Status>> + Send>>;
+pub type ObserveStream = Updates<epb::ObserveRunResponse>;
+
+/// A stream of observe updates of kind `M`.
+pub type Updates<M> = Pin<Box<dyn Stream<Item = Result<M, Status>> + Send>>;
+
+/// A message of an observe stream: either a status or a run event. The
+/// executor contract's `ObserveRun` and the worker agent's `ObserveThread`
+/// both are, so both are fed through one [`Observer`].
+pub trait Update: Send + 'static {
+    /// What the observed thing's status is.
+    type Status: Clone + PartialEq + Send + std::fmt::Debug;
+    fn status(status: Self::Status) -> Self;
+    fn event(event: pb::RunEvent) -> Self;
+}
+
+impl Update for epb::ObserveRunResponse {
+    type Status = epb::ExecutionStatus;
+    fn status(status: Self::Status) -> Self {
+        Self {
+            update: Some(epb::observe_run_response::Update::Status(status)),
+        }
+    }
+    fn event(event: pb::RunEvent) -> Self {
+        Self {
+            update: Some(epb::observe_run_response::Update::Event(event)),
+        }
+    }
+}
+
+impl Update for automesh_proto::agent::v1::ObserveThreadResponse {
+    type Status = automesh_proto::agent::v1::Thread;
+    fn status(thread: Self::Status) -> Self {
+        use automesh_proto::agent::v1::observe_thread_response::Update;
+        Self {
+            update: Some(Update::Thread(thread)),
+        }
+    }
+    fn event(event: pb::RunEvent) -> Self {
+        use automesh_proto::agent::v1::observe_thread_response::Update;
+        Self {
+            update: Some(Update::Event(event)),
+        }
+    }
+}
 
 /// The run of a `StartRun`, checked: the run, its id, its message id and
 /// its owner are required (INVALID_ARGUMENT naming each missing field).
@@ -47,15 +89,20 @@ pub fn run_spec(request: epb::StartRunRequest) -> Result<epb::RunSpec, Status> {
     }
 }
 
-/// The feeding side of one `ObserveRun` stream.
+/// The feeding side of one observe stream.
 #[derive(Debug)]
-pub struct Observer {
-    tx: mpsc::Sender<Result<epb::ObserveRunResponse, Status>>,
-    last: Option<epb::ExecutionStatus>,
+pub struct Observer<M: Update = epb::ObserveRunResponse> {
+    tx: mpsc::Sender<Result<M, Status>>,
+    last: Option<M::Status>,
 }
 
 /// A new `ObserveRun` stream: its feeder and the stream to answer with.
 pub fn observe() -> (Observer, ObserveStream) {
+    updates()
+}
+
+/// A new observe stream of `M`: its feeder and the stream to answer with.
+pub fn updates<M: Update>() -> (Observer<M>, Updates<M>) {
     let (tx, rx) = mpsc::channel(OBSERVE_BUFFER);
     (
         Observer { tx, last: None },
@@ -63,27 +110,25 @@ pub fn observe() -> (Observer, ObserveStream) {
     )
 }
 
-impl Observer {
+impl<M: Update> Observer<M> {
     /// The status last sent, if any.
-    pub fn last(&self) -> Option<&epb::ExecutionStatus> {
+    pub fn last(&self) -> Option<&M::Status> {
         self.last.as_ref()
     }
 
     /// Sends `status` unless it is the one last sent; false once the
     /// observer has gone.
-    pub async fn status(&mut self, status: epb::ExecutionStatus) -> bool {
+    pub async fn status(&mut self, status: M::Status) -> bool {
         if self.last.as_ref() == Some(&status) {
             return !self.tx.is_closed();
         }
         self.last = Some(status.clone());
-        self.send(epb::observe_run_response::Update::Status(status))
-            .await
+        self.tx.send(Ok(M::status(status))).await.is_ok()
     }
 
     /// Sends one event; false once the observer has gone.
     pub async fn event(&self, event: pb::RunEvent) -> bool {
-        self.send(epb::observe_run_response::Update::Event(event))
-            .await
+        self.tx.send(Ok(M::event(event))).await.is_ok()
     }
 
     /// Ends the stream with `error`.
@@ -96,13 +141,28 @@ impl Observer {
         self.tx.closed().await;
     }
 
-    async fn send(&self, update: epb::observe_run_response::Update) -> bool {
-        self.tx
-            .send(Ok(epb::ObserveRunResponse {
-                update: Some(update),
-            }))
-            .await
-            .is_ok()
+    /// Waits for `changed` (a wake-up from whatever the stream reports on),
+    /// for `at_most`, or for the observer to leave; false in that last case.
+    pub async fn wait(
+        &self,
+        changed: impl std::future::Future<Output = ()>,
+        at_most: std::time::Duration,
+    ) -> bool {
+        tokio::select! {
+            () = changed => true,
+            () = tokio::time::sleep(at_most) => true,
+            () = self.tx.closed() => false,
+        }
+    }
+}
+
+/// The status of a run this executor does not know: idle, no outcome.
+pub fn unknown_status() -> epb::ExecutionStatus {
+    epb::ExecutionStatus {
+        phase: epb::ExecutionPhase::Unknown as i32,
+        idle: true,
+        outcome: None,
+        unaccepted: false,
     }
 }
 

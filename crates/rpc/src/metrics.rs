@@ -26,6 +26,61 @@ pub fn meter() -> Meter {
     opentelemetry::global::meter("automesh")
 }
 
+/// A counter of automesh's meter.
+pub fn counter(
+    name: &'static str,
+    description: &'static str,
+) -> opentelemetry::metrics::Counter<u64> {
+    meter()
+        .u64_counter(name)
+        .with_description(description)
+        .build()
+}
+
+/// A histogram of durations in seconds with these bucket `boundaries`.
+pub fn seconds(
+    name: &'static str,
+    description: &'static str,
+    boundaries: &[f64],
+) -> opentelemetry::metrics::Histogram<f64> {
+    meter()
+        .f64_histogram(name)
+        .with_unit("s")
+        .with_description(description)
+        .with_boundaries(boundaries.to_vec())
+        .build()
+}
+
+/// Counts a run that reached a terminal state (`automesh.runs.ended`),
+/// wherever it ended: created already ended by the scheduler (skipped,
+/// missed) or ended by a coordinator.
+pub fn run_ended(
+    placement: automesh_domain::Placement,
+    outcome: automesh_domain::RunState,
+    error_code: Option<automesh_domain::ErrorCode>,
+) {
+    static ENDED: std::sync::OnceLock<opentelemetry::metrics::Counter<u64>> =
+        std::sync::OnceLock::new();
+    ENDED
+        .get_or_init(|| {
+            counter(
+                "automesh.runs.ended",
+                "Runs that reached a terminal state, by placement, outcome and error code",
+            )
+        })
+        .add(
+            1,
+            &[
+                opentelemetry::KeyValue::new("placement", placement.as_str()),
+                opentelemetry::KeyValue::new("outcome", outcome.as_str()),
+                opentelemetry::KeyValue::new(
+                    "error_code",
+                    error_code.map(|c| c.as_str()).unwrap_or(""),
+                ),
+            ],
+        );
+}
+
 /// A gauge whose values a service samples itself (a database count, say)
 /// and the SDK reads at each collection.
 #[derive(Clone, Default)]

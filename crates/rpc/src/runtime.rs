@@ -37,6 +37,27 @@ pub fn shutdown_on_signal() -> CancellationToken {
     token
 }
 
+/// Runs a command to its end on a new async runtime: success, or its error
+/// printed with its chain of causes (no backtrace) and a failing status.
+pub fn exit_after(
+    command: impl std::future::Future<Output = anyhow::Result<()>>,
+) -> std::process::ExitCode {
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(command) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// Binds a listener, naming the address in the error.
 pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr)
@@ -147,6 +168,54 @@ impl<C: ServiceMain> ServiceCommand<C> {
     }
 }
 
+/// A service's configuration as its flags give it when started with only
+/// `args`, reading no environment: what `dev` mode and the test harnesses
+/// start from, so that every default is written once, on its flag.
+pub fn config_from_args<C: clap::Args>(args: &[&str]) -> anyhow::Result<C> {
+    let command = C::augment_args(clap::Command::new("automesh").no_binary_name(true))
+        .mut_args(|a| a.env(None));
+    let matches = command.try_get_matches_from(args)?;
+    Ok(C::from_arg_matches(&matches)?)
+}
+
+/// The model catalogue flag the gateway, the run-coordinator and `dev`
+/// share: the file is read as the flags are parsed, so a bad catalogue
+/// stops a service before it serves.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct Models {
+    /// The model catalogue (JSON, docs/models.md). The gateway and the
+    /// run-coordinator must read the same file: the one checks models
+    /// against it, the other asks providers by its names and prices runs at
+    /// its prices. Without it, the development catalogue.
+    #[arg(
+        long = "models-file",
+        value_name = "FILE",
+        env = "AUTOMESH_MODELS_FILE",
+        value_parser = parse_models_file
+    )]
+    pub file: Option<automesh_domain::ModelCatalog>,
+}
+
+impl Models {
+    /// These models, as if read from a file.
+    pub fn of(catalog: automesh_domain::ModelCatalog) -> Self {
+        Self {
+            file: Some(catalog),
+        }
+    }
+
+    /// The configured catalogue, or the development one.
+    pub fn catalog(&self) -> automesh_domain::ModelCatalog {
+        self.file
+            .clone()
+            .unwrap_or_else(automesh_domain::ModelCatalog::development)
+    }
+}
+
+fn parse_models_file(path: &str) -> Result<automesh_domain::ModelCatalog, String> {
+    automesh_domain::ModelCatalog::load(Some(std::path::Path::new(path)))
+}
+
 /// Parses `500ms`, `90s`, `30m`, `2h` or a bare number of seconds (for
 /// duration flags).
 pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
@@ -175,8 +244,30 @@ pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
 /// process: `service_main!(Config, "automesh-x", "127.0.0.1:9464", run)` implements
 /// [`ServiceMain`] with the crate's `run(config, credential, listener,
 /// shutdown)` and defines `Command`.
+///
+/// `with_store` in place of `run`: the binary opens its own pool on the
+/// configured database and serves the crate's `Service` over it.
 #[macro_export]
 macro_rules! service_main {
+    ($config:ty, $name:literal, $metrics:literal, with_store) => {
+        /// The binary: its own pool on the configured database.
+        async fn run(
+            config: $config,
+            credential: $crate::InternalCredential,
+            listener: ::tokio::net::TcpListener,
+            shutdown: ::tokio_util::sync::CancellationToken,
+        ) -> ::anyhow::Result<()> {
+            let store = ::automesh_store::Store::connect_lazy(
+                &config.database_url,
+                ::automesh_store::StoreOptions::from_env(),
+            )?;
+            Service::new(&config, store, credential)?
+                .serve(listener, shutdown)
+                .await
+        }
+
+        $crate::service_main!($config, $name, $metrics, run);
+    };
     ($config:ty, $name:literal, $metrics:literal, $run:path) => {
         impl $crate::runtime::ServiceMain for $config {
             const NAME: &'static str = $name;
@@ -198,5 +289,61 @@ macro_rules! service_main {
 
         /// The service as a command: its settings plus the internal credential.
         pub type Command = $crate::runtime::ServiceCommand<$config>;
+    };
+}
+
+/// Declares a service's `Config`: where it listens (`--listen`, with the
+/// service's own variable and default), with `database` its database
+/// (`--database-url`, `AUTOMESH_DATABASE_URL`), then its own fields.
+///
+/// ```ignore
+/// automesh_rpc::service_config! {
+///     /// Settings of a scheduler process.
+///     listen("AUTOMESH_SCHEDULER_LISTEN", "127.0.0.1:50053"), database;
+///     /// How long a run may take.
+///     #[arg(long, default_value = "30m", value_parser = parse_duration)]
+///     pub run_deadline: Duration,
+/// }
+/// ```
+#[macro_export]
+macro_rules! service_config {
+    ($(#[$meta:meta])* listen($env:literal, $default:literal), database; $($fields:tt)*) => {
+        $crate::service_config! {
+            $(#[$meta])* listen($env, $default);
+            /// Database URL: postgres://… or sqlite:….
+            #[arg(long, env = "AUTOMESH_DATABASE_URL")]
+            pub database_url: String,
+            $($fields)*
+        }
+    };
+    ($(#[$meta:meta])* listen($env:literal, $default:literal); $($fields:tt)*) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, clap::Args)]
+        pub struct Config {
+            /// Address to listen on.
+            #[arg(long = "listen", env = $env, default_value = $default)]
+            pub listen: ::std::net::SocketAddr,
+            $($fields)*
+        }
+    };
+}
+
+/// A service's own binary: `service_binary!(automesh_scheduler,
+/// "automesh-scheduler", "The automesh scheduler service")` parses the
+/// service's command and runs it until SIGINT or SIGTERM.
+#[macro_export]
+macro_rules! service_binary {
+    ($service:ident, $name:literal, $about:literal) => {
+        #[derive(Debug, clap::Parser)]
+        #[command(name = $name, about = $about, version)]
+        struct Cli {
+            #[command(flatten)]
+            command: $service::Command,
+        }
+
+        #[tokio::main]
+        async fn main() -> anyhow::Result<()> {
+            <Cli as clap::Parser>::parse().command.execute().await
+        }
     };
 }

@@ -113,6 +113,31 @@ impl GrpcServer {
         self.health.clone()
     }
 
+    /// Serves like [`GrpcServer::serve`] with `beside` running alongside
+    /// (a service's own loop). `beside` is given a token cancelled when
+    /// serving ends, whatever ends it, so it never outlives the server; this
+    /// returns once both are done.
+    pub async fn serve_beside<F>(
+        self,
+        listener: TcpListener,
+        shutdown: CancellationToken,
+        probe: Probe,
+        beside: impl FnOnce(CancellationToken) -> F,
+    ) -> Result<(), ServeError>
+    where
+        F: Future<Output = ()>,
+    {
+        let stop = shutdown.child_token();
+        let background = beside(stop.clone());
+        let serving = async {
+            let served = self.serve(listener, shutdown, probe).await;
+            stop.cancel();
+            served
+        };
+        let (served, ()) = tokio::join!(serving, background);
+        served
+    }
+
     /// Serves until `shutdown` is cancelled, then drains in-flight calls.
     /// Health answers NOT_SERVING until `probe` first passes, and follows it
     /// afterwards.

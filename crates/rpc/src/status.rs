@@ -87,6 +87,15 @@ pub fn failure(
     }
 }
 
+/// The one answer to `error` while doing `context`: a failure of one
+/// request field names it; any other is answered by its kind ([`failure`]).
+pub fn of(error: &dyn automesh_domain::Failure, context: &str) -> Status {
+    match error.field() {
+        Some(field) => invalid_field(field, &error.to_string()),
+        None => failure(error.kind(), context, &error),
+    }
+}
+
 /// Re-issues a status received from an internal service: code, message and
 /// rich details pass through; transport metadata does not.
 pub fn forward(status: Status) -> Status {

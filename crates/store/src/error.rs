@@ -16,7 +16,7 @@ pub enum StoreError {
     #[error("invariant violated: {0}")]
     Invariant(String),
     /// A page token that this store did not issue.
-    #[error("invalid page token")]
+    #[error("not a page token issued by this service")]
     InvalidPageToken,
     /// A stored value that does not decode into its domain type.
     #[error("corrupt row: {0}")]
@@ -37,6 +37,16 @@ pub enum StoreError {
 impl StoreError {
     /// What kind of failure this is for the caller.
     pub fn kind(&self) -> automesh_domain::FailureKind {
+        automesh_domain::Failure::kind(self)
+    }
+}
+
+impl automesh_domain::Failure for StoreError {
+    fn field(&self) -> Option<&'static str> {
+        matches!(self, StoreError::InvalidPageToken).then_some("page_token")
+    }
+
+    fn kind(&self) -> automesh_domain::FailureKind {
         use automesh_domain::FailureKind as K;
         match self {
             StoreError::NotFound => K::NotFound,

@@ -8,8 +8,7 @@ pub mod docker;
 pub mod driver;
 mod metrics;
 
-use std::net::SocketAddr;
-
+use anyhow::Result;
 use automesh_domain::{CloudWorker, WorkerState};
 use automesh_proto::worker::v1 as wpb;
 use automesh_proto::worker::v1::cloud_worker_lifecycle_service_server::{
@@ -18,25 +17,15 @@ use automesh_proto::worker::v1::cloud_worker_lifecycle_service_server::{
 use automesh_rpc::{
     GrpcServer, InternalCredential, RequireInternal, ServerSettings, convert, status,
 };
-use automesh_store::{Store, StoreOptions};
+use automesh_store::Store;
 use chrono::Utc;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-/// Settings of a cloud-worker-lifecycle process.
-#[derive(Debug, Clone, clap::Args)]
-pub struct Config {
-    /// Address to listen on.
-    #[arg(
-        long = "listen",
-        env = "AUTOMESH_LIFECYCLE_LISTEN",
-        default_value = "127.0.0.1:50055"
-    )]
-    pub listen: SocketAddr,
-    /// Database URL: postgres://… or sqlite:….
-    #[arg(long, env = "AUTOMESH_DATABASE_URL")]
-    pub database_url: String,
+automesh_rpc::service_config! {
+    /// Settings of a cloud-worker-lifecycle process.
+    listen("AUTOMESH_LIFECYCLE_LISTEN", "127.0.0.1:50055"), database;
     /// The worker driver new workers are recorded with.
     #[arg(long, env = "AUTOMESH_WORKER_DRIVER", default_value = "local-process")]
     pub driver: String,
@@ -259,7 +248,7 @@ impl CloudWorkerLifecycleService for WorkerRegistry {
             .store
             .get_worker(&owner)
             .await
-            .map_err(|e| status::failure(e.kind(), "cloud worker", &e))?
+            .map_err(|e| status::of(&e, "cloud worker"))?
             .ok_or_else(|| status::not_found("cloud worker"))?;
         Ok(Response::new(wpb::GetWorkerResponse {
             worker: Some(worker_to_pb(&worker)),
@@ -275,7 +264,7 @@ impl CloudWorkerLifecycleService for WorkerRegistry {
             .store
             .register_worker(&owner, &self.driver, Utc::now())
             .await
-            .map_err(|e| status::failure(e.kind(), "cloud worker", &e))?;
+            .map_err(|e| status::of(&e, "cloud worker"))?;
         tracing::info!(worker_id = %worker.id, driver = %worker.driver, "cloud worker registered");
         Ok(Response::new(wpb::RegisterWorkerResponse {
             worker: Some(worker_to_pb(&worker)),
@@ -283,82 +272,86 @@ impl CloudWorkerLifecycleService for WorkerRegistry {
     }
 }
 
-/// Serves the lifecycle service on `listener` until `shutdown` is cancelled.
-pub async fn run(
-    config: Config,
+/// The lifecycle service assembled from its configuration. Its binary,
+/// `dev` mode and the test harness all start it the same way:
+/// [`Service::new`], then [`Service::serve`].
+#[derive(Debug)]
+pub struct Service {
+    /// The worker driver, the store, the cloud settings: what
+    /// [`cloud::Cloud`] is made of once the driver is final.
+    parts: (
+        std::sync::Arc<dyn driver::WorkerDriver>,
+        Store,
+        cloud::CloudSettings,
+    ),
     credential: InternalCredential,
-    listener: TcpListener,
-    shutdown: CancellationToken,
-) -> anyhow::Result<()> {
-    let store = Store::connect_lazy(&config.database_url, StoreOptions::from_env())?;
-    let (driver, settings) = config.cloud()?;
-    serve_with(store, driver, settings, credential, listener, shutdown).await
 }
 
-/// Serves over an existing store with the default settings and a
-/// local-process driver that has no agent to run: workers can be recorded
-/// and looked up, and a cloud run ends `runtime_missing` (tests that do not
-/// exercise the cloud path).
-pub async fn serve(
-    store: Store,
-    credential: InternalCredential,
-    listener: TcpListener,
-    shutdown: CancellationToken,
-) -> anyhow::Result<()> {
-    let local = driver::LocalProcessDriver::new(
-        vec![],
-        std::env::temp_dir().join("automesh-workers"),
-        String::new(),
-        automesh_rpc::auth::Secret::from(""),
-    );
-    serve_with(
-        store,
-        std::sync::Arc::new(local),
-        cloud::CloudSettings::default(),
-        credential,
-        listener,
-        shutdown,
-    )
-    .await
-}
+impl Service {
+    /// Checks `config` and assembles the service over `store`, with the
+    /// worker driver the configuration names.
+    pub fn new(config: &Config, store: Store, credential: InternalCredential) -> Result<Self> {
+        for (bound, what) in [
+            (
+                config.readiness_cap,
+                "the readiness cap (AUTOMESH_READINESS_CAP)",
+            ),
+            (
+                config.idle_check,
+                "the idle check (AUTOMESH_WORKER_IDLE_CHECK)",
+            ),
+            (config.lease, "the cloud lease (AUTOMESH_CLOUD_LEASE)"),
+            (
+                config.agent_orphan_after,
+                "the agents' orphan bound (AUTOMESH_AGENT_ORPHAN_AFTER)",
+            ),
+        ] {
+            anyhow::ensure!(!bound.is_zero(), "{what} must be longer than 0");
+        }
+        let (driver, settings) = config.cloud()?;
+        store.observe_pool(&automesh_rpc::metrics::meter());
+        Ok(Self {
+            parts: (driver, store, settings),
+            credential,
+        })
+    }
 
-/// Serves the lifecycle API and the cloud executor, and stops idle workers.
-pub async fn serve_with(
-    store: Store,
-    driver: std::sync::Arc<dyn driver::WorkerDriver>,
-    settings: cloud::CloudSettings,
-    credential: InternalCredential,
-    listener: TcpListener,
-    shutdown: CancellationToken,
-) -> anyhow::Result<()> {
-    store.observe_pool(&automesh_rpc::metrics::meter());
-    let mut server = GrpcServer::new(ServerSettings::default())?;
-    let driver_name = driver.name();
-    let cloud = cloud::Cloud::new(store.clone(), driver, settings, credential.clone());
-    server.add_service(CloudWorkerLifecycleServiceServer::with_interceptor(
-        WorkerRegistry::new(store.clone(), driver_name),
-        RequireInternal(credential.clone()),
-    ));
-    server.add_service(
-        automesh_proto::executor::v1::executor_service_server::ExecutorServiceServer::with_interceptor(
-            cloud.clone(),
-            RequireInternal(credential),
-        ),
-    );
-    let tasks = shutdown.child_token();
-    let idle = tokio::spawn(cloud.housekeeping(tasks.clone()));
-    let served = server
-        .serve(listener, shutdown, store.readiness_probe())
-        .await;
-    tasks.cancel();
-    let _ = idle.await;
-    served?;
-    Ok(())
+    /// Replaces the configured worker driver with `driver`: for a container
+    /// runtime no flag can name, such as a test's fake one.
+    pub fn with_driver(mut self, driver: std::sync::Arc<dyn driver::WorkerDriver>) -> Self {
+        self.parts.0 = driver;
+        self
+    }
+
+    /// Serves the lifecycle API and the cloud executor, and keeps workers
+    /// (idle stop, keepalive, resumed drives), until `shutdown` is cancelled.
+    pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
+        let (driver, store, settings) = self.parts;
+        let registry = WorkerRegistry::new(store.clone(), driver.name());
+        let cloud = cloud::Cloud::new(store.clone(), driver, settings, self.credential.clone());
+        let mut server = GrpcServer::new(ServerSettings::default())?;
+        server.add_service(CloudWorkerLifecycleServiceServer::with_interceptor(
+            registry,
+            RequireInternal(self.credential.clone()),
+        ));
+        server.add_service(
+            automesh_proto::executor::v1::executor_service_server::ExecutorServiceServer::with_interceptor(
+                cloud.clone(),
+                RequireInternal(self.credential),
+            ),
+        );
+        server
+            .serve_beside(listener, shutdown, store.readiness_probe(), |stop| {
+                cloud.housekeeping(stop)
+            })
+            .await?;
+        Ok(())
+    }
 }
 
 automesh_rpc::service_main!(
     Config,
     "automesh-cloud-worker-lifecycle",
     "127.0.0.1:9455",
-    run
+    with_store
 );

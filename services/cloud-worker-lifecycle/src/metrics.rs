@@ -18,26 +18,25 @@ pub(crate) struct Metrics {
 pub(crate) fn metrics() -> &'static Metrics {
     static M: OnceLock<Metrics> = OnceLock::new();
     M.get_or_init(|| {
-        let m = automesh_rpc::metrics::meter();
+        use automesh_rpc::metrics::{counter, seconds};
         Metrics {
-            wakes: m
-                .u64_counter("automesh.cloud.wakes")
-                .with_description("Wakes of a cloud worker for a run, by result (ready, started, or an error code)")
-                .build(),
-            readiness: m
-                .f64_histogram("automesh.cloud.readiness.duration")
-                .with_unit("s")
-                .with_description("From starting a cloud worker to its agent answering")
-                .with_boundaries(vec![0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0])
-                .build(),
-            lost: m
-                .u64_counter("automesh.cloud.agents.lost")
-                .with_description("Ready workers whose agent stopped answering (woken afresh)")
-                .build(),
-            idle_stops: m
-                .u64_counter("automesh.cloud.idle_stops")
-                .with_description("Cloud workers stopped after their idle period")
-                .build(),
+            wakes: counter(
+                "automesh.cloud.wakes",
+                "Wakes of a cloud worker for a run, by result (ready, started, or an error code)",
+            ),
+            readiness: seconds(
+                "automesh.cloud.readiness.duration",
+                "From starting a cloud worker to its agent answering",
+                &[0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0],
+            ),
+            lost: counter(
+                "automesh.cloud.agents.lost",
+                "Ready workers whose agent stopped answering (woken afresh)",
+            ),
+            idle_stops: counter(
+                "automesh.cloud.idle_stops",
+                "Cloud workers stopped after their idle period",
+            ),
             workers: automesh_rpc::metrics::Sampled::gauge(
                 "automesh.cloud.workers",
                 "{worker}",

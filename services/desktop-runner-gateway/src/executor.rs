@@ -30,12 +30,7 @@ const EVENTS_PAGE: u32 = 256;
 
 fn status_of(a: Option<&DesktopAssignment>) -> epb::ExecutionStatus {
     let Some(a) = a else {
-        return epb::ExecutionStatus {
-            phase: epb::ExecutionPhase::Unknown as i32,
-            idle: true,
-            outcome: None,
-            unaccepted: false,
-        };
+        return executor::unknown_status();
     };
     let phase = match a.phase {
         DesktopPhase::Admitted => epb::ExecutionPhase::Admitted,
@@ -70,7 +65,7 @@ impl DesktopExecutor {
             .store
             .desktop_run(run_id)
             .await
-            .map_err(|e| status::failure(e.kind(), "desktop dispatch", &e))?;
+            .map_err(|e| status::of(&e, "desktop dispatch"))?;
         Ok(status_of(a.as_ref()))
     }
 }
@@ -92,7 +87,7 @@ impl ExecutorService for DesktopExecutor {
                 Utc::now(),
             )
             .await
-            .map_err(|e| status::failure(e.kind(), "desktop dispatch", &e))?;
+            .map_err(|e| status::of(&e, "desktop dispatch"))?;
         if offered {
             tracing::info!(run_id = %spec.run_id, "desktop run offered to the owner's runners");
         }
@@ -113,7 +108,7 @@ impl ExecutorService for DesktopExecutor {
             .store
             .desktop_run(&req.run_id)
             .await
-            .map_err(|e| status::failure(e.kind(), "desktop dispatch", &e))?
+            .map_err(|e| status::of(&e, "desktop dispatch"))?
             .is_none()
         {
             return Err(Status::not_found("no desktop assignment for this run"));
@@ -139,9 +134,7 @@ impl ExecutorService for DesktopExecutor {
                 let (a, events) = match read.await {
                     Ok(r) => r,
                     Err(e) => {
-                        observer
-                            .fail(status::failure(e.kind(), "desktop dispatch", &e))
-                            .await;
+                        observer.fail(status::of(&e, "desktop dispatch")).await;
                         return;
                     }
                 };
@@ -193,10 +186,8 @@ impl ExecutorService for DesktopExecutor {
                 }
                 // Woken by any desktop change, never idle longer than the
                 // poll interval (the coordinator's bounds do the rest).
-                tokio::select! {
-                    () = changed => {}
-                    () = tokio::time::sleep(POLL) => {}
-                    () = observer.closed() => return,
+                if !observer.wait(changed, POLL).await {
+                    return;
                 }
             }
         });
@@ -217,7 +208,7 @@ impl ExecutorService for DesktopExecutor {
             .store
             .cancel_desktop_run(&req.run_id, reason, Utc::now())
             .await
-            .map_err(|e| status::failure(e.kind(), "desktop dispatch", &e))?;
+            .map_err(|e| status::of(&e, "desktop dispatch"))?;
         Ok(Response::new(epb::CancelRunResponse {
             status: Some(status_of(a.as_ref())),
         }))

@@ -21,8 +21,8 @@ mod reports;
 pub mod stream;
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
+use anyhow::Result;
 use automesh_domain::ids::new_runner_id;
 use automesh_proto::runner::v1 as rpb;
 use automesh_proto::runner::v1::runner_token_service_server::{
@@ -38,16 +38,9 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-/// Settings of a desktop-runner-gateway process.
-#[derive(Debug, Clone, clap::Args)]
-pub struct Config {
-    /// Address to listen on (runners connect here).
-    #[arg(
-        long = "listen",
-        env = "AUTOMESH_RUNNER_GATEWAY_LISTEN",
-        default_value = "127.0.0.1:50052"
-    )]
-    pub listen: SocketAddr,
+automesh_rpc::service_config! {
+    /// Settings of a desktop-runner-gateway process.
+    listen("AUTOMESH_RUNNER_GATEWAY_LISTEN", "127.0.0.1:50052"), database;
     /// Address of the internal listener: the desktop executor (for the
     /// run-coordinator's AUTOMESH_DESKTOP_EXECUTOR_ADDR) and the runner
     /// token service (for the gateway's AUTOMESH_RUNNER_GATEWAY_ADDR). Keep it
@@ -58,20 +51,8 @@ pub struct Config {
         default_value = "127.0.0.1:50056"
     )]
     pub internal_listen: SocketAddr,
-    /// Database URL: postgres://… or sqlite:….
-    #[arg(long, env = "AUTOMESH_DATABASE_URL")]
-    pub database_url: String,
-    /// How often runners must send a heartbeat.
-    #[arg(long, env = "AUTOMESH_RUNNER_HEARTBEAT", default_value = "3s", value_parser = automesh_rpc::runtime::parse_duration)]
-    pub heartbeat_interval: Duration,
-    /// Silence after which a runner's stream is declared dead.
-    #[arg(long, env = "AUTOMESH_RUNNER_DEAD_AFTER", default_value = "10s", value_parser = automesh_rpc::runtime::parse_duration)]
-    pub dead_after: Duration,
-    /// How long a runner may hold an assignment without accepting it before
-    /// it goes to the owner's other runners (and the runner is told to drop
-    /// it).
-    #[arg(long, env = "AUTOMESH_RUNNER_ACCEPT_WITHIN", default_value = "10s", value_parser = automesh_rpc::runtime::parse_duration)]
-    pub accept_within: Duration,
+    #[command(flatten)]
+    pub streams: stream::StreamSettings,
 }
 
 /// Prefix of every runner token, so a leaked one is recognisable.
@@ -117,7 +98,7 @@ impl RunnerTokenService for RunnerTokens {
                 Utc::now(),
             )
             .await
-            .map_err(|e| status::failure(e.kind(), "runner", &e))?;
+            .map_err(|e| status::of(&e, "runner"))?;
         tracing::info!(runner_id = %runner.id, "runner token created");
         Ok(Response::new(rpb::CreateRunnerTokenResponse {
             runner_id: runner.id,
@@ -144,44 +125,10 @@ impl RunnerTokenService for RunnerTokens {
         self.store
             .revoke_runner(&owner, &req.runner_id, Utc::now())
             .await
-            .map_err(|e| status::failure(e.kind(), "runner", &e))?;
+            .map_err(|e| status::of(&e, "runner"))?;
         tracing::info!(runner_id = %req.runner_id, "runner revoked");
         Ok(Response::new(rpb::RevokeRunnerTokenResponse {}))
     }
-}
-
-/// Serves the runner gateway, runners on `listener` and the mesh on the
-/// configured internal listener, until `shutdown` is cancelled.
-pub async fn run(
-    config: Config,
-    credential: InternalCredential,
-    listener: TcpListener,
-    shutdown: CancellationToken,
-) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        config.internal_listen.port() == 0 || config.internal_listen != config.listen,
-        "the internal listener ({}) must differ from the runner listener",
-        config.internal_listen
-    );
-    let internal = automesh_rpc::runtime::bind(config.internal_listen).await?;
-    let store = Store::connect_lazy(&config.database_url, StoreOptions::from_env())?;
-    let settings = stream::StreamSettings {
-        heartbeat_interval: config.heartbeat_interval,
-        dead_after: config.dead_after,
-        accept_within: config.accept_within,
-        ..Default::default()
-    };
-    serve_with(
-        store,
-        settings,
-        credential,
-        Listeners {
-            runners: listener,
-            internal,
-        },
-        shutdown,
-    )
-    .await
 }
 
 /// The gateway's two listeners.
@@ -193,88 +140,122 @@ pub struct Listeners {
     pub internal: TcpListener,
 }
 
-/// Serves over an existing store with default stream bounds (used by `dev`
-/// mode and tests).
-pub async fn serve(
+/// The runner gateway assembled from its configuration. Its binary, `dev`
+/// mode and the test harness all start it the same way: [`Service::new`],
+/// then [`Service::serve`].
+#[derive(Debug)]
+pub struct Service {
+    /// The bounds of every runner stream.
+    streams: stream::StreamSettings,
     store: Store,
     credential: InternalCredential,
-    listeners: Listeners,
-    shutdown: CancellationToken,
-) -> anyhow::Result<()> {
-    serve_with(
-        store,
-        stream::StreamSettings::default(),
-        credential,
-        listeners,
-        shutdown,
-    )
-    .await
 }
 
-/// Serves the runner streams (runner-token authenticated) on the runner
-/// listener, and the desktop executor and the token service (internal
-/// credential) on the internal one.
-pub async fn serve_with(
-    store: Store,
-    settings: stream::StreamSettings,
+impl Service {
+    /// Checks `config` and assembles the gateway over `store`.
+    pub fn new(config: &Config, store: Store, credential: InternalCredential) -> Result<Self> {
+        anyhow::ensure!(
+            config.internal_listen.port() == 0 || config.internal_listen != config.listen,
+            "the internal listener ({}) must differ from the runner listener",
+            config.internal_listen
+        );
+        config.streams.check()?;
+        store.observe_pool(&automesh_rpc::metrics::meter());
+        Ok(Self {
+            streams: config.streams.clone(),
+            store,
+            credential,
+        })
+    }
+
+    /// Serves the runner streams (runner-token authenticated) on the runner
+    /// listener, and the desktop executor and the token service (internal
+    /// credential) on the internal one, until `shutdown` is cancelled.
+    pub async fn serve(self, listeners: Listeners, shutdown: CancellationToken) -> Result<()> {
+        let Self {
+            streams: settings,
+            store,
+            credential,
+        } = self;
+        let mut server = GrpcServer::new(ServerSettings::default())?;
+        let mut internal = GrpcServer::new(ServerSettings::default())?;
+        let streams = stream::RunnerStreams::new(store.clone(), settings, shutdown.clone());
+        metrics::observe_streams(streams.sessions.clone());
+        let desktop = executor::DesktopExecutor::new(store.clone(), streams.dispatch.clone());
+        // Background tasks end with the server, whatever ends it.
+        let tasks = shutdown.child_token();
+        let relay = tokio::spawn(streams.dispatch.clone().relay(store.clone(), tasks.clone()));
+        let deliver = tokio::spawn(streams.dispatch.clone().deliver(
+            store.clone(),
+            streams.sessions.clone(),
+            tasks.clone(),
+        ));
+        server.add_service(
+            automesh_proto::runner::v1::desktop_runner_service_server::DesktopRunnerServiceServer::new(
+                streams,
+            ),
+        );
+        internal.add_service(
+            automesh_proto::executor::v1::executor_service_server::ExecutorServiceServer::with_interceptor(
+                desktop,
+                RequireInternal(credential.clone()),
+            ),
+        );
+        internal.add_service(RunnerTokenServiceServer::with_interceptor(
+            RunnerTokens {
+                store: store.clone(),
+            },
+            RequireInternal(credential),
+        ));
+        // One stopping stops the other: half a gateway is no gateway.
+        let stop = shutdown.child_token();
+        let (served, served_internal) = tokio::join!(
+            async {
+                let r = server
+                    .serve(listeners.runners, stop.clone(), store.readiness_probe())
+                    .await;
+                stop.cancel();
+                r
+            },
+            async {
+                let r = internal
+                    .serve(listeners.internal, stop.clone(), store.readiness_probe())
+                    .await;
+                stop.cancel();
+                r
+            },
+        );
+        tasks.cancel();
+        let _ = tokio::join!(relay, deliver);
+        served?;
+        served_internal?;
+        Ok(())
+    }
+}
+
+/// The binary: its own pool on the configured database, and the internal
+/// listener bound beside the runner one.
+async fn run(
+    config: Config,
     credential: InternalCredential,
-    listeners: Listeners,
+    listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    let mut server = GrpcServer::new(ServerSettings::default())?;
-    let mut internal = GrpcServer::new(ServerSettings::default())?;
-    store.observe_pool(&automesh_rpc::metrics::meter());
-    let streams = stream::RunnerStreams::new(store.clone(), settings, shutdown.clone());
-    metrics::observe_streams(streams.sessions.clone());
-    let desktop = executor::DesktopExecutor::new(store.clone(), streams.dispatch.clone());
-    // Background tasks end with the server, whatever ends it.
-    let tasks = shutdown.child_token();
-    let relay = tokio::spawn(streams.dispatch.clone().relay(store.clone(), tasks.clone()));
-    let deliver = tokio::spawn(streams.dispatch.clone().deliver(
-        store.clone(),
-        streams.sessions.clone(),
-        tasks.clone(),
-    ));
-    server.add_service(
-        automesh_proto::runner::v1::desktop_runner_service_server::DesktopRunnerServiceServer::new(
-            streams,
-        ),
-    );
-    internal.add_service(
-        automesh_proto::executor::v1::executor_service_server::ExecutorServiceServer::with_interceptor(
-            desktop,
-            RequireInternal(credential.clone()),
-        ),
-    );
-    internal.add_service(RunnerTokenServiceServer::with_interceptor(
-        RunnerTokens {
-            store: store.clone(),
-        },
-        RequireInternal(credential),
-    ));
-    // One stopping stops the other: half a gateway is no gateway.
-    let stop = shutdown.child_token();
-    let (served, served_internal) = tokio::join!(
-        async {
-            let r = server
-                .serve(listeners.runners, stop.clone(), store.readiness_probe())
-                .await;
-            stop.cancel();
-            r
-        },
-        async {
-            let r = internal
-                .serve(listeners.internal, stop.clone(), store.readiness_probe())
-                .await;
-            stop.cancel();
-            r
-        },
-    );
-    tasks.cancel();
-    let _ = tokio::join!(relay, deliver);
-    served?;
-    served_internal?;
-    Ok(())
+    let service = Service::new(
+        &config,
+        Store::connect_lazy(&config.database_url, StoreOptions::from_env())?,
+        credential,
+    )?;
+    let internal = automesh_rpc::runtime::bind(config.internal_listen).await?;
+    service
+        .serve(
+            Listeners {
+                runners: listener,
+                internal,
+            },
+            shutdown,
+        )
+        .await
 }
 
 automesh_rpc::service_main!(

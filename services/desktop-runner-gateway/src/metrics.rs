@@ -16,28 +16,24 @@ struct Metrics {
 fn metrics() -> &'static Metrics {
     static M: OnceLock<Metrics> = OnceLock::new();
     M.get_or_init(|| {
-        let m = automesh_rpc::metrics::meter();
+        use automesh_rpc::metrics::counter;
         Metrics {
-            deliveries: m
-                .u64_counter("automesh.desktop.deliveries")
-                .with_description("Assignments sent to a runner for the first time")
-                .build(),
-            redeliveries: m
-                .u64_counter("automesh.desktop.redeliveries")
-                .with_description(
-                    "Assignments sent again to a reconnected runner that did not hold them",
-                )
-                .build(),
-            unaccepted: m
-                .u64_counter("automesh.desktop.unaccepted")
-                .with_description(
-                    "Assignments given back because their runner did not accept them in time",
-                )
-                .build(),
-            protocol_errors: m
-                .u64_counter("automesh.desktop.protocol_errors")
-                .with_description("Runner reports refused as protocol errors, by code")
-                .build(),
+            deliveries: counter(
+                "automesh.desktop.deliveries",
+                "Assignments sent to a runner for the first time",
+            ),
+            redeliveries: counter(
+                "automesh.desktop.redeliveries",
+                "Assignments sent again to a reconnected runner that did not hold them",
+            ),
+            unaccepted: counter(
+                "automesh.desktop.unaccepted",
+                "Assignments given back because their runner did not accept them in time",
+            ),
+            protocol_errors: counter(
+                "automesh.desktop.protocol_errors",
+                "Runner reports refused as protocol errors, by code",
+            ),
         }
     })
 }

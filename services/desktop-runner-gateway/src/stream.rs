@@ -29,29 +29,50 @@ use crate::reports::{Answer, reconcile, record};
 /// Messages queued towards one runner before the sender waits.
 const OUTBOUND: usize = 32;
 
-/// Bounds of a runner stream.
-#[derive(Debug, Clone)]
+/// Bounds of a runner stream: flags of the gateway's configuration, whose
+/// defaults are [`StreamSettings::default`].
+#[derive(Debug, Clone, clap::Args)]
 pub struct StreamSettings {
     /// How often runners must send a heartbeat (told to them in `Welcome`).
+    #[arg(long = "heartbeat-interval", env = "AUTOMESH_RUNNER_HEARTBEAT", default_value = "3s", value_parser = automesh_rpc::runtime::parse_duration)]
     pub heartbeat_interval: Duration,
-    /// Silence after which a stream is declared dead.
+    /// Silence after which a runner's stream is declared dead.
+    #[arg(long = "dead-after", env = "AUTOMESH_RUNNER_DEAD_AFTER", default_value = "10s", value_parser = automesh_rpc::runtime::parse_duration)]
     pub dead_after: Duration,
     /// How long a new stream may take to say `Hello`.
+    #[arg(long = "hello-timeout", env = "AUTOMESH_RUNNER_HELLO_TIMEOUT", default_value = "5s", value_parser = automesh_rpc::runtime::parse_duration)]
     pub hello_timeout: Duration,
-    /// How long a runner may hold an assignment without accepting it; then
-    /// the assignment goes to the owner's other runners and the silent one
-    /// is told to drop it.
+    /// How long a runner may hold an assignment without accepting it before
+    /// it goes to the owner's other runners (and the runner is told to drop
+    /// it).
+    #[arg(long = "accept-within", env = "AUTOMESH_RUNNER_ACCEPT_WITHIN", default_value = "10s", value_parser = automesh_rpc::runtime::parse_duration)]
     pub accept_within: Duration,
 }
 
 impl Default for StreamSettings {
+    /// The flags' defaults.
     fn default() -> Self {
-        Self {
-            heartbeat_interval: Duration::from_secs(3),
-            dead_after: Duration::from_secs(10),
-            hello_timeout: Duration::from_secs(5),
-            accept_within: Duration::from_secs(10),
+        automesh_rpc::runtime::config_from_args(&[]).expect("the stream flags' defaults parse")
+    }
+}
+
+impl StreamSettings {
+    /// Refuses bounds that would declare every stream dead or never.
+    pub fn check(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            !self.heartbeat_interval.is_zero() && self.heartbeat_interval < self.dead_after,
+            "the runner heartbeat ({:?}, AUTOMESH_RUNNER_HEARTBEAT) must be longer than 0 and \
+             shorter than the dead-after bound ({:?}, AUTOMESH_RUNNER_DEAD_AFTER)",
+            self.heartbeat_interval,
+            self.dead_after
+        );
+        for (bound, what) in [
+            (self.hello_timeout, "AUTOMESH_RUNNER_HELLO_TIMEOUT"),
+            (self.accept_within, "AUTOMESH_RUNNER_ACCEPT_WITHIN"),
+        ] {
+            anyhow::ensure!(!bound.is_zero(), "{what} must be longer than 0");
         }
+        Ok(())
     }
 }
 
@@ -203,7 +224,7 @@ impl DesktopRunnerService for RunnerStreams {
             .store
             .find_runner_by_token_hash(&hash_token(&token))
             .await
-            .map_err(|e| status::failure(e.kind(), "runner lookup", &e))?
+            .map_err(|e| status::of(&e, "runner lookup"))?
             .ok_or_else(|| Status::unauthenticated("unknown or revoked runner token"))?;
         let mut inbound = request.into_inner();
 
@@ -234,7 +255,7 @@ impl DesktopRunnerService for RunnerStreams {
         self.store
             .open_runner_stream(&runner.id, &stream_id, Utc::now())
             .await
-            .map_err(|e| status::failure(e.kind(), "opening the runner stream", &e))?;
+            .map_err(|e| status::of(&e, "opening the runner stream"))?;
         let (tx, rx) = mpsc::channel(OUTBOUND);
         let closed = CancellationToken::new();
         let session = Session {
@@ -406,11 +427,7 @@ async fn follow(
                         }
                     }
                     Ok(Err(error)) => {
-                        return Err(status::failure(
-                            error.kind(),
-                            "recording the runner's report",
-                            &error,
-                        ));
+                        return Err(status::of(&error, "recording the runner's report"));
                     }
                     Err(_) => {
                         return Err(status::unavailable(

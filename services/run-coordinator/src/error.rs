@@ -17,11 +17,7 @@ impl From<Error> for Status {
     fn from(e: Error) -> Status {
         match e {
             Error::Invalid(v) => status::invalid_argument(&v),
-            Error::Store(StoreError::NotFound) => status::not_found("run"),
-            Error::Store(StoreError::InvalidPageToken) => {
-                status::invalid_field("page_token", "not a page token issued by this service")
-            }
-            Error::Store(e) => status::failure(e.kind(), "run", &e),
+            Error::Store(e) => status::of(&e, "run"),
         }
     }
 }

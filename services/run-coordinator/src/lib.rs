@@ -2,38 +2,28 @@
 //! transition after creation, the event log, cancellation and receipts — and
 //! serves run history and live event streams.
 
-pub mod driver;
+pub mod drive;
 mod error;
 mod metrics;
 mod service;
 mod watch;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Result;
 use automesh_proto::coordinator::v1::run_coordinator_service_server::RunCoordinatorServiceServer;
 use automesh_rpc::{GrpcServer, InternalCredential, RequireInternal, ServerSettings};
-use automesh_store::{Store, StoreOptions};
+use automesh_store::Store;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 pub use error::Error;
 pub use service::Coordinator;
 
-/// Settings of a run-coordinator process.
-#[derive(Debug, Clone, clap::Args)]
-pub struct Config {
-    /// Address to listen on.
-    #[arg(
-        long = "listen",
-        env = "AUTOMESH_COORDINATOR_LISTEN",
-        default_value = "127.0.0.1:50054"
-    )]
-    pub listen: SocketAddr,
-    /// Database URL: postgres://… or sqlite:….
-    #[arg(long, env = "AUTOMESH_DATABASE_URL")]
-    pub database_url: String,
+automesh_rpc::service_config! {
+    /// Settings of a run-coordinator process.
+    listen("AUTOMESH_COORDINATOR_LISTEN", "127.0.0.1:50054"), database;
     /// The executor of desktop runs (the desktop-runner-gateway).
     #[arg(long, env = "AUTOMESH_DESKTOP_EXECUTOR_ADDR")]
     pub desktop_executor_addr: Option<String>,
@@ -46,112 +36,133 @@ pub struct Config {
     /// How long to wait for an executor to be idle after a cancellation.
     #[arg(long, env = "AUTOMESH_CANCEL_BOUND", default_value = "30s", value_parser = parse_duration)]
     pub cancel_bound: Duration,
-    /// The model catalogue (JSON, docs/models.md), the same file the gateway
-    /// reads: runs are asked of their provider by its names and priced at
-    /// its prices. Without it, the development catalogue.
-    #[arg(long, env = "AUTOMESH_MODELS_FILE")]
-    pub models_file: Option<std::path::PathBuf>,
+    /// The placements whose runs this replica claims and executes (comma
+    /// separated); each needs its executor. Every replica serves run
+    /// history and watches, whatever it executes.
+    #[arg(
+        long,
+        env = "AUTOMESH_COORDINATOR_PLACEMENTS",
+        value_delimiter = ',',
+        default_value = "desktop,cloud"
+    )]
+    pub placements: Vec<automesh_domain::Placement>,
+    /// How often to look for claimable runs when nothing wakes the claim
+    /// loop (a safety net: new and released runs wake it at once).
+    #[arg(long, env = "AUTOMESH_CLAIM_POLL", default_value = "500ms", value_parser = parse_duration)]
+    pub claim_poll: Duration,
+    #[command(flatten)]
+    pub models: automesh_rpc::runtime::Models,
 }
 
 pub use automesh_rpc::runtime::parse_duration;
 
-/// Clients of the configured executors, carrying the internal credential.
-pub fn executors(
-    desktop: Option<&str>,
-    cloud: Option<&str>,
-    credential: &InternalCredential,
-) -> anyhow::Result<driver::Executors> {
-    use automesh_proto::executor::v1::executor_service_client::ExecutorServiceClient;
-    let client = |addr: Option<&str>| -> anyhow::Result<_> {
-        Ok(match addr {
-            Some(a) => Some(ExecutorServiceClient::new(automesh_rpc::internal_channel(
-                a, credential,
-            )?)),
-            None => None,
+/// The coordinator assembled from its configuration. Its binary, `dev` mode
+/// and the test harness all start it the same way: [`Service::new`], then
+/// [`Service::serve`].
+#[derive(Debug)]
+pub struct Service {
+    /// What every drive of this replica shares: the store, the executors,
+    /// the settings and its lease identity.
+    context: Arc<drive::Context>,
+    credential: InternalCredential,
+}
+
+impl Service {
+    /// Checks `config` and assembles the coordinator over `store`: it
+    /// refuses to start without an executor for each placement, since every
+    /// run of a placement without one would wait out its whole deadline.
+    pub fn new(config: &Config, store: Store, credential: InternalCredential) -> Result<Self> {
+        use automesh_domain::Placement;
+        let executes = |p: Placement| config.placements.contains(&p);
+        let missing: Vec<&str> = [
+            (
+                Placement::Desktop,
+                config.desktop_executor_addr.as_deref(),
+                "AUTOMESH_DESKTOP_EXECUTOR_ADDR (--desktop-executor-addr): the desktop-runner-gateway",
+            ),
+            (
+                Placement::Cloud,
+                config.cloud_executor_addr.as_deref(),
+                "AUTOMESH_CLOUD_EXECUTOR_ADDR (--cloud-executor-addr): the cloud-worker-lifecycle service",
+            ),
+        ]
+        .into_iter()
+        .filter(|(p, addr, _)| executes(*p) && addr.is_none_or(|a| a.trim().is_empty()))
+        .map(|(_, _, what)| what)
+        .collect();
+        anyhow::ensure!(
+            missing.is_empty(),
+            "the run-coordinator needs an executor for each placement it executes; set {}",
+            missing.join(" and ")
+        );
+        for (bound, what) in [
+            (config.lease, "the run lease (AUTOMESH_RUN_LEASE, --lease)"),
+            (
+                config.claim_poll,
+                "the claim poll (AUTOMESH_CLAIM_POLL, --claim-poll)",
+            ),
+        ] {
+            anyhow::ensure!(!bound.is_zero(), "{what} must be longer than 0");
+        }
+        use automesh_proto::executor::v1::executor_service_client::ExecutorServiceClient;
+        let client = |p: Placement, addr: &Option<String>| -> anyhow::Result<_> {
+            Ok(match addr.as_deref().filter(|_| executes(p)) {
+                Some(addr) => Some(ExecutorServiceClient::new(automesh_rpc::internal_channel(
+                    addr,
+                    &credential,
+                )?)),
+                None => None,
+            })
+        };
+        let executors = drive::Executors {
+            desktop: client(Placement::Desktop, &config.desktop_executor_addr)?,
+            cloud: client(Placement::Cloud, &config.cloud_executor_addr)?,
+        };
+        let settings = drive::Settings {
+            lease: config.lease,
+            cancel_bound: config.cancel_bound,
+            poll: config.claim_poll,
+            models: Arc::new(config.models.catalog()),
+            ..drive::Settings::default()
+        };
+        store.observe_pool(&automesh_rpc::metrics::meter());
+        let context = Arc::new(drive::Context {
+            store,
+            executors,
+            settings,
+            owner: format!("coordinator-{}", uuid::Uuid::new_v4()),
+            active: Default::default(),
+        });
+        Ok(Self {
+            context,
+            credential,
         })
-    };
-    Ok(driver::Executors {
-        desktop: client(desktop)?,
-        cloud: client(cloud)?,
-    })
+    }
+
+    /// Serves until `shutdown` is cancelled: the gRPC server and the claim
+    /// loop with its drives, all inside this future, so aborting it stops
+    /// everything at once, as a crash would.
+    pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
+        let store = self.context.store.clone();
+        let coordinator = Coordinator::new(self.context.clone(), shutdown.clone());
+        let mut server = GrpcServer::new(ServerSettings::default())?;
+        server.add_service(RunCoordinatorServiceServer::with_interceptor(
+            coordinator,
+            RequireInternal(self.credential),
+        ));
+        let context = self.context;
+        server
+            .serve_beside(listener, shutdown, store.readiness_probe(), |stop| {
+                drive::run_loop(context, stop)
+            })
+            .await?;
+        Ok(())
+    }
 }
 
-/// Serves the coordinator on `listener` until `shutdown` is cancelled.
-pub async fn run(
-    config: Config,
-    credential: InternalCredential,
-    listener: TcpListener,
-    shutdown: CancellationToken,
-) -> anyhow::Result<()> {
-    // A coordinator without an executor would let every run of that
-    // placement wait out its whole deadline: refuse to start instead.
-    let missing: Vec<&str> = [
-        (
-            config.desktop_executor_addr.as_deref(),
-            "AUTOMESH_DESKTOP_EXECUTOR_ADDR (--desktop-executor-addr): the desktop-runner-gateway",
-        ),
-        (
-            config.cloud_executor_addr.as_deref(),
-            "AUTOMESH_CLOUD_EXECUTOR_ADDR (--cloud-executor-addr): the cloud-worker-lifecycle service",
-        ),
-    ]
-    .into_iter()
-    .filter(|(addr, _)| addr.is_none_or(|a| a.trim().is_empty()))
-    .map(|(_, what)| what)
-    .collect();
-    anyhow::ensure!(
-        missing.is_empty(),
-        "the run-coordinator needs an executor for each placement; set {}",
-        missing.join(" and ")
-    );
-    let models = automesh_domain::ModelCatalog::load(config.models_file.as_deref())
-        .map_err(anyhow::Error::msg)?;
-    let store = Store::connect_lazy(&config.database_url, StoreOptions::from_env())?;
-    let executors = executors(
-        config.desktop_executor_addr.as_deref(),
-        config.cloud_executor_addr.as_deref(),
-        &credential,
-    )?;
-    let settings = driver::Settings {
-        lease: config.lease,
-        cancel_bound: config.cancel_bound,
-        models: Arc::new(models),
-        ..driver::Settings::default()
-    };
-    serve(store, settings, executors, credential, listener, shutdown).await
-}
-
-/// Serves the coordinator over an existing store (used by `dev` mode and tests).
-/// Both run until `shutdown`: the gRPC server and the claim loop with its
-/// drivers. They live inside this future, so aborting it stops everything
-/// at once, as a crash would.
-pub async fn serve(
-    store: Store,
-    settings: driver::Settings,
-    executors: driver::Executors,
-    credential: InternalCredential,
-    listener: TcpListener,
-    shutdown: CancellationToken,
-) -> anyhow::Result<()> {
-    store.observe_pool(&automesh_rpc::metrics::meter());
-    let context = Arc::new(driver::Context {
-        store: store.clone(),
-        executors,
-        settings,
-        owner: format!("coordinator-{}", uuid::Uuid::new_v4()),
-        active: Default::default(),
-    });
-    let coordinator = Coordinator::new(context.clone(), shutdown.clone());
-    let mut server = GrpcServer::new(ServerSettings::default())?;
-    server.add_service(RunCoordinatorServiceServer::with_interceptor(
-        coordinator,
-        RequireInternal(credential),
-    ));
-    let claiming = driver::run_loop(context, shutdown.clone());
-    let serving = server.serve(listener, shutdown, store.readiness_probe());
-    let ((), served) = tokio::join!(claiming, serving);
-    served?;
-    Ok(())
-}
-
-automesh_rpc::service_main!(Config, "automesh-run-coordinator", "127.0.0.1:9454", run);
+automesh_rpc::service_main!(
+    Config,
+    "automesh-run-coordinator",
+    "127.0.0.1:9454",
+    with_store
+);

@@ -15,7 +15,6 @@ const LATENCY: [f64; 16] = [
 ];
 
 pub(crate) struct Metrics {
-    ended: Counter<u64>,
     dispatch: Histogram<f64>,
     first_event: Histogram<f64>,
     takeovers: Counter<u64>,
@@ -30,46 +29,36 @@ pub(crate) struct Metrics {
 pub(crate) fn metrics() -> &'static Metrics {
     static M: OnceLock<Metrics> = OnceLock::new();
     M.get_or_init(|| {
+        use automesh_rpc::metrics::{counter, seconds};
         let m = automesh_rpc::metrics::meter();
         Metrics {
-            ended: m
-                .u64_counter("automesh.runs.ended")
-                .with_description(
-                    "Runs that reached a terminal state, by placement, outcome and error code",
-                )
-                .build(),
-            dispatch: m
-                .f64_histogram("automesh.run.dispatch.duration")
-                .with_unit("s")
-                .with_description("From a run's due instant to its executor accepting StartRun")
-                .with_boundaries(LATENCY.to_vec())
-                .build(),
-            first_event: m
-                .f64_histogram("automesh.run.first_event.duration")
-                .with_unit("s")
-                .with_description("From a run's due instant to its first executor event")
-                .with_boundaries(LATENCY.to_vec())
-                .build(),
-            takeovers: m
-                .u64_counter("automesh.run.lease.takeovers")
-                .with_description("Runs claimed again after another coordinator's lease lapsed")
-                .build(),
-            calls: m
-                .f64_histogram("automesh.executor.call.duration")
-                .with_unit("s")
-                .with_description("Unary calls to an executor, by placement, method and result")
-                .with_boundaries(LATENCY.to_vec())
-                .build(),
-            call_errors: m
-                .u64_counter("automesh.executor.call.errors")
-                .with_description("Executor calls that failed, by placement, method and gRPC code")
-                .build(),
-            tokens: m
-                .u64_counter("automesh.run.tokens")
-                .with_description(
-                    "Model tokens of ended runs, by placement and type (input, output)",
-                )
-                .build(),
+            dispatch: seconds(
+                "automesh.run.dispatch.duration",
+                "From a run's due instant to its executor accepting StartRun",
+                &LATENCY,
+            ),
+            first_event: seconds(
+                "automesh.run.first_event.duration",
+                "From a run's due instant to its first executor event",
+                &LATENCY,
+            ),
+            takeovers: counter(
+                "automesh.run.lease.takeovers",
+                "Runs claimed again after another coordinator's lease lapsed",
+            ),
+            calls: seconds(
+                "automesh.executor.call.duration",
+                "Unary calls to an executor, by placement, method and result",
+                &LATENCY,
+            ),
+            call_errors: counter(
+                "automesh.executor.call.errors",
+                "Executor calls that failed, by placement, method and gRPC code",
+            ),
+            tokens: counter(
+                "automesh.run.tokens",
+                "Model tokens of ended runs, by placement and type (input, output)",
+            ),
             cost: m
                 .u64_counter("automesh.run.cost")
                 .with_unit("{micro-unit}")
@@ -115,15 +104,8 @@ impl Metrics {
         code: Option<ErrorCode>,
         usage: &automesh_domain::Usage,
     ) {
+        automesh_rpc::metrics::run_ended(run.placement, state, code);
         let p = placement(run.placement);
-        self.ended.add(
-            1,
-            &[
-                p.clone(),
-                KeyValue::new("outcome", state.as_str()),
-                KeyValue::new("error_code", code.map(|c| c.as_str()).unwrap_or("")),
-            ],
-        );
         let tokens = |n: i64| u64::try_from(n).unwrap_or(0);
         self.tokens.add(
             tokens(usage.input_tokens),

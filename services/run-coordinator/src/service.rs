@@ -16,7 +16,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use crate::driver::Context;
+use crate::drive::Context;
 use crate::error::Error;
 use crate::watch;
 
@@ -56,7 +56,7 @@ impl Coordinator {
         Ok(convert::run_to_pb(run, receipt.as_ref()))
     }
 
-    /// Asks for a run's cancellation: its driver forwards it to the
+    /// Asks for a run's cancellation: its drive forwards it to the
     /// executor and ends the run once the executor is observed idle (or the
     /// cancellation bound passes). Answers with the run once it ended, or
     /// as it is after a short wait. A terminal run is returned unchanged.

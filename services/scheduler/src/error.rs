@@ -38,14 +38,10 @@ impl From<Error> for Status {
                 "the etag is stale: the automation changed since it was read; read it again",
             ),
             Error::Contended => Status::aborted("the automation kept changing; retry"),
-            Error::Store(StoreError::NotFound) => status::not_found("automation"),
-            Error::Store(StoreError::InvalidPageToken) => {
-                status::invalid_field("page_token", "not a page token issued by this service")
-            }
             Error::Store(StoreError::Invariant(msg)) => {
                 status::failed_precondition("INVARIANT", "automation", &msg)
             }
-            Error::Store(e) => status::failure(e.kind(), "automation", &e),
+            Error::Store(e) => status::of(&e, "automation"),
         }
     }
 }

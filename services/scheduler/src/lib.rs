@@ -11,13 +11,13 @@ mod metrics;
 pub mod occurrences;
 mod service;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Result;
 use automesh_proto::scheduler::v1::scheduler_service_server::SchedulerServiceServer;
 use automesh_rpc::{GrpcServer, InternalCredential, RequireInternal, ServerSettings};
-use automesh_store::{Store, StoreOptions};
+use automesh_store::Store;
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -25,19 +25,9 @@ use tokio_util::sync::CancellationToken;
 pub use error::Error;
 pub use service::Scheduler;
 
-/// Settings of a scheduler process.
-#[derive(Debug, Clone, clap::Args)]
-pub struct Config {
-    /// Address to listen on.
-    #[arg(
-        long = "listen",
-        env = "AUTOMESH_SCHEDULER_LISTEN",
-        default_value = "127.0.0.1:50053"
-    )]
-    pub listen: SocketAddr,
-    /// Database URL: postgres://… or sqlite:….
-    #[arg(long, env = "AUTOMESH_DATABASE_URL")]
-    pub database_url: String,
+automesh_rpc::service_config! {
+    /// Settings of a scheduler process.
+    listen("AUTOMESH_SCHEDULER_LISTEN", "127.0.0.1:50053"), database;
     /// How long a run may take from creation to its end, wake-up and
     /// admission included (for example 30m, 2h).
     #[arg(long, env = "AUTOMESH_RUN_DEADLINE", default_value = "30m", value_parser = parse_duration)]
@@ -56,40 +46,52 @@ impl Config {
 
 pub use automesh_rpc::runtime::parse_duration;
 
-/// Serves the scheduler on `listener` until `shutdown` is cancelled.
-pub async fn run(
-    config: Config,
-    credential: InternalCredential,
-    listener: TcpListener,
-    shutdown: CancellationToken,
-) -> anyhow::Result<()> {
-    let store = Store::connect_lazy(&config.database_url, StoreOptions::from_env())?;
-    serve(store, config.settings(), credential, listener, shutdown).await
+/// The scheduler assembled from its configuration. Its binary, `dev` mode
+/// and the test harness all start it the same way: [`Service::new`], then
+/// [`Service::serve`].
+#[derive(Debug)]
+pub struct Service {
+    /// The gRPC server, the scheduler service added.
+    server: GrpcServer,
+    /// What the occurrence loop runs on.
+    occurrences: (Store, occurrences::Settings, Arc<Notify>),
 }
 
-/// Serves the scheduler over an existing store (used by `dev` mode and tests).
-/// Both run until `shutdown`: the gRPC server and the occurrence loop. The
-/// loop lives inside this future, so aborting it stops everything.
-pub async fn serve(
-    store: Store,
-    settings: occurrences::Settings,
-    credential: InternalCredential,
-    listener: TcpListener,
-    shutdown: CancellationToken,
-) -> anyhow::Result<()> {
-    store.observe_pool(&automesh_rpc::metrics::meter());
-    let wake = Arc::new(Notify::new());
-    let scheduler = Scheduler::new(store.clone(), settings.run_deadline, wake.clone());
-    let mut server = GrpcServer::new(ServerSettings::default())?;
-    server.add_service(SchedulerServiceServer::with_interceptor(
-        scheduler,
-        RequireInternal(credential),
-    ));
-    let looping = occurrences::run_loop(store.clone(), settings, wake, shutdown.clone());
-    let serving = server.serve(listener, shutdown, store.readiness_probe());
-    let ((), served) = tokio::join!(looping, serving);
-    served?;
-    Ok(())
+impl Service {
+    /// Checks `config` and assembles the scheduler over `store`.
+    pub fn new(config: &Config, store: Store, credential: InternalCredential) -> Result<Self> {
+        anyhow::ensure!(
+            !config.run_deadline.is_zero(),
+            "the run deadline (AUTOMESH_RUN_DEADLINE, --run-deadline) must be longer than 0"
+        );
+        store.observe_pool(&automesh_rpc::metrics::meter());
+        // An edit wakes the occurrence loop.
+        let wake = Arc::new(Notify::new());
+        let scheduler = Scheduler::new(store.clone(), config.run_deadline, wake.clone());
+        let mut server = GrpcServer::new(ServerSettings::default())?;
+        server.add_service(SchedulerServiceServer::with_interceptor(
+            scheduler,
+            RequireInternal(credential),
+        ));
+        Ok(Self {
+            server,
+            occurrences: (store, config.settings(), wake),
+        })
+    }
+
+    /// Serves until `shutdown` is cancelled: the gRPC server and the
+    /// occurrence loop, both inside this future, so aborting it stops
+    /// everything at once, as a crash would.
+    pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
+        let (store, settings, wake) = self.occurrences;
+        let probe = store.readiness_probe();
+        self.server
+            .serve_beside(listener, shutdown, probe, |stop| {
+                occurrences::run_loop(store, settings, wake, stop)
+            })
+            .await?;
+        Ok(())
+    }
 }
 
-automesh_rpc::service_main!(Config, "automesh-scheduler", "127.0.0.1:9453", run);
+automesh_rpc::service_main!(Config, "automesh-scheduler", "127.0.0.1:9453", with_store);

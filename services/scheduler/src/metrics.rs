@@ -7,27 +7,13 @@ use automesh_domain::{ErrorCode, Placement, RunState, RunTrigger};
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::Counter;
 
-struct Metrics {
-    created: Counter<u64>,
-    ended: Counter<u64>,
-}
-
-fn metrics() -> &'static Metrics {
-    static M: OnceLock<Metrics> = OnceLock::new();
-    M.get_or_init(|| {
-        let m = automesh_rpc::metrics::meter();
-        Metrics {
-            created: m
-                .u64_counter("automesh.runs.created")
-                .with_description("Runs created, by placement, trigger and initial state")
-                .build(),
-            ended: m
-                .u64_counter("automesh.runs.ended")
-                .with_description(
-                    "Runs that reached a terminal state, by placement, outcome and error code",
-                )
-                .build(),
-        }
+fn created() -> &'static Counter<u64> {
+    static CREATED: OnceLock<Counter<u64>> = OnceLock::new();
+    CREATED.get_or_init(|| {
+        automesh_rpc::metrics::counter(
+            "automesh.runs.created",
+            "Runs created, by placement, trigger and initial state",
+        )
     })
 }
 
@@ -41,10 +27,9 @@ pub(crate) struct Created {
 }
 
 pub(crate) fn count(created: &[Created]) {
-    let m = metrics();
     for c in created {
         let trigger = c.trigger.as_str();
-        m.created.add(
+        self::created().add(
             1,
             &[
                 KeyValue::new("placement", c.placement.as_str()),
@@ -53,14 +38,7 @@ pub(crate) fn count(created: &[Created]) {
             ],
         );
         if c.state.is_terminal() {
-            m.ended.add(
-                1,
-                &[
-                    KeyValue::new("placement", c.placement.as_str()),
-                    KeyValue::new("outcome", c.state.as_str()),
-                    KeyValue::new("error_code", c.code.map(|c| c.as_str()).unwrap_or("")),
-                ],
-            );
+            automesh_rpc::metrics::run_ended(c.placement, c.state, c.code);
         }
     }
 }

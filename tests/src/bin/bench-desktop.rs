@@ -52,17 +52,16 @@ async fn serve_gateway(url: &str) -> anyhow::Result<()> {
     let internal = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     println!("listening http://{}", listener.local_addr()?);
     let credential = automesh_rpc::InternalCredential::new("test-internal-credential-0123")?;
-    automesh_desktop_runner_gateway::serve_with(
-        store,
-        Default::default(),
-        credential,
-        automesh_desktop_runner_gateway::Listeners {
-            runners: listener,
-            internal,
-        },
-        tokio_util::sync::CancellationToken::new(),
-    )
-    .await
+    let config = automesh_rpc::runtime::config_from_args(&["--database-url", url])?;
+    automesh_desktop_runner_gateway::Service::new(&config, store, credential)?
+        .serve(
+            automesh_desktop_runner_gateway::Listeners {
+                runners: listener,
+                internal,
+            },
+            tokio_util::sync::CancellationToken::new(),
+        )
+        .await
 }
 
 async fn mint(store: &Store, owner: &Principal, i: usize) -> anyhow::Result<String> {

@@ -1,5 +1,5 @@
 //! The executor contract for cloud runs: `StartRun` reserves the run's
-//! identity and starts its driver; `ObserveRun` reports the run's phase as
+//! identity and starts its drive; `ObserveRun` reports the run's phase as
 //! it changes — `running` before the events of the thread, as soon as the
 //! agent has the message — and streams the thread's events from its worker;
 //! `CancelRun` and `GetRunStatus` read and write the dispatch row, from any
@@ -27,7 +27,7 @@ const EVENT_SILENCE: Duration = Duration::from_secs(5);
 /// A corrupt dispatch row is INTERNAL, not worth a retry; only a lost
 /// database is UNAVAILABLE.
 fn store_err(e: automesh_store::StoreError) -> Status {
-    status::failure(e.kind(), "cloud dispatch", &e)
+    status::of(&e, "cloud dispatch")
 }
 
 impl Cloud {
@@ -157,7 +157,7 @@ impl ExecutorService for Cloud {
             return Err(Status::not_found("no cloud dispatch for this run"));
         };
         if first.phase != CloudPhase::Finished {
-            // A coordinator that reattaches also revives a driver whose
+            // A coordinator that reattaches also revives a drive whose
             // replica died.
             self.drive(&req.run_id);
         }
@@ -171,7 +171,7 @@ impl ExecutorService for Cloud {
                 };
                 let finished = d.phase == CloudPhase::Finished;
                 if !finished {
-                    // Revives a driver that stopped (a store error, a dead
+                    // Revives a drive that stopped (a store error, a dead
                     // replica); a live one elsewhere keeps its lease.
                     cloud.drive(&req.run_id);
                     // A phase change goes out before the events after it:
@@ -198,9 +198,8 @@ impl ExecutorService for Cloud {
                     observer.status(status_of(Some(&d))).await;
                     return;
                 }
-                tokio::select! {
-                    () = tokio::time::sleep(WATCH) => {}
-                    () = observer.closed() => return,
+                if !observer.wait(std::future::pending(), WATCH).await {
+                    return;
                 }
             }
         });

@@ -1,5 +1,5 @@
 //! What every lifecycle replica does in the background: resume cloud runs
-//! whose driver died (their lease lapsed), keep ready workers' agents alive
+//! whose drive died (their lease lapsed), keep ready workers' agents alive
 //! (an agent that hears from no lifecycle exits after its orphan bound), and
 //! stop idle workers — any replica any worker, whoever started it.
 
@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Cloud, KEEPALIVE_TIMEOUT};
 
-/// How often runs whose driver died are looked for.
+/// How often runs whose drive died are looked for.
 const RESUME_EVERY: Duration = Duration::from_secs(1);
 /// How many agents are kept alive at once.
 const KEEPALIVE_PARALLEL: usize = 16;
@@ -54,13 +54,13 @@ impl Cloud {
         }
     }
 
-    /// Takes over unfinished cloud runs whose driver stopped renewing its
+    /// Takes over unfinished cloud runs whose drive stopped renewing its
     /// lease.
     pub async fn resume_pass(&self) -> Result<usize, automesh_store::StoreError> {
         let runs = self.store.undriven_cloud_runs(Utc::now(), 100).await?;
         for run_id in &runs {
             let span = self.run_span("automesh.cloud.resume", run_id).await;
-            span.in_scope(|| tracing::info!(run_id, "resuming a cloud run whose driver stopped"));
+            span.in_scope(|| tracing::info!(run_id, "resuming a cloud run whose drive stopped"));
             self.drive(run_id);
         }
         Ok(runs.len())
@@ -115,7 +115,7 @@ impl Cloud {
                 continue;
             }
             tracing::info!(worker_id, "stopping an idle worker");
-            // Asked first, so it exits cleanly; the driver then makes sure.
+            // Asked first, so it exits cleanly; the drive then makes sure.
             if let Some(ready) = ready
                 && let Ok(mut agent) = self.agent(&ready.endpoint, &worker_id)
             {

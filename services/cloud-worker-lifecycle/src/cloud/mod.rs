@@ -2,8 +2,8 @@
 //! (SPEC §5), and the housekeeping of workers.
 //!
 //! `StartRun` reserves and persists the run's worker, workspace, thread and
-//! message identity (`cloud_dispatch`) and returns (`executor.rs`); a driver
-//! task — one per run, held by a lease on that row that it renews in the
+//! message identity (`cloud_dispatch`) and returns (`executor.rs`); a drive
+//! — one task per run, held by a lease on that row that it renews in the
 //! background, so that when its replica dies any other one resumes it —
 //! then admits the run (`admission.rs`): it wakes the owner's worker
 //! (`wake.rs`: concurrent wakes coalesce into one start, held as a lease;
@@ -19,7 +19,7 @@
 //! An agent that dies costs only the runs it was executing: they end
 //! `runtime_interrupted` (not the user's to fix, so no needs-attention),
 //! and every later run of the owner finds a fresh agent.
-//! `housekeeping.rs` resumes runs whose driver died, keeps ready workers'
+//! `housekeeping.rs` resumes runs whose drive died, keeps ready workers'
 //! agents alive (an agent nobody calls exits after its orphan bound), and
 //! stops idle workers from any replica.
 
@@ -160,12 +160,7 @@ fn outcome(
 
 fn status_of(d: Option<&CloudDispatch>) -> epb::ExecutionStatus {
     let Some(d) = d else {
-        return epb::ExecutionStatus {
-            phase: epb::ExecutionPhase::Unknown as i32,
-            idle: true,
-            outcome: None,
-            unaccepted: false,
-        };
+        return automesh_rpc::executor::unknown_status();
     };
     let (phase, idle) = match d.phase {
         CloudPhase::Running => (epb::ExecutionPhase::Running, false),
@@ -252,7 +247,7 @@ impl Cloud {
         Utc::now() + chrono::Duration::from_std(self.settings.lease).unwrap_or_default()
     }
 
-    /// Starts this replica's driver of a run unless one is running here.
+    /// Starts this replica's drive of a run unless one is running here.
     fn drive(&self, run_id: &str) {
         if let Ok(mut d) = self.driving.lock()
             && !d.insert(run_id.to_owned())
@@ -262,11 +257,11 @@ impl Cloud {
         let cloud = self.clone();
         let run_id = run_id.to_owned();
         tokio::spawn(async move {
-            // Everything the driver logs belongs to the run's trace.
-            let span = cloud.run_span("automesh.cloud.driver", &run_id).await;
+            // Everything the drive logs belongs to the run's trace.
+            let span = cloud.run_span("automesh.cloud.drive", &run_id).await;
             async {
                 if let Err(error) = cloud.drive_run(&run_id).await {
-                    tracing::warn!(run_id = %run_id, %error, "cloud run driver stopped; it will be resumed");
+                    tracing::warn!(run_id = %run_id, %error, "cloud run drive stopped; it will be resumed");
                 }
             }
             .instrument(span)

@@ -1,4 +1,4 @@
-//! Waking a worker: claim its start (a lease, renewed while the driver
+//! Waking a worker: claim its start (a lease, renewed while the drive
 //! starts it), start it and wait — under the readiness cap — until its
 //! agent answers; or wait for whoever holds the start. A worker that reads
 //! ready is trusted only once its agent answers a keepalive as the agent

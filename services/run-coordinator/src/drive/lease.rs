@@ -1,5 +1,5 @@
-//! One driver per claimed run: the run's span, its lease heartbeat (a
-//! driver never outlives its lease), and the hand-over to `execute`.
+//! One drive per claimed run: the run's span, its lease heartbeat (a
+//! drive never outlives its lease), and the hand-over to `execute`.
 
 use std::sync::Arc;
 
@@ -45,8 +45,8 @@ pub(super) async fn drive(ctx: Arc<Context>, claimed: ClaimedRun) {
         ctx: &ctx,
         run_id: run.id.clone(),
     };
-    // Dies with the driver, however the driver ends: a heartbeat that
-    // outlived a killed driver would keep the run from being taken over.
+    // Dies with the drive, however the drive ends: a heartbeat that
+    // outlived a killed drive would keep the run from being taken over.
     let heartbeat = AbortOnDrop(tokio::spawn(
         heartbeat(ctx.clone(), run.clone(), lost.clone(), cancel_seen.clone()).in_current_span(),
     ));
@@ -66,7 +66,7 @@ pub(super) async fn drive(ctx: Arc<Context>, claimed: ClaimedRun) {
             }
             Err(Stop::LeaseLost) => tracing::warn!("lease lost; another coordinator has the run"),
             Err(Stop::Store(error)) => {
-                tracing::warn!(%error, "driver stopped on a store error; retried after the lease")
+                tracing::warn!(%error, "drive stopped on a store error; retried after the lease")
             }
         }
     }
@@ -94,9 +94,9 @@ pub(super) async fn heartbeat(
     let lease = ctx.settings.lease;
     let every = lease / 3;
     // The lease is ours until `valid_until`, counted from when the last
-    // successful renewal was sent: a driver never outlives its lease.
+    // successful renewal was sent: a drive never outlives its lease.
     let mut valid_until = tokio::time::Instant::now() + lease;
-    // A driver that is stuck somewhere gets no renewals past this point,
+    // A drive that is stuck somewhere gets no renewals past this point,
     // so another coordinator can take the run and end it.
     let stop_renewing = run.deadline_at
         + chrono::Duration::from_std(ctx.settings.cancel_bound * 2 + lease).unwrap_or_default();
@@ -104,7 +104,7 @@ pub(super) async fn heartbeat(
         let wake = (tokio::time::Instant::now() + every).min(valid_until - every / 2);
         tokio::time::sleep_until(wake).await;
         if Utc::now() > stop_renewing {
-            tracing::warn!("driver still busy well past the run's deadline; letting the lease go");
+            tracing::warn!("drive still busy well past the run's deadline; letting the lease go");
             lost.cancel();
             return;
         }

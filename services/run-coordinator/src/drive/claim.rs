@@ -1,5 +1,5 @@
 //! The claim loop: leases claimable runs (woken by signals, polled as a
-//! safety net), bounded by `max_concurrent`, one driver task per run.
+//! safety net), bounded by `max_concurrent`, one drive task per run.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use super::Context;
 use super::lease::{AbortOnDrop, drive};
 
-/// Registers a driver's cancellation signal for as long as it lives.
+/// Registers a drive's cancellation signal for as long as it lives.
 pub(super) struct Registration<'a> {
     pub(super) ctx: &'a Context,
     pub(super) run_id: String,
@@ -26,16 +26,16 @@ impl Drop for Registration<'_> {
     }
 }
 
-/// Claims and drives runs until `shutdown`; then stops its drivers and gives
+/// Claims and drives runs until `shutdown`; then stops its drives and gives
 /// their leases up, so another coordinator takes the runs over at once.
 pub async fn run_loop(ctx: Arc<Context>, shutdown: CancellationToken) {
-    let mut drivers = JoinSet::new();
+    let mut drives = JoinSet::new();
     let _queue = AbortOnDrop(tokio::spawn(sample_queue(ctx.store.clone())));
     let mut watcher = ctx.store.watch_new_runs().await;
     tracing::info!(owner = %ctx.owner, "coordinator claiming runs");
     loop {
-        while drivers.try_join_next().is_some() {}
-        let capacity = ctx.settings.max_concurrent.saturating_sub(drivers.len());
+        while drives.try_join_next().is_some() {}
+        let capacity = ctx.settings.max_concurrent.saturating_sub(drives.len());
         let mut claimed_any = false;
         if capacity > 0 {
             let now = Utc::now();
@@ -56,7 +56,7 @@ pub async fn run_loop(ctx: Arc<Context>, shutdown: CancellationToken) {
                 Ok(claimed) => {
                     claimed_any = !claimed.is_empty();
                     for run in claimed {
-                        drivers.spawn(drive(ctx.clone(), run));
+                        drives.spawn(drive(ctx.clone(), run));
                     }
                 }
                 Err(error) => tracing::warn!(%error, "cannot claim runs"),
@@ -70,7 +70,7 @@ pub async fn run_loop(ctx: Arc<Context>, shutdown: CancellationToken) {
             () = shutdown.cancelled() => break,
         }
     }
-    drivers.shutdown().await;
+    drives.shutdown().await;
     match ctx.store.release_all_leases(&ctx.owner).await {
         Ok(n) => tracing::info!(released = n, "coordinator stopped; leases released"),
         Err(error) => tracing::warn!(%error, "coordinator stopped; leases will expire"),

@@ -138,7 +138,7 @@ pub(super) async fn execute(
     }
     let mut first_event = claimed.claims > 1;
     apply_status(ctx, run, started.status.as_ref()).await?;
-    // A previous driver may have cancelled it for its deadline, then died.
+    // A previous drive may have cancelled it for its deadline, then died.
     let inferred = (Utc::now() >= deadline).then_some(CancelCause::Deadline);
     // Finished already (a fast run, or one that ended while no coordinator
     // watched): its events are still read into the run's log before it

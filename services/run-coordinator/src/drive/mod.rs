@@ -1,8 +1,8 @@
-//! Driving runs: the claim loop and one driver per claimed run.
+//! Driving runs: the claim loop and one drive per claimed run.
 //!
 //! A coordinator leases live runs (any replica may hold any run; a lease
 //! that stops being renewed expires and another coordinator takes the run
-//! over). A driver persists the run's message identity before it first
+//! over). A drive persists the run's message identity before it first
 //! submits, asks the placement's executor to start (or, on takeover, to
 //! observe) that exact message, records the executor's events and status,
 //! and ends the run with one receipt. Every wait is bounded: by the run's
@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use claim::run_loop;
 
-/// How the claim loop and its drivers behave.
+/// How the claim loop and its drives behave.
 #[derive(Debug, Clone)]
 pub struct Settings {
     /// How long a lease lasts without a heartbeat; renewed every third of it.
@@ -94,7 +94,7 @@ impl Executors {
     }
 }
 
-/// What the drivers of one coordinator share.
+/// What the drives of one coordinator share.
 #[derive(Debug)]
 pub struct Context {
     pub store: Store,
@@ -107,7 +107,7 @@ pub struct Context {
 }
 
 impl Context {
-    /// Tells this replica's driver of `run_id`, if it has one, that a
+    /// Tells this replica's drive of `run_id`, if it has one, that a
     /// cancellation was requested (other replicas learn it from their next
     /// heartbeat).
     pub fn signal_cancel(&self, run_id: &str) {
@@ -117,7 +117,7 @@ impl Context {
     }
 }
 
-/// Why a driver stopped without ending the run.
+/// Why a drive stopped without ending the run.
 #[derive(Debug)]
 pub(super) enum Stop {
     /// Another coordinator holds the run now.
