@@ -12,6 +12,7 @@
 use std::time::Duration;
 
 use automesh_domain::{AutomationState, ErrorCode, Principal, RunEventPayload, RunState};
+use automesh_e2e_tests::Api;
 use automesh_e2e_tests::processes::{Cluster, ClusterSpec, Kind, tail};
 use automesh_proto::v1 as pb;
 use automesh_testkit::{FakeMcp, FakeProvider, Reply, mcp, provider, text_completion};
@@ -71,34 +72,18 @@ async fn world(
 impl World {
     /// A daily cloud automation of carol's, created through the gateway.
     async fn cloud_automation(&self, name: &str) -> String {
+        let prompt = format!("{name}: summarise my inbox");
+        let request = automesh_e2e_tests::daily_automation(name, &prompt, pb::Surface::Web);
         self.cluster
             .automations(&self.token)
-            .create_automation(automesh_e2e_tests::daily_automation(
-                name,
-                &format!("{name}: summarise my inbox"),
-                pb::Surface::Web,
-            ))
+            .create(request)
             .await
-            .expect("create")
-            .into_inner()
-            .automation
-            .expect("automation")
             .id
     }
 
     async fn run_now(&self, automation_id: &str, key: &str) -> String {
-        self.cluster
-            .automations(&self.token)
-            .run_automation_now(pb::RunAutomationNowRequest {
-                id: automation_id.into(),
-                idempotency_key: key.into(),
-            })
-            .await
-            .expect("run now")
-            .into_inner()
-            .run
-            .expect("run")
-            .id
+        let mut api = self.cluster.automations(&self.token);
+        api.run_now(automation_id, key).await.id
     }
 
     async fn until_terminal(&self, run_id: &str) -> automesh_domain::Run {

@@ -7,6 +7,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use automesh_domain::{Principal, RunState};
+use automesh_e2e_tests::Api;
 use automesh_e2e_tests::otlp::{Receiver, Span};
 use automesh_e2e_tests::processes::{Cluster, ClusterSpec, Kind};
 use automesh_proto::v1 as pb;
@@ -94,24 +95,9 @@ async fn run_now(
 ) -> pb::Run {
     let token = cluster.token(&owner.org_id, &owner.user_id);
     let mut api = cluster.automations(&token);
-    let a = api
-        .create_automation(automesh_e2e_tests::daily_automation(
-            "traced", prompt, surface,
-        ))
-        .await
-        .expect("create")
-        .into_inner()
-        .automation
-        .expect("automation");
-    api.run_automation_now(pb::RunAutomationNowRequest {
-        id: a.id,
-        idempotency_key: "traced".into(),
-    })
-    .await
-    .expect("run now")
-    .into_inner()
-    .run
-    .expect("run")
+    let request = automesh_e2e_tests::daily_automation("traced", prompt, surface);
+    let a = api.create(request).await;
+    api.run_now(&a.id, "traced").await
 }
 
 async fn until_terminal(cluster: &Cluster, run_id: &str) -> automesh_domain::Run {

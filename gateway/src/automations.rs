@@ -9,104 +9,98 @@ use automesh_rpc::status;
 use chrono::Utc;
 use tonic::{Request, Response, Status};
 
-use crate::Gateway;
-
-fn invalid(v: automesh_domain::Violations) -> Status {
-    status::invalid_argument(&v)
-}
+use crate::{Gateway, forwarded};
 
 impl Gateway {
-    async fn set_state(
+    /// Activates, deactivates or archives the automation `id` of the caller.
+    async fn set_state<T>(
         &self,
-        request: Request<(String, String)>,
+        request: Request<T>,
+        id_and_etag: impl FnOnce(T) -> (String, String),
         change: spb::StateChange,
-    ) -> Result<pb::Automation, Status> {
-        let owner = self.principal(&request)?;
-        let (id, etag) = request.into_inner();
-        convert::require_id(&id, "id").map_err(invalid)?;
-        convert::parse_optional_etag(&etag, "etag").map_err(invalid)?;
-        let mut scheduler = self.upstreams.scheduler.clone();
-        let resp = scheduler
-            .set_automation_state(spb::SetAutomationStateRequest {
-                caller: Some(convert::caller(&owner)),
-                id,
-                etag,
-                change: change as i32,
-            })
-            .await
-            .map_err(status::forward)?;
-        resp.into_inner()
-            .automation
+    ) -> Result<Option<pb::Automation>, Status> {
+        let call = self.accept(request, |_| Ok(()))?;
+        let (id, etag) = id_and_etag(call.req);
+        convert::require_id(&id, "id").map_err(|v| status::invalid_argument(&v))?;
+        convert::parse_optional_etag(&etag, "etag").map_err(|v| status::invalid_argument(&v))?;
+        let upstream = spb::SetAutomationStateRequest {
+            caller: call.caller,
+            id,
+            etag,
+            change: change as i32,
+        };
+        let answer = self
+            .upstreams
+            .scheduler()
+            .set_automation_state(upstream)
+            .await;
+        let automation = forwarded(answer)?.automation;
+        automation
             .ok_or_else(|| status::internal("the scheduler's answer", &"no automation in it"))
+            .map(Some)
     }
 }
 
+// Each call: accepted (authenticated, checked), scoped to its caller,
+// forwarded to the scheduler (runner tokens: to the runner gateway), its
+// answer passed on.
 #[tonic::async_trait]
 impl Automations for Gateway {
     async fn create_automation(
         &self,
         request: Request<pb::CreateAutomationRequest>,
     ) -> Result<Response<pb::CreateAutomationResponse>, Status> {
-        let owner = self.principal(&request)?;
-        let req = request.into_inner();
-        let input = convert::parse_create(req.automation.as_ref(), req.surface, Utc::now())
-            .map_err(invalid)?;
-        self.check_model(&owner, &input.model, input.placement())?;
-        if input.placement() == automesh_domain::Placement::Cloud {
-            self.require_cloud_worker(&owner).await?;
+        let mut placement = None;
+        let call = self.accept(request, |r| {
+            let input = convert::parse_create(r.automation.as_ref(), r.surface, Utc::now())?;
+            placement = Some((input.placement(), input.model));
+            Ok(())
+        })?;
+        if let Some((placement, model)) = placement {
+            self.check_model(&call.owner, &model, placement)?;
+            if placement == automesh_domain::Placement::Cloud {
+                self.require_cloud_worker(&call.owner).await?;
+            }
         }
-        let mut scheduler = self.upstreams.scheduler.clone();
-        let resp = scheduler
-            .create_automation(spb::CreateAutomationRequest {
-                caller: Some(convert::caller(&owner)),
-                automation: req.automation,
-                surface: req.surface,
-            })
-            .await
-            .map_err(status::forward)?;
-        Ok(Response::new(pb::CreateAutomationResponse {
-            automation: resp.into_inner().automation,
-        }))
+        let upstream = spb::CreateAutomationRequest {
+            caller: call.caller,
+            automation: call.req.automation,
+            surface: call.req.surface,
+        };
+        let answer = self.upstreams.scheduler().create_automation(upstream).await;
+        let automation = forwarded(answer)?.automation;
+        Ok(Response::new(pb::CreateAutomationResponse { automation }))
     }
 
     async fn get_automation(
         &self,
         request: Request<pb::GetAutomationRequest>,
     ) -> Result<Response<pb::GetAutomationResponse>, Status> {
-        let owner = self.principal(&request)?;
-        let req = request.into_inner();
-        convert::require_id(&req.id, "id").map_err(invalid)?;
-        let mut scheduler = self.upstreams.scheduler.clone();
-        let resp = scheduler
-            .get_automation(spb::GetAutomationRequest {
-                caller: Some(convert::caller(&owner)),
-                id: req.id,
-            })
-            .await
-            .map_err(status::forward)?;
-        Ok(Response::new(pb::GetAutomationResponse {
-            automation: resp.into_inner().automation,
-        }))
+        let call = self.accept(request, |r| convert::require_id(&r.id, "id"))?;
+        let upstream = spb::GetAutomationRequest {
+            caller: call.caller,
+            id: call.req.id,
+        };
+        let answer = self.upstreams.scheduler().get_automation(upstream).await;
+        let automation = forwarded(answer)?.automation;
+        Ok(Response::new(pb::GetAutomationResponse { automation }))
     }
 
     async fn list_automations(
         &self,
         request: Request<pb::ListAutomationsRequest>,
     ) -> Result<Response<pb::ListAutomationsResponse>, Status> {
-        let owner = self.principal(&request)?;
-        let req = request.into_inner();
-        convert::page_size(req.page_size, 50, "page_size").map_err(invalid)?;
-        convert::check_optional_text(&[("page_token", &req.page_token)]).map_err(invalid)?;
-        let mut scheduler = self.upstreams.scheduler.clone();
-        let resp = scheduler
-            .list_automations(spb::ListAutomationsRequest {
-                caller: Some(convert::caller(&owner)),
-                request: Some(req),
-            })
-            .await
-            .map_err(status::forward)?;
+        let call = self.accept(request, |r| {
+            convert::page_size(r.page_size, 50, "page_size")?;
+            convert::check_optional_text(&[("page_token", &r.page_token)])
+        })?;
+        let upstream = spb::ListAutomationsRequest {
+            caller: call.caller,
+            request: Some(call.req),
+        };
+        let answer = self.upstreams.scheduler().list_automations(upstream).await;
         Ok(Response::new(
-            resp.into_inner().response.unwrap_or_default(),
+            forwarded(answer)?.response.unwrap_or_default(),
         ))
     }
 
@@ -114,67 +108,50 @@ impl Automations for Gateway {
         &self,
         request: Request<pb::UpdateAutomationRequest>,
     ) -> Result<Response<pb::UpdateAutomationResponse>, Status> {
-        let owner = self.principal(&request)?;
-        let req = request.into_inner();
-        let update = convert::parse_update(&req, Utc::now()).map_err(invalid)?;
+        let mut changed = None;
+        let call = self.accept(request, |r| {
+            let update = convert::parse_update(r, Utc::now())?;
+            changed = update.patch.model.map(|model| (update.id, model));
+            Ok(())
+        })?;
         let mut scheduler = self.upstreams.scheduler.clone();
-        if let Some(model) = &update.patch.model {
+        if let Some((id, model)) = changed {
             // The model rules depend on the stored placement.
-            let current = scheduler
-                .get_automation(spb::GetAutomationRequest {
-                    caller: Some(convert::caller(&owner)),
-                    id: update.id.clone(),
-                })
-                .await
-                .map_err(status::forward)?
-                .into_inner()
-                .automation
-                .unwrap_or_default();
-            let placement = convert::placement_from_pb(current.placement)
+            let upstream = spb::GetAutomationRequest {
+                caller: call.caller.clone(),
+                id,
+            };
+            let current = forwarded(scheduler.get_automation(upstream).await)?.automation;
+            let placement = convert::placement_from_pb(current.unwrap_or_default().placement)
                 .ok_or_else(|| status::internal("the stored automation", &"no placement"))?;
-            self.check_model(&owner, model, placement)?;
+            self.check_model(&call.owner, &model, placement)?;
         }
-        let resp = scheduler
-            .update_automation(spb::UpdateAutomationRequest {
-                caller: Some(convert::caller(&owner)),
-                request: Some(req),
-            })
-            .await
-            .map_err(status::forward)?;
-        Ok(Response::new(pb::UpdateAutomationResponse {
-            automation: resp.into_inner().automation,
-        }))
+        let upstream = spb::UpdateAutomationRequest {
+            caller: call.caller,
+            request: Some(call.req),
+        };
+        let automation = forwarded(scheduler.update_automation(upstream).await)?.automation;
+        Ok(Response::new(pb::UpdateAutomationResponse { automation }))
     }
 
     async fn activate_automation(
         &self,
         request: Request<pb::ActivateAutomationRequest>,
     ) -> Result<Response<pb::ActivateAutomationResponse>, Status> {
-        let (md, ext, req) = request.into_parts();
         let automation = self
-            .set_state(
-                Request::from_parts(md, ext, (req.id, req.etag)),
-                spb::StateChange::Activate,
-            )
+            .set_state(request, |r| (r.id, r.etag), spb::StateChange::Activate)
             .await?;
-        Ok(Response::new(pb::ActivateAutomationResponse {
-            automation: Some(automation),
-        }))
+        Ok(Response::new(pb::ActivateAutomationResponse { automation }))
     }
 
     async fn deactivate_automation(
         &self,
         request: Request<pb::DeactivateAutomationRequest>,
     ) -> Result<Response<pb::DeactivateAutomationResponse>, Status> {
-        let (md, ext, req) = request.into_parts();
-        let automation = self
-            .set_state(
-                Request::from_parts(md, ext, (req.id, req.etag)),
-                spb::StateChange::Deactivate,
-            )
-            .await?;
+        let change = spb::StateChange::Deactivate;
+        let automation = self.set_state(request, |r| (r.id, r.etag), change).await?;
         Ok(Response::new(pb::DeactivateAutomationResponse {
-            automation: Some(automation),
+            automation,
         }))
     }
 
@@ -182,57 +159,48 @@ impl Automations for Gateway {
         &self,
         request: Request<pb::ArchiveAutomationRequest>,
     ) -> Result<Response<pb::ArchiveAutomationResponse>, Status> {
-        let (md, ext, req) = request.into_parts();
-        let automation = self
-            .set_state(
-                Request::from_parts(md, ext, (req.id, req.etag)),
-                spb::StateChange::Archive,
-            )
-            .await?;
-        Ok(Response::new(pb::ArchiveAutomationResponse {
-            automation: Some(automation),
-        }))
+        let change = spb::StateChange::Archive;
+        let automation = self.set_state(request, |r| (r.id, r.etag), change).await?;
+        Ok(Response::new(pb::ArchiveAutomationResponse { automation }))
     }
 
     async fn run_automation_now(
         &self,
         request: Request<pb::RunAutomationNowRequest>,
     ) -> Result<Response<pb::RunAutomationNowResponse>, Status> {
-        let owner = self.principal(&request)?;
-        let req = request.into_inner();
-        convert::parse_run_now(&req).map_err(invalid)?;
-        let mut scheduler = self.upstreams.scheduler.clone();
-        let resp = scheduler
-            .run_automation_now(spb::RunAutomationNowRequest {
-                caller: Some(convert::caller(&owner)),
-                request: Some(req),
-            })
-            .await
-            .map_err(status::forward)?;
-        Ok(Response::new(pb::RunAutomationNowResponse {
-            run: resp.into_inner().run,
-        }))
+        let call = self.accept(request, convert::parse_run_now)?;
+        let upstream = spb::RunAutomationNowRequest {
+            caller: call.caller,
+            request: Some(call.req),
+        };
+        let answer = self
+            .upstreams
+            .scheduler()
+            .run_automation_now(upstream)
+            .await;
+        let run = forwarded(answer)?.run;
+        Ok(Response::new(pb::RunAutomationNowResponse { run }))
     }
 
     async fn create_runner_token(
         &self,
         request: Request<pb::CreateRunnerTokenRequest>,
     ) -> Result<Response<pb::CreateRunnerTokenResponse>, Status> {
-        let owner = self.principal(&request)?;
-        let req = request.into_inner();
-        let mut tokens = self.upstreams.runner_tokens.clone();
-        let resp = tokens
-            .create_runner_token(rpb::CreateRunnerTokenRequest {
-                caller: Some(convert::caller(&owner)),
-                runner_name: req.runner_name,
-            })
-            .await
-            .map_err(status::forward)?
-            .into_inner();
+        let call = self.accept(request, |_| Ok(()))?;
+        let upstream = rpb::CreateRunnerTokenRequest {
+            caller: call.caller,
+            runner_name: call.req.runner_name,
+        };
+        let answer = self
+            .upstreams
+            .runner_tokens()
+            .create_runner_token(upstream)
+            .await;
+        let created = forwarded(answer)?;
         Ok(Response::new(pb::CreateRunnerTokenResponse {
-            runner_id: resp.runner_id,
-            token: resp.token,
-            create_time: resp.create_time,
+            runner_id: created.runner_id,
+            token: created.token,
+            create_time: created.create_time,
         }))
     }
 
@@ -240,16 +208,17 @@ impl Automations for Gateway {
         &self,
         request: Request<pb::RevokeRunnerTokenRequest>,
     ) -> Result<Response<pb::RevokeRunnerTokenResponse>, Status> {
-        let owner = self.principal(&request)?;
-        let req = request.into_inner();
-        let mut tokens = self.upstreams.runner_tokens.clone();
-        tokens
-            .revoke_runner_token(rpb::RevokeRunnerTokenRequest {
-                caller: Some(convert::caller(&owner)),
-                runner_id: req.runner_id,
-            })
-            .await
-            .map_err(status::forward)?;
+        let call = self.accept(request, |_| Ok(()))?;
+        let upstream = rpb::RevokeRunnerTokenRequest {
+            caller: call.caller,
+            runner_id: call.req.runner_id,
+        };
+        let answer = self
+            .upstreams
+            .runner_tokens()
+            .revoke_runner_token(upstream)
+            .await;
+        forwarded(answer)?;
         Ok(Response::new(pb::RevokeRunnerTokenResponse {}))
     }
 }

@@ -36,6 +36,21 @@ automesh_rpc::service_config! {
     pub jwt_secret: automesh_rpc::auth::Secret,
 }
 
+/// A call the gateway accepted: authenticated, its request checked.
+struct Accepted<T> {
+    /// What scopes the upstream call to the caller.
+    caller: Option<automesh_proto::internal::v1::Caller>,
+    owner: Principal,
+    req: T,
+}
+
+/// An upstream's answer, its status passed on as it came.
+fn forwarded<T>(answer: Result<tonic::Response<T>, Status>) -> Result<T, Status> {
+    answer
+        .map(tonic::Response::into_inner)
+        .map_err(status::forward)
+}
+
 /// The gateway's state. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Gateway {
@@ -55,6 +70,24 @@ impl Gateway {
 
     fn principal<T>(&self, request: &tonic::Request<T>) -> Result<Principal, Status> {
         self.auth.principal(request.metadata())
+    }
+
+    /// Authenticates a call and checks its request (INVALID_ARGUMENT naming
+    /// each bad field): the caller that scopes the upstream call, the
+    /// caller's principal and the request.
+    fn accept<T>(
+        &self,
+        request: tonic::Request<T>,
+        check: impl FnOnce(&T) -> Result<(), automesh_domain::Violations>,
+    ) -> Result<Accepted<T>, Status> {
+        let owner = self.principal(&request)?;
+        let req = request.into_inner();
+        check(&req).map_err(|v| status::invalid_argument(&v))?;
+        Ok(Accepted {
+            caller: Some(convert::caller(&owner)),
+            owner,
+            req,
+        })
     }
 
     /// A model must exist; for a cloud automation it must also be authorised

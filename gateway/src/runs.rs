@@ -9,56 +9,44 @@ use automesh_rpc::{convert, status};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
-use crate::Gateway;
+use crate::{Gateway, forwarded};
 
-fn invalid(v: automesh_domain::Violations) -> Status {
-    status::invalid_argument(&v)
-}
-
+// Each call: accepted (authenticated, checked), scoped to its caller,
+// forwarded to the coordinator, its answer passed on.
 #[tonic::async_trait]
 impl Runs for Gateway {
     async fn get_run(
         &self,
         request: Request<pb::GetRunRequest>,
     ) -> Result<Response<pb::GetRunResponse>, Status> {
-        let owner = self.principal(&request)?;
-        let req = request.into_inner();
-        convert::require_id(&req.id, "id").map_err(invalid)?;
-        let mut coordinator = self.upstreams.coordinator.clone();
-        let resp = coordinator
-            .get_run(cpb::GetRunRequest {
-                caller: Some(convert::caller(&owner)),
-                id: req.id,
-            })
-            .await
-            .map_err(status::forward)?;
-        Ok(Response::new(pb::GetRunResponse {
-            run: resp.into_inner().run,
-        }))
+        let call = self.accept(request, |r| convert::require_id(&r.id, "id"))?;
+        let upstream = cpb::GetRunRequest {
+            caller: call.caller,
+            id: call.req.id,
+        };
+        let answer = self.upstreams.coordinator().get_run(upstream).await;
+        let run = forwarded(answer)?.run;
+        Ok(Response::new(pb::GetRunResponse { run }))
     }
 
     async fn list_runs(
         &self,
         request: Request<pb::ListRunsRequest>,
     ) -> Result<Response<pb::ListRunsResponse>, Status> {
-        let owner = self.principal(&request)?;
-        let req = request.into_inner();
-        convert::page_size(req.page_size, 50, "page_size").map_err(invalid)?;
-        convert::check_optional_text(&[
-            ("automation_id", &req.automation_id),
-            ("page_token", &req.page_token),
-        ])
-        .map_err(invalid)?;
-        let mut coordinator = self.upstreams.coordinator.clone();
-        let resp = coordinator
-            .list_runs(cpb::ListRunsRequest {
-                caller: Some(convert::caller(&owner)),
-                request: Some(req),
-            })
-            .await
-            .map_err(status::forward)?;
+        let call = self.accept(request, |r| {
+            convert::page_size(r.page_size, 50, "page_size")?;
+            convert::check_optional_text(&[
+                ("automation_id", &r.automation_id),
+                ("page_token", &r.page_token),
+            ])
+        })?;
+        let upstream = cpb::ListRunsRequest {
+            caller: call.caller,
+            request: Some(call.req),
+        };
+        let answer = self.upstreams.coordinator().list_runs(upstream).await;
         Ok(Response::new(
-            resp.into_inner().response.unwrap_or_default(),
+            forwarded(answer)?.response.unwrap_or_default(),
         ))
     }
 
@@ -66,39 +54,28 @@ impl Runs for Gateway {
         &self,
         request: Request<pb::CancelRunRequest>,
     ) -> Result<Response<pb::CancelRunResponse>, Status> {
-        let owner = self.principal(&request)?;
-        let req = request.into_inner();
-        convert::require_id(&req.id, "id").map_err(invalid)?;
-        let mut coordinator = self.upstreams.coordinator.clone();
-        let resp = coordinator
-            .cancel_run(cpb::CancelRunRequest {
-                caller: Some(convert::caller(&owner)),
-                id: req.id,
-            })
-            .await
-            .map_err(status::forward)?;
-        Ok(Response::new(pb::CancelRunResponse {
-            run: resp.into_inner().run,
-        }))
+        let call = self.accept(request, |r| convert::require_id(&r.id, "id"))?;
+        let upstream = cpb::CancelRunRequest {
+            caller: call.caller,
+            id: call.req.id,
+        };
+        let answer = self.upstreams.coordinator().cancel_run(upstream).await;
+        let run = forwarded(answer)?.run;
+        Ok(Response::new(pb::CancelRunResponse { run }))
     }
 
     async fn list_run_events(
         &self,
         request: Request<pb::ListRunEventsRequest>,
     ) -> Result<Response<pb::ListRunEventsResponse>, Status> {
-        let owner = self.principal(&request)?;
-        let req = request.into_inner();
-        convert::require_id(&req.run_id, "run_id").map_err(invalid)?;
-        let mut coordinator = self.upstreams.coordinator.clone();
-        let resp = coordinator
-            .list_run_events(cpb::ListRunEventsRequest {
-                caller: Some(convert::caller(&owner)),
-                request: Some(req),
-            })
-            .await
-            .map_err(status::forward)?;
+        let call = self.accept(request, |r| convert::require_id(&r.run_id, "run_id"))?;
+        let upstream = cpb::ListRunEventsRequest {
+            caller: call.caller,
+            request: Some(call.req),
+        };
+        let answer = self.upstreams.coordinator().list_run_events(upstream).await;
         Ok(Response::new(
-            resp.into_inner().response.unwrap_or_default(),
+            forwarded(answer)?.response.unwrap_or_default(),
         ))
     }
 
@@ -108,19 +85,15 @@ impl Runs for Gateway {
         &self,
         request: Request<pb::WatchRunRequest>,
     ) -> Result<Response<Self::WatchRunStream>, Status> {
-        let owner = self.principal(&request)?;
-        let req = request.into_inner();
-        convert::require_id(&req.run_id, "run_id").map_err(invalid)?;
-        let mut coordinator = self.upstreams.coordinator.clone();
-        let upstream = coordinator
-            .watch_run(cpb::WatchRunRequest {
-                caller: Some(convert::caller(&owner)),
-                request: Some(req),
-            })
-            .await
-            .map_err(status::forward)?
-            .into_inner();
-        let stream = upstream.map(|item| {
+        let call = self.accept(request, |r| convert::require_id(&r.run_id, "run_id"))?;
+        let upstream = cpb::WatchRunRequest {
+            caller: call.caller,
+            request: Some(call.req),
+        };
+        let answer = self.upstreams.coordinator().watch_run(upstream).await;
+        // Each update passes through; an upstream error ends the stream as
+        // it came.
+        let stream = forwarded(answer)?.map(|item| {
             item.map(|m| m.update.unwrap_or_default())
                 .map_err(status::forward)
         });

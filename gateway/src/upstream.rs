@@ -58,23 +58,12 @@ impl Upstreams {
         let health = |name, addr: &str| -> Result<_, ChannelError> {
             Ok((name, automesh_rpc::client::replicas(addr)?))
         };
+        let channel = |addr: &str| internal_channel(addr, credential);
         Ok(Self {
-            scheduler: SchedulerServiceClient::new(internal_channel(
-                &addrs.scheduler_addr,
-                credential,
-            )?),
-            coordinator: RunCoordinatorServiceClient::new(internal_channel(
-                &addrs.coordinator_addr,
-                credential,
-            )?),
-            lifecycle: CloudWorkerLifecycleServiceClient::new(internal_channel(
-                &addrs.lifecycle_addr,
-                credential,
-            )?),
-            runner_tokens: RunnerTokenServiceClient::new(internal_channel(
-                &addrs.runner_gateway_addr,
-                credential,
-            )?),
+            scheduler: SchedulerServiceClient::new(channel(&addrs.scheduler_addr)?),
+            coordinator: RunCoordinatorServiceClient::new(channel(&addrs.coordinator_addr)?),
+            lifecycle: CloudWorkerLifecycleServiceClient::new(channel(&addrs.lifecycle_addr)?),
+            runner_tokens: RunnerTokenServiceClient::new(channel(&addrs.runner_gateway_addr)?),
             health: vec![
                 health("scheduler", &addrs.scheduler_addr)?,
                 health("run-coordinator", &addrs.coordinator_addr)?,
@@ -82,6 +71,21 @@ impl Upstreams {
                 health("desktop-runner-gateway", &addrs.runner_gateway_addr)?,
             ],
         })
+    }
+
+    /// A client of the scheduler (clients are cheap to clone).
+    pub fn scheduler(&self) -> SchedulerServiceClient<InternalChannel> {
+        self.scheduler.clone()
+    }
+
+    /// A client of the run-coordinator.
+    pub fn coordinator(&self) -> RunCoordinatorServiceClient<InternalChannel> {
+        self.coordinator.clone()
+    }
+
+    /// A client of the runner token service (on the runner gateway).
+    pub fn runner_tokens(&self) -> RunnerTokenServiceClient<InternalChannel> {
+        self.runner_tokens.clone()
     }
 
     /// Whether every internal service reports SERVING (the gateway's own

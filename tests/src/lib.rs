@@ -493,39 +493,12 @@ impl Mesh {
         use automesh_proto::v1 as pb;
         let token = self.token(org, user);
         let mut api = self.automations(Some(&token));
-        let a = api
-            .create_automation(pb::CreateAutomationRequest {
-                automation: Some(pb::Automation {
-                    name: "desk".into(),
-                    prompt: "tidy my downloads".into(),
-                    model: model.into(),
-                    schedule: Some(pb::Schedule {
-                        kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
-                            time_of_day: Some(pb::TimeOfDay {
-                                hours: 9,
-                                minutes: 0,
-                            }),
-                            time_zone: "UTC".into(),
-                        })),
-                    }),
-                    ..Default::default()
-                }),
-                surface: pb::Surface::Desktop as i32,
-            })
-            .await
-            .expect("create")
-            .into_inner()
-            .automation
-            .expect("automation");
-        api.run_automation_now(pb::RunAutomationNowRequest {
-            id: a.id,
-            idempotency_key: "k".into(),
-        })
-        .await
-        .expect("run now")
-        .into_inner()
-        .run
-        .expect("run")
+        let mut request = daily_automation("desk", "tidy my downloads", pb::Surface::Desktop);
+        if let Some(a) = request.automation.as_mut() {
+            a.model = model.into();
+        }
+        let a = api.create(request).await;
+        api.run_now(&a.id, "k").await
     }
 
     /// Waits (bounded by `within`) until the run is terminal.
@@ -756,6 +729,53 @@ pub fn daily_automation(
             ..Default::default()
         }),
         surface: surface as i32,
+    }
+}
+
+/// The two public calls nearly every test makes, on any client of
+/// `automesh.v1.Automations` (an in-process mesh's or a process cluster's):
+/// each panics naming what failed.
+#[allow(async_fn_in_trait)]
+pub trait Api {
+    /// Creates an automation; returns it as stored.
+    async fn create(
+        &mut self,
+        request: automesh_proto::v1::CreateAutomationRequest,
+    ) -> automesh_proto::v1::Automation;
+
+    /// Runs automation `id` now under idempotency key `key`; returns the run.
+    async fn run_now(&mut self, id: &str, key: &str) -> automesh_proto::v1::Run;
+}
+
+impl<T> Api for AutomationsClient<T>
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<tonic::codegen::StdError>,
+    T::ResponseBody: tonic::codegen::Body<Data = tonic::codegen::Bytes> + Send + 'static,
+    <T::ResponseBody as tonic::codegen::Body>::Error: Into<tonic::codegen::StdError> + Send,
+{
+    async fn create(
+        &mut self,
+        request: automesh_proto::v1::CreateAutomationRequest,
+    ) -> automesh_proto::v1::Automation {
+        self.create_automation(request)
+            .await
+            .expect("create")
+            .into_inner()
+            .automation
+            .expect("automation")
+    }
+
+    async fn run_now(&mut self, id: &str, key: &str) -> automesh_proto::v1::Run {
+        self.run_automation_now(automesh_proto::v1::RunAutomationNowRequest {
+            id: id.into(),
+            idempotency_key: key.into(),
+        })
+        .await
+        .expect("run now")
+        .into_inner()
+        .run
+        .expect("run")
     }
 }
 

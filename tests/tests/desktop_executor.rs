@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use automesh_domain::{ErrorCode, RunState};
-use automesh_e2e_tests::{Mesh, MeshOptions};
+use automesh_e2e_tests::{Api, Mesh, MeshOptions};
 use automesh_proto::runner::v1 as rpb;
 use automesh_proto::runner::v1::desktop_runner_service_client::DesktopRunnerServiceClient;
 use automesh_proto::v1 as pb;
@@ -277,28 +277,15 @@ async fn cancel_right_after_run_now(backend: Backend) {
     let mut api = mesh.automations(Some(&token));
     let mut runs = mesh.runs(Some(&token));
     let automation = api
-        .create_automation(automesh_e2e_tests::daily_automation(
+        .create(automesh_e2e_tests::daily_automation(
             "cancel",
             "p",
             pb::Surface::Desktop,
         ))
-        .await
-        .expect("create")
-        .into_inner()
-        .automation
-        .expect("automation");
+        .await;
     let mut ids = vec![];
     for i in 0..40 {
-        let run = api
-            .run_automation_now(pb::RunAutomationNowRequest {
-                id: automation.id.clone(),
-                idempotency_key: format!("k{i}"),
-            })
-            .await
-            .expect("run now")
-            .into_inner()
-            .run
-            .expect("run");
+        let run = api.run_now(&automation.id, &format!("k{i}")).await;
         // Spread the cancellation over the driver's first moments.
         if i % 4 != 0 {
             tokio::time::sleep(Duration::from_millis(i % 7 * 3)).await;

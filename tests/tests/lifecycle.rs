@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use automesh_domain::{AutomationState, ErrorCode, Principal, Run, RunState};
 use automesh_e2e_tests::executor::{Behavior, TestExecutor};
-use automesh_e2e_tests::{Mesh, MeshOptions, on_both_backends};
+use automesh_e2e_tests::{Api, Mesh, MeshOptions, daily_automation, on_both_backends};
 use automesh_proto::v1 as pb;
 use automesh_store::page::Cursor;
 use automesh_store::{Backend, Store};
@@ -71,35 +71,17 @@ fn once_in(d: Duration) -> pb::Schedule {
 }
 
 async fn create(mesh: &Mesh, token: &str, schedule: pb::Schedule) -> pb::Automation {
-    mesh.automations(Some(token))
-        .create_automation(pb::CreateAutomationRequest {
-            automation: Some(pb::Automation {
-                name: "lifecycle".into(),
-                prompt: "do the thing".into(),
-                model: "fake/echo".into(),
-                schedule: Some(schedule),
-                ..Default::default()
-            }),
-            surface: pb::Surface::Desktop as i32,
-        })
-        .await
-        .expect("create")
-        .into_inner()
-        .automation
-        .expect("automation")
+    let mut request = daily_automation("lifecycle", "do the thing", pb::Surface::Desktop);
+    if let Some(a) = request.automation.as_mut() {
+        a.schedule = Some(schedule);
+    }
+    mesh.automations(Some(token)).create(request).await
 }
 
 async fn run_now(mesh: &Mesh, token: &str, automation_id: &str, key: &str) -> pb::Run {
     mesh.automations(Some(token))
-        .run_automation_now(pb::RunAutomationNowRequest {
-            id: automation_id.into(),
-            idempotency_key: key.into(),
-        })
+        .run_now(automation_id, key)
         .await
-        .expect("run now")
-        .into_inner()
-        .run
-        .expect("run")
 }
 
 async fn mesh_with(

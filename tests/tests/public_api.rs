@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use automesh_domain::Principal;
-use automesh_e2e_tests::{Mesh, on_both_backends, wait_for_health};
+use automesh_e2e_tests::{Api, Mesh, on_both_backends, wait_for_health};
 use automesh_proto::v1 as pb;
 use automesh_rpc::status::field_violations;
 use automesh_store::Backend;
@@ -152,15 +152,11 @@ async fn automation_lifecycle(backend: Backend) {
     let mut ids = vec![];
     for i in 0..3 {
         let a = api
-            .create_automation(create_req(
+            .create(create_req(
                 automation(&format!("a{i}"), "fake/echo", daily(9, 30, "Europe/Paris")),
                 pb::Surface::Desktop,
             ))
-            .await
-            .expect("create")
-            .into_inner()
-            .automation
-            .expect("automation");
+            .await;
         assert_eq!(a.placement, pb::Placement::Desktop as i32);
         assert_eq!(a.state, pb::AutomationState::Active as i32);
         assert_eq!(a.organization_id, "acme");
@@ -365,16 +361,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
         .into_inner()
         .automation
         .expect("automation");
-    let run = alice
-        .run_automation_now(pb::RunAutomationNowRequest {
-            id: desktop.id.clone(),
-            idempotency_key: "setup".into(),
-        })
-        .await
-        .expect("run now")
-        .into_inner()
-        .run
-        .expect("run");
+    let run = alice.run_now(&desktop.id, "setup").await;
 
     let before = snapshot(&mesh).await;
     let past = prost_types::Timestamp {
@@ -802,15 +789,11 @@ async fn run_now_is_idempotent_and_cancellable(backend: Backend) {
     let mut api = mesh.automations(Some(&token));
     let mut runs = mesh.runs(Some(&token));
     let a = api
-        .create_automation(create_req(
+        .create(create_req(
             automation("a", "fake/echo", daily(9, 0, "UTC")),
             pb::Surface::Desktop,
         ))
-        .await
-        .expect("create")
-        .into_inner()
-        .automation
-        .expect("automation");
+        .await;
     let run_now = |key: &str| pb::RunAutomationNowRequest {
         id: a.id.clone(),
         idempotency_key: key.into(),
@@ -896,15 +879,11 @@ async fn watch_run_resumes_without_gaps_or_repeats(backend: Backend) {
     let token = mesh.token("acme", "alice");
     let mut api = mesh.automations(Some(&token));
     let a = api
-        .create_automation(create_req(
+        .create(create_req(
             automation("a", "fake/echo", daily(9, 0, "UTC")),
             pb::Surface::Desktop,
         ))
-        .await
-        .expect("create")
-        .into_inner()
-        .automation
-        .expect("automation");
+        .await;
     let run = api
         .run_automation_now(pb::RunAutomationNowRequest {
             id: a.id.clone(),
@@ -1276,15 +1255,11 @@ async fn trace_context_follows_run_now_into_the_run() {
     let token = mesh.token("acme", "alice");
     let mut api = mesh.automations(Some(&token));
     let a = api
-        .create_automation(create_req(
+        .create(create_req(
             automation("a", "fake/echo", daily(9, 0, "UTC")),
             pb::Surface::Desktop,
         ))
-        .await
-        .expect("create")
-        .into_inner()
-        .automation
-        .expect("automation");
+        .await;
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
     let mut request = tonic::Request::new(pb::RunAutomationNowRequest {
         id: a.id.clone(),

@@ -224,8 +224,12 @@ mod tests {
         l.local_addr().expect("addr").port()
     }
 
-    #[tokio::test]
-    async fn calls_move_to_the_next_replica_when_one_is_down() {
+    /// A server that answers health checks, its stop and its task.
+    async fn live_server() -> (
+        std::net::SocketAddr,
+        tokio_util::sync::CancellationToken,
+        tokio::task::JoinHandle<Result<(), crate::server::ServeError>>,
+    ) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -237,6 +241,12 @@ mod tests {
             shutdown.clone(),
             Box::new(|| Box::pin(async { true })),
         ));
+        (live, shutdown, serving)
+    }
+
+    #[tokio::test]
+    async fn calls_move_to_the_next_replica_when_one_is_down() {
+        let (live, shutdown, serving) = live_server().await;
         let addrs = format!("http://127.0.0.1:{},http://{live}", closed_port());
         let replicas = replicas(&addrs).expect("replicas");
         assert_eq!(replicas.len(), 2);
@@ -264,17 +274,7 @@ mod tests {
         // Accepts connections, never answers: a stalled process.
         let stalled = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let stalled_addr = stalled.local_addr().expect("addr");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let live = listener.local_addr().expect("addr");
-        let shutdown = tokio_util::sync::CancellationToken::new();
-        let server = crate::GrpcServer::new(crate::ServerSettings::default()).expect("server");
-        let serving = tokio::spawn(server.serve(
-            listener,
-            shutdown.clone(),
-            Box::new(|| Box::pin(async { true })),
-        ));
+        let (live, shutdown, serving) = live_server().await;
         let mut client = HealthClient::new(
             replicas(&format!("http://{stalled_addr},http://{live}")).expect("replicas"),
         );

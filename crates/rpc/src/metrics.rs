@@ -242,6 +242,20 @@ fn labels<'a>(
     }
 }
 
+/// Writes a counter's or a gauge's points: one line per label set.
+fn simple<'a, V: std::fmt::Display>(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    kind: &str,
+    points: impl Iterator<Item = (impl Iterator<Item = &'a opentelemetry::KeyValue>, V)>,
+) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    for (attributes, value) in points {
+        let _ = writeln!(out, "{name}{} {value}", labels(attributes, None));
+    }
+}
+
 fn encode(rm: &ResourceMetrics) -> String {
     let mut out = String::new();
     for scope in rm.scope_metrics() {
@@ -257,26 +271,12 @@ fn encode(rm: &ResourceMetrics) -> String {
                             } else {
                                 (base.clone(), "gauge")
                             };
-                            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-                            for p in sum.data_points() {
-                                let _ = writeln!(
-                                    out,
-                                    "{name}{} {}",
-                                    labels(p.attributes(), None),
-                                    p.value()
-                                );
-                            }
+                            let points = sum.data_points().map(|p| (p.attributes(), p.value()));
+                            simple(&mut out, &name, &help, kind, points);
                         }
                         MetricData::Gauge(g) => {
-                            let _ = writeln!(out, "# HELP {base} {help}\n# TYPE {base} gauge");
-                            for p in g.data_points() {
-                                let _ = writeln!(
-                                    out,
-                                    "{base}{} {}",
-                                    labels(p.attributes(), None),
-                                    p.value()
-                                );
-                            }
+                            let points = g.data_points().map(|p| (p.attributes(), p.value()));
+                            simple(&mut out, &base, &help, "gauge", points);
                         }
                         MetricData::Histogram(h) => {
                             let _ = writeln!(out, "# HELP {base} {help}\n# TYPE {base} histogram");

@@ -119,14 +119,7 @@ impl Store {
 
     /// One automation of `owner`; another tenant's answers `NotFound`.
     pub async fn get_automation(&self, owner: &Principal, id: &str) -> Result<Automation> {
-        let row = sqlx::query(GET)
-            .bind(id)
-            .bind(&owner.org_id)
-            .bind(&owner.user_id)
-            .fetch_optional(self.db())
-            .await?
-            .ok_or(StoreError::NotFound)?;
-        decode(&row)
+        crate::rows::owned(self.db(), GET, owner, id, decode).await
     }
 
     /// A page of `owner`'s automations, newest first.
@@ -147,10 +140,7 @@ impl Store {
             .fetch_all(self.db())
             .await?;
         let items = rows.iter().map(decode).collect::<Result<Vec<_>>>()?;
-        Ok(Page::from_rows(items, limit, |x| Cursor {
-            created_micros: micros(x.created_at),
-            id: x.id.clone(),
-        }))
+        Ok(Page::from_rows(items, limit))
     }
 
     /// Writes the mutable fields of `updated` if the stored version is still
@@ -200,11 +190,6 @@ impl Store {
 impl crate::Internal<'_> {
     /// One automation by id, for internal callers that act for no user.
     pub async fn get_automation(self, id: &str) -> Result<Automation> {
-        let row = sqlx::query(GET_UNSCOPED)
-            .bind(id)
-            .fetch_optional(self.db())
-            .await?
-            .ok_or(StoreError::NotFound)?;
-        decode(&row)
+        crate::rows::by_id(self.db(), GET_UNSCOPED, id, decode).await
     }
 }

@@ -80,9 +80,9 @@ const BY_STATE: &str = "SELECT state, COUNT(*) AS n FROM cloud_workers GROUP BY 
 const UNDRIVEN: &str = "SELECT run_id FROM cloud_dispatch \
      WHERE phase <> 'finished' AND driver_until < $1 ORDER BY driver_until LIMIT $2";
 
-const DISPATCH_COLUMNS: &str = "run_id, org_id, owner_id, worker_id, workspace_id, thread_id, \
+const GET_DISPATCH: &str = "SELECT run_id, org_id, owner_id, worker_id, workspace_id, thread_id, \
      message_id, spec, phase, outcome, cancel_requested, wake_micros, admission_micros, \
-     driver_owner, driver_until";
+     driver_owner, driver_until FROM cloud_dispatch WHERE run_id = $1";
 
 const RESERVE: &str = "INSERT INTO cloud_dispatch (run_id, org_id, owner_id, worker_id, workspace_id, \
      thread_id, message_id, spec, created_at, updated_at) \
@@ -425,14 +425,7 @@ impl Store {
 
     /// One cloud run's dispatch.
     pub async fn cloud_run(&self, run_id: &str) -> Result<Option<CloudDispatch>> {
-        let sql = format!("SELECT {DISPATCH_COLUMNS} FROM cloud_dispatch WHERE run_id = $1");
-        sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(run_id)
-            .fetch_optional(self.db())
-            .await?
-            .as_ref()
-            .map(decode)
-            .transpose()
+        crate::rows::maybe(self.db(), GET_DISPATCH, run_id, decode).await
     }
 
     /// Takes (or renews) the right to drive a cloud run's admission until

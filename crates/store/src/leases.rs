@@ -11,37 +11,35 @@ use crate::runs::live_states;
 use crate::runs::run_columns;
 use crate::{Backend, Result, Store, StoreError};
 
-const CLAIM_PG: &str = concat!(
-    "UPDATE runs SET lease_owner = $1, lease_expires_at = $2, claims = claims + 1 \
-     WHERE id IN (SELECT id FROM runs \
-        WHERE state IN ",
-    live_states!(),
-    " \
-          AND (lease_expires_at IS NULL OR lease_expires_at < $3) \
-          AND ($5 LIKE '%,' || placement || ',%' \
-               OR (message_id IS NULL AND (deadline_at < $3 OR cancel_requested_at IS NOT NULL)) \
-               OR deadline_at < $6) \
-        ORDER BY created_at LIMIT $4 FOR UPDATE SKIP LOCKED) \
-     RETURNING ",
-    run_columns!(),
-    ", executor_seq, claims"
-);
+/// The claim of up to `$4` runs: live, unleased or with a lapsed lease, of
+/// a placement this coordinator executes (or past what any coordinator
+/// must end), oldest first; `$lock` is how the backend keeps two claims
+/// apart.
+macro_rules! claim_sql {
+    ($lock:literal) => {
+        concat!(
+            "UPDATE runs SET lease_owner = $1, lease_expires_at = $2, claims = claims + 1 \
+             WHERE id IN (SELECT id FROM runs \
+                WHERE state IN ",
+            live_states!(),
+            " \
+                  AND (lease_expires_at IS NULL OR lease_expires_at < $3) \
+                  AND ($5 LIKE '%,' || placement || ',%' \
+                       OR (message_id IS NULL AND (deadline_at < $3 OR cancel_requested_at IS NOT NULL)) \
+                       OR deadline_at < $6) \
+                ORDER BY created_at LIMIT $4",
+            $lock,
+            ") RETURNING ",
+            run_columns!(),
+            ", executor_seq, claims"
+        )
+    };
+}
 
-const CLAIM_SQLITE: &str = concat!(
-    "UPDATE runs SET lease_owner = $1, lease_expires_at = $2, claims = claims + 1 \
-     WHERE id IN (SELECT id FROM runs \
-        WHERE state IN ",
-    live_states!(),
-    " \
-          AND (lease_expires_at IS NULL OR lease_expires_at < $3) \
-          AND ($5 LIKE '%,' || placement || ',%' \
-               OR (message_id IS NULL AND (deadline_at < $3 OR cancel_requested_at IS NOT NULL)) \
-               OR deadline_at < $6) \
-        ORDER BY created_at LIMIT $4) \
-     RETURNING ",
-    run_columns!(),
-    ", executor_seq, claims"
-);
+const CLAIM_PG: &str = claim_sql!(" FOR UPDATE SKIP LOCKED");
+
+/// SQLite has one writer at a time: the claim needs no row locks.
+const CLAIM_SQLITE: &str = claim_sql!("");
 
 const RENEW: &str = concat!(
     "UPDATE runs SET lease_expires_at = $3 \

@@ -52,6 +52,24 @@ impl Cursor {
     }
 }
 
+/// What a listing pages through, newest first: each item says where a page
+/// that ends with it goes on.
+pub trait Listed {
+    fn cursor(&self) -> Cursor;
+}
+
+impl Listed for automesh_domain::Run {
+    fn cursor(&self) -> Cursor {
+        Cursor::after(self.created_at, &self.id)
+    }
+}
+
+impl Listed for automesh_domain::Automation {
+    fn cursor(&self) -> Cursor {
+        Cursor::after(self.created_at, &self.id)
+    }
+}
+
 /// One page of a listing.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Page<T> {
@@ -60,28 +78,25 @@ pub struct Page<T> {
     pub next: Option<Cursor>,
 }
 
-impl<T> Page<T> {
-    /// Where this page goes on once cut to its first `kept` items (a byte
-    /// budget, say): after the last kept item, or where it went on anyway
-    /// when nothing was cut.
-    pub fn next_after(&self, kept: usize, cursor_of: impl Fn(&T) -> Cursor) -> Option<Cursor> {
-        if kept < self.items.len() && kept > 0 {
-            Some(cursor_of(&self.items[kept - 1]))
+impl<T: Listed> Page<T> {
+    /// The token of the page after this one once cut to its first `kept`
+    /// items (a byte budget, say): after the last kept item, or where it
+    /// went on anyway when nothing was cut; empty when nothing follows.
+    pub fn next_token(&self, kept: usize) -> String {
+        let next = if kept < self.items.len() && kept > 0 {
+            Some(self.items[kept - 1].cursor())
         } else {
             self.next.clone()
-        }
+        };
+        next.map(|c| c.encode()).unwrap_or_default()
     }
 
     /// A page from up to `limit + 1` rows read in listing order: the extra
     /// row, when present, only says that another page follows.
-    pub(crate) fn from_rows(
-        mut items: Vec<T>,
-        limit: u32,
-        cursor_of: impl Fn(&T) -> Cursor,
-    ) -> Self {
+    pub(crate) fn from_rows(mut items: Vec<T>, limit: u32) -> Self {
         let next = if items.len() > limit as usize {
             items.truncate(limit as usize);
-            items.last().map(cursor_of)
+            items.last().map(T::cursor)
         } else {
             None
         };

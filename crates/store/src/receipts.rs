@@ -195,12 +195,6 @@ pub(crate) async fn insert(
 impl crate::Internal<'_> {
     /// The receipt of a run, once it has one.
     pub async fn receipt(self, run_id: &str) -> Result<Option<Receipt>> {
-        sqlx::query(GET)
-            .bind(run_id)
-            .fetch_optional(self.db())
-            .await?
-            .as_ref()
-            .map(decode)
-            .transpose()
+        crate::rows::maybe(self.db(), GET, run_id, decode).await
     }
 }

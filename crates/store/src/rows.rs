@@ -8,6 +8,54 @@ use sqlx::any::AnyRow;
 
 use crate::{Result, StoreError};
 
+/// The one row `sql` finds for `id` within `owner`'s scope (`$1` the id,
+/// `$2` the organisation, `$3` the user), decoded; another tenant's row, like
+/// a missing one, is `NotFound`.
+pub(crate) async fn owned<T>(
+    db: &sqlx::AnyPool,
+    sql: &'static str,
+    owner: &automesh_domain::Principal,
+    id: &str,
+    decode: fn(&AnyRow) -> Result<T>,
+) -> Result<T> {
+    let row = sqlx::query(sql)
+        .bind(id)
+        .bind(&owner.org_id)
+        .bind(&owner.user_id)
+        .fetch_optional(db)
+        .await?
+        .ok_or(StoreError::NotFound)?;
+    decode(&row)
+}
+
+/// The one row `sql` finds for `key` (`$1`), decoded, or `NotFound`.
+pub(crate) async fn by_id<T>(
+    db: &sqlx::AnyPool,
+    sql: &'static str,
+    key: &str,
+    decode: fn(&AnyRow) -> Result<T>,
+) -> Result<T> {
+    maybe(db, sql, key, decode)
+        .await?
+        .ok_or(StoreError::NotFound)
+}
+
+/// The row `sql` finds for `key` (`$1`), if any, decoded.
+pub(crate) async fn maybe<T>(
+    db: &sqlx::AnyPool,
+    sql: &'static str,
+    key: &str,
+    decode: fn(&AnyRow) -> Result<T>,
+) -> Result<Option<T>> {
+    sqlx::query(sql)
+        .bind(key)
+        .fetch_optional(db)
+        .await?
+        .as_ref()
+        .map(decode)
+        .transpose()
+}
+
 /// An instant as stored: microseconds since the Unix epoch.
 pub(crate) fn micros(t: DateTime<Utc>) -> i64 {
     t.timestamp_micros()

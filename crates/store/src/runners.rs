@@ -6,7 +6,7 @@ use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
 use crate::rows::{instant, micros, opt_instant, text};
-use crate::{Result, Store, StoreError};
+use crate::{Result, Store};
 
 const INSERT_RUNNER: &str = "INSERT INTO runners (id, org_id, owner_id, name, created_at) \
      VALUES ($1, $2, $3, $4, $5)";
@@ -82,25 +82,12 @@ impl Store {
 
     /// One runner of `owner`.
     pub async fn get_runner(&self, owner: &Principal, runner_id: &str) -> Result<Runner> {
-        let row = sqlx::query(GET)
-            .bind(runner_id)
-            .bind(&owner.org_id)
-            .bind(&owner.user_id)
-            .fetch_optional(self.db())
-            .await?
-            .ok_or(StoreError::NotFound)?;
-        decode(&row)
+        crate::rows::owned(self.db(), GET, owner, runner_id, decode).await
     }
 
     /// The live runner whose token hashes to `token_hash`.
     pub async fn find_runner_by_token_hash(&self, token_hash: &str) -> Result<Option<Runner>> {
-        sqlx::query(FIND_BY_TOKEN)
-            .bind(token_hash)
-            .fetch_optional(self.db())
-            .await?
-            .as_ref()
-            .map(decode)
-            .transpose()
+        crate::rows::maybe(self.db(), FIND_BY_TOKEN, token_hash, decode).await
     }
 
     /// Revokes a runner of `owner` and every token it has.

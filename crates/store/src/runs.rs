@@ -107,14 +107,7 @@ impl Store {
 
     /// One run of `owner`; another tenant's answers `NotFound`.
     pub async fn get_run(&self, owner: &Principal, id: &str) -> Result<Run> {
-        let row = sqlx::query(GET)
-            .bind(id)
-            .bind(&owner.org_id)
-            .bind(&owner.user_id)
-            .fetch_optional(self.db())
-            .await?
-            .ok_or(StoreError::NotFound)?;
-        decode(&row)
+        crate::rows::owned(self.db(), GET, owner, id, decode).await
     }
 
     /// A page of `owner`'s runs, newest first, optionally of one automation.
@@ -135,10 +128,7 @@ impl Store {
             .fetch_all(self.db())
             .await?;
         let items = rows.iter().map(decode).collect::<Result<Vec<_>>>()?;
-        Ok(Page::from_rows(items, limit, |x| Cursor {
-            created_micros: micros(x.created_at),
-            id: x.id.clone(),
-        }))
+        Ok(Page::from_rows(items, limit))
     }
 
     /// Moves a run to `to` if its current state allows it; otherwise
@@ -205,12 +195,7 @@ pub(crate) async fn insert(
 impl crate::Internal<'_> {
     /// One run by id, for internal callers that act for no user.
     pub async fn get_run(self, id: &str) -> Result<Run> {
-        let row = sqlx::query(GET_UNSCOPED)
-            .bind(id)
-            .fetch_optional(self.db())
-            .await?
-            .ok_or(StoreError::NotFound)?;
-        decode(&row)
+        crate::rows::by_id(self.db(), GET_UNSCOPED, id, decode).await
     }
 }
 

@@ -243,7 +243,7 @@ impl CloudWorkerLifecycleService for WorkerRegistry {
         &self,
         request: Request<wpb::GetWorkerRequest>,
     ) -> Result<Response<wpb::GetWorkerResponse>, Status> {
-        let owner = convert::principal(request.get_ref().caller.as_ref())?;
+        let (owner, _) = convert::scoped(request)?;
         let worker = self
             .store
             .get_worker(&owner)
@@ -259,7 +259,7 @@ impl CloudWorkerLifecycleService for WorkerRegistry {
         &self,
         request: Request<wpb::RegisterWorkerRequest>,
     ) -> Result<Response<wpb::RegisterWorkerResponse>, Status> {
-        let owner = convert::principal(request.get_ref().caller.as_ref())?;
+        let (owner, _) = convert::scoped(request)?;
         let worker = self
             .store
             .register_worker(&owner, &self.driver, Utc::now())

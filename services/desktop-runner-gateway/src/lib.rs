@@ -75,8 +75,7 @@ impl RunnerTokenService for RunnerTokens {
         &self,
         request: Request<rpb::CreateRunnerTokenRequest>,
     ) -> Result<Response<rpb::CreateRunnerTokenResponse>, Status> {
-        let req = request.into_inner();
-        let owner = convert::principal(req.caller.as_ref())?;
+        let (owner, req) = convert::scoped(request)?;
         let mut v = automesh_domain::Violations::default();
         automesh_domain::validation::check_text(
             &mut v,
@@ -111,8 +110,7 @@ impl RunnerTokenService for RunnerTokens {
         &self,
         request: Request<rpb::RevokeRunnerTokenRequest>,
     ) -> Result<Response<rpb::RevokeRunnerTokenResponse>, Status> {
-        let req = request.into_inner();
-        let owner = convert::principal(req.caller.as_ref())?;
+        let (owner, req) = convert::scoped(request)?;
         if req.runner_id.is_empty() {
             return Err(status::invalid_field("runner_id", "required"));
         }

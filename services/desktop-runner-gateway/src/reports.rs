@@ -7,6 +7,7 @@
 use automesh_proto::executor::v1 as epb;
 use automesh_proto::runner::v1 as rpb;
 use automesh_store::Store;
+use automesh_store::desktop::RunnerReport;
 use chrono::Utc;
 use prost::Message as _;
 
@@ -36,8 +37,9 @@ pub(crate) async fn reconcile(
                 let reason = a.cancel_reason.clone().unwrap_or_default();
                 send(&session.tx, cancel_message(&a.run_id, &reason)).await;
             } else if a.runner_id.as_deref() == Some(runner_id) {
+                let idle = RunnerReport::Idle;
                 store
-                    .desktop_run_idle(&a.run_id, runner_id, &session.stream_id, Utc::now())
+                    .desktop_report(idle, &a.run_id, runner_id, &session.stream_id, Utc::now())
                     .await?;
             }
         } else if !holds
@@ -184,7 +186,7 @@ pub(crate) async fn record(
     let applied = match message {
         Message::AssignmentAccepted(a) => {
             store
-                .desktop_run_accepted(&a.run_id, runner_id, stream_id, now)
+                .desktop_report(RunnerReport::Accepted, &a.run_id, runner_id, stream_id, now)
                 .await?
         }
         Message::RunEvents(batch) => {
@@ -209,19 +211,15 @@ pub(crate) async fn record(
                 usage: f.usage,
                 ..Default::default()
             };
+            let outcome = outcome.encode_to_vec();
+            let finished = RunnerReport::Finished(&outcome);
             store
-                .desktop_run_finished(
-                    &f.run_id,
-                    runner_id,
-                    stream_id,
-                    &outcome.encode_to_vec(),
-                    now,
-                )
+                .desktop_report(finished, &f.run_id, runner_id, stream_id, now)
                 .await?
         }
         Message::IdleObserved(i) => {
             store
-                .desktop_run_idle(&i.run_id, runner_id, stream_id, now)
+                .desktop_report(RunnerReport::Idle, &i.run_id, runner_id, stream_id, now)
                 .await?
         }
         Message::Hello(_) | Message::Heartbeat(_) => true,

@@ -91,8 +91,7 @@ impl RunCoordinatorService for Coordinator {
         &self,
         request: Request<cpb::GetRunRequest>,
     ) -> Result<Response<cpb::GetRunResponse>, Status> {
-        let req = request.into_inner();
-        let owner = convert::principal(req.caller.as_ref())?;
+        let (owner, req) = convert::scoped(request)?;
         convert::require_id(&req.id, "id").map_err(Error::from)?;
         Ok(Response::new(cpb::GetRunResponse {
             run: Some(self.run_pb(&owner, &req.id).await?),
@@ -103,8 +102,7 @@ impl RunCoordinatorService for Coordinator {
         &self,
         request: Request<cpb::ListRunsRequest>,
     ) -> Result<Response<cpb::ListRunsResponse>, Status> {
-        let req = request.into_inner();
-        let owner = convert::principal(req.caller.as_ref())?;
+        let (owner, req) = convert::scoped(request)?;
         let list = req.request.unwrap_or_default();
         let size = convert::page_size(list.page_size, 50, "page_size").map_err(Error::from)?;
         let cursor = Cursor::decode(&list.page_token).map_err(Error::from)?;
@@ -120,11 +118,10 @@ impl RunCoordinatorService for Coordinator {
         }
         let kept = automesh_proto::bounds::fitting(&runs);
         runs.truncate(kept);
-        let next = page.next_after(kept, |r| Cursor::after(r.created_at, &r.id));
         Ok(Response::new(cpb::ListRunsResponse {
             response: Some(pb::ListRunsResponse {
                 runs,
-                next_page_token: next.map(|c| c.encode()).unwrap_or_default(),
+                next_page_token: page.next_token(kept),
             }),
         }))
     }
@@ -133,8 +130,7 @@ impl RunCoordinatorService for Coordinator {
         &self,
         request: Request<cpb::CancelRunRequest>,
     ) -> Result<Response<cpb::CancelRunResponse>, Status> {
-        let req = request.into_inner();
-        let owner = convert::principal(req.caller.as_ref())?;
+        let (owner, req) = convert::scoped(request)?;
         convert::require_id(&req.id, "id").map_err(Error::from)?;
         let run = self.cancel(&owner, &req.id, Utc::now()).await?;
         Ok(Response::new(cpb::CancelRunResponse {
@@ -146,8 +142,7 @@ impl RunCoordinatorService for Coordinator {
         &self,
         request: Request<cpb::ListRunEventsRequest>,
     ) -> Result<Response<cpb::ListRunEventsResponse>, Status> {
-        let req = request.into_inner();
-        let owner = convert::principal(req.caller.as_ref())?;
+        let (owner, req) = convert::scoped(request)?;
         let list = req.request.unwrap_or_default();
         convert::require_id(&list.run_id, "run_id").map_err(Error::from)?;
         let size = convert::page_size(list.page_size, 100, "page_size").map_err(Error::from)?;
@@ -187,8 +182,7 @@ impl RunCoordinatorService for Coordinator {
         &self,
         request: Request<cpb::WatchRunRequest>,
     ) -> Result<Response<Self::WatchRunStream>, Status> {
-        let req = request.into_inner();
-        let owner = convert::principal(req.caller.as_ref())?;
+        let (owner, req) = convert::scoped(request)?;
         let watch_req = req.request.unwrap_or_default();
         convert::require_id(&watch_req.run_id, "run_id").map_err(Error::from)?;
         if watch_req.after_sequence < 0 {

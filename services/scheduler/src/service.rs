@@ -248,8 +248,7 @@ impl SchedulerService for Scheduler {
         &self,
         request: Request<spb::CreateAutomationRequest>,
     ) -> Result<Response<spb::CreateAutomationResponse>, Status> {
-        let req = request.into_inner();
-        let owner = convert::principal(req.caller.as_ref())?;
+        let (owner, req) = convert::scoped(request)?;
         let now = Utc::now();
         let input = convert::parse_create(req.automation.as_ref(), req.surface, now)
             .map_err(Error::from)?;
@@ -264,8 +263,7 @@ impl SchedulerService for Scheduler {
         &self,
         request: Request<spb::GetAutomationRequest>,
     ) -> Result<Response<spb::GetAutomationResponse>, Status> {
-        let req = request.into_inner();
-        let owner = convert::principal(req.caller.as_ref())?;
+        let (owner, req) = convert::scoped(request)?;
         convert::require_id(&req.id, "id").map_err(Error::from)?;
         let automation = self
             .store
@@ -281,8 +279,7 @@ impl SchedulerService for Scheduler {
         &self,
         request: Request<spb::ListAutomationsRequest>,
     ) -> Result<Response<spb::ListAutomationsResponse>, Status> {
-        let req = request.into_inner();
-        let owner = convert::principal(req.caller.as_ref())?;
+        let (owner, req) = convert::scoped(request)?;
         let list = req.request.unwrap_or_default();
         let size = convert::page_size(list.page_size, 50, "page_size").map_err(Error::from)?;
         let cursor = Cursor::decode(&list.page_token).map_err(Error::from)?;
@@ -297,11 +294,10 @@ impl SchedulerService for Scheduler {
         // automation.
         let kept = automesh_proto::bounds::fitting(&automations);
         automations.truncate(kept);
-        let next = page.next_after(kept, |a| Cursor::after(a.created_at, &a.id));
         Ok(Response::new(spb::ListAutomationsResponse {
             response: Some(pb::ListAutomationsResponse {
                 automations,
-                next_page_token: next.map(|c| c.encode()).unwrap_or_default(),
+                next_page_token: page.next_token(kept),
             }),
         }))
     }
@@ -310,8 +306,7 @@ impl SchedulerService for Scheduler {
         &self,
         request: Request<spb::UpdateAutomationRequest>,
     ) -> Result<Response<spb::UpdateAutomationResponse>, Status> {
-        let req = request.into_inner();
-        let owner = convert::principal(req.caller.as_ref())?;
+        let (owner, req) = convert::scoped(request)?;
         let now = Utc::now();
         let update =
             convert::parse_update(&req.request.unwrap_or_default(), now).map_err(Error::from)?;
@@ -333,8 +328,7 @@ impl SchedulerService for Scheduler {
         &self,
         request: Request<spb::SetAutomationStateRequest>,
     ) -> Result<Response<spb::SetAutomationStateResponse>, Status> {
-        let req = request.into_inner();
-        let owner = convert::principal(req.caller.as_ref())?;
+        let (owner, req) = convert::scoped(request)?;
         convert::require_id(&req.id, "id").map_err(Error::from)?;
         let expected = convert::parse_optional_etag(&req.etag, "etag").map_err(Error::from)?;
         let change = state_change(req.change)?;
@@ -351,8 +345,7 @@ impl SchedulerService for Scheduler {
         &self,
         request: Request<spb::RunAutomationNowRequest>,
     ) -> Result<Response<spb::RunAutomationNowResponse>, Status> {
-        let req = request.into_inner();
-        let owner = convert::principal(req.caller.as_ref())?;
+        let (owner, req) = convert::scoped(request)?;
         let run_now = req.request.unwrap_or_default();
         convert::parse_run_now(&run_now).map_err(Error::from)?;
         let run = self

@@ -23,3 +23,43 @@ pub fn caller(p: &Principal) -> ipb::Caller {
         user_id: p.user_id.clone(),
     }
 }
+
+/// An internal request that acts for a user: its caller says whom.
+pub trait Scoped {
+    fn caller(&self) -> Option<&ipb::Caller>;
+}
+
+macro_rules! scoped {
+    ($($t:ty),* $(,)?) => {
+        $(impl Scoped for $t {
+            fn caller(&self) -> Option<&ipb::Caller> {
+                self.caller.as_ref()
+            }
+        })*
+    };
+}
+
+scoped!(
+    automesh_proto::coordinator::v1::GetRunRequest,
+    automesh_proto::coordinator::v1::ListRunsRequest,
+    automesh_proto::coordinator::v1::CancelRunRequest,
+    automesh_proto::coordinator::v1::ListRunEventsRequest,
+    automesh_proto::coordinator::v1::WatchRunRequest,
+    automesh_proto::runner::v1::CreateRunnerTokenRequest,
+    automesh_proto::runner::v1::RevokeRunnerTokenRequest,
+    automesh_proto::scheduler::v1::CreateAutomationRequest,
+    automesh_proto::scheduler::v1::GetAutomationRequest,
+    automesh_proto::scheduler::v1::ListAutomationsRequest,
+    automesh_proto::scheduler::v1::UpdateAutomationRequest,
+    automesh_proto::scheduler::v1::SetAutomationStateRequest,
+    automesh_proto::scheduler::v1::RunAutomationNowRequest,
+    automesh_proto::worker::v1::GetWorkerRequest,
+    automesh_proto::worker::v1::RegisterWorkerRequest,
+);
+
+/// An internal request and the principal it acts for; one without a caller
+/// is refused (UNAUTHENTICATED).
+pub fn scoped<T: Scoped>(request: tonic::Request<T>) -> Result<(Principal, T), Status> {
+    let req = request.into_inner();
+    Ok((principal(req.caller())?, req))
+}

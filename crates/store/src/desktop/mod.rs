@@ -152,6 +152,17 @@ fn decode(row: &AnyRow) -> Result<DesktopAssignment> {
     })
 }
 
+/// What a runner reports of a run it was assigned.
+#[derive(Debug, Clone, Copy)]
+pub enum RunnerReport<'a> {
+    /// It accepted the assignment.
+    Accepted,
+    /// Its result, an encoded `Outcome` (its engine is idle too).
+    Finished(&'a [u8]),
+    /// Its engine is idle for the run.
+    Idle,
+}
+
 impl Store {
     async fn desktop_changed(&self) {
         if let Err(error) = self.signal(Topic::Desktop).await {
@@ -321,60 +332,22 @@ impl Store {
         .await
     }
 
-    /// The runner accepted the assignment; false when it is not this
-    /// stream's to accept, was accepted already, or was cancelled.
-    pub async fn desktop_run_accepted(
+    /// Records what the runner of stream `stream_id` reported of `run_id`;
+    /// false when the run is not this stream's to report on, or the report
+    /// changes nothing (accepted twice, accepted after a cancellation).
+    pub async fn desktop_report(
         &self,
+        report: RunnerReport<'_>,
         run_id: &str,
         runner_id: &str,
         stream_id: &str,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        self.desktop_update(ACCEPTED, run_id, runner_id, stream_id, None, now)
-            .await
-    }
-
-    /// The runner reported the run's result (and so its engine is idle).
-    pub async fn desktop_run_finished(
-        &self,
-        run_id: &str,
-        runner_id: &str,
-        stream_id: &str,
-        outcome: &[u8],
-        now: DateTime<Utc>,
-    ) -> Result<bool> {
-        self.desktop_update(
-            FINISHED,
-            run_id,
-            runner_id,
-            stream_id,
-            Some(to_hex(outcome)),
-            now,
-        )
-        .await
-    }
-
-    /// The runner's engine is idle for the run.
-    pub async fn desktop_run_idle(
-        &self,
-        run_id: &str,
-        runner_id: &str,
-        stream_id: &str,
-        now: DateTime<Utc>,
-    ) -> Result<bool> {
-        self.desktop_update(IDLE, run_id, runner_id, stream_id, None, now)
-            .await
-    }
-
-    async fn desktop_update(
-        &self,
-        sql: &'static str,
-        run_id: &str,
-        runner_id: &str,
-        stream_id: &str,
-        body: Option<String>,
-        now: DateTime<Utc>,
-    ) -> Result<bool> {
+        let (sql, body) = match report {
+            RunnerReport::Accepted => (ACCEPTED, None),
+            RunnerReport::Finished(outcome) => (FINISHED, Some(to_hex(outcome))),
+            RunnerReport::Idle => (IDLE, None),
+        };
         let mut args = vec![
             Arg::Text(run_id),
             Arg::Text(runner_id),

@@ -8,6 +8,7 @@ use automesh_domain::{
 };
 use automesh_store::Store;
 use automesh_store::StoreError;
+use automesh_store::desktop::RunnerReport;
 use automesh_store::events::NewEvent;
 use automesh_store::page::Cursor;
 use chrono::{DateTime, Duration, Utc};
@@ -731,13 +732,25 @@ pub async fn desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_
     // Only the claiming runner's reports count.
     assert!(
         !store
-            .desktop_run_accepted("run-d1", loser, stream_of(loser), now)
+            .desktop_report(
+                RunnerReport::Accepted,
+                "run-d1",
+                loser,
+                stream_of(loser),
+                now
+            )
             .await
             .expect("loser")
     );
     assert!(
         store
-            .desktop_run_accepted("run-d1", &winner, stream_of(&winner), now)
+            .desktop_report(
+                RunnerReport::Accepted,
+                "run-d1",
+                &winner,
+                stream_of(&winner),
+                now
+            )
             .await
             .expect("winner")
     );
@@ -793,13 +806,25 @@ pub async fn desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_
     );
     assert!(
         store
-            .desktop_run_finished("run-d1", &winner, stream_of(&winner), b"outcome", now)
+            .desktop_report(
+                RunnerReport::Finished(b"outcome"),
+                "run-d1",
+                &winner,
+                stream_of(&winner),
+                now
+            )
             .await
             .expect("finish")
     );
     assert!(
         !store
-            .desktop_run_finished("run-d1", &winner, stream_of(&winner), b"twice", now)
+            .desktop_report(
+                RunnerReport::Finished(b"twice"),
+                "run-d1",
+                &winner,
+                stream_of(&winner),
+                now
+            )
             .await
             .expect("twice")
     );
@@ -960,13 +985,13 @@ pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
     assert_eq!(r1.stream_id.as_deref(), Some("s2"));
     assert!(
         !store
-            .desktop_run_accepted("r1", "rx", "s1", now)
+            .desktop_report(RunnerReport::Accepted, "r1", "rx", "s1", now)
             .await
             .expect("old")
     );
     assert!(
         store
-            .desktop_run_accepted("r1", "rx", "s2", now)
+            .desktop_report(RunnerReport::Accepted, "r1", "rx", "s2", now)
             .await
             .expect("new")
     );

@@ -102,24 +102,16 @@ pub(super) async fn execute(
     // executor that has the run.
     let mut backoff = Duration::from_millis(100);
     let started = loop {
-        let mut request = tonic::Request::new(epb::StartRunRequest {
+        let start = epb::StartRunRequest {
             run: Some(spec.clone()),
-        });
-        request.set_timeout(ctx.settings.call_timeout);
-        let called = std::time::Instant::now();
+        };
         let attempt = tokio::select! {
             biased;
             () = lost.cancelled() => return Err(Stop::LeaseLost),
-            r = executor.start_run(request) => r,
+            r = measured(ctx, run, "StartRun", start, |r| executor.start_run(r)) => r,
         };
-        crate::metrics::metrics().call(
-            run,
-            "StartRun",
-            called,
-            attempt.as_ref().map(|_| ()).map_err(tonic::Status::code),
-        );
         match attempt {
-            Ok(resp) => break resp.into_inner(),
+            Ok(started) => break started,
             Err(status) => {
                 tracing::warn!(code = ?status.code(), message = status.message(), "executor did not accept the run; retrying");
                 tokio::select! {
@@ -324,19 +316,11 @@ pub(super) async fn send_cancel(
     run: &Run,
     reason: &str,
 ) {
-    let mut request = tonic::Request::new(epb::CancelRunRequest {
+    let cancel = epb::CancelRunRequest {
         run_id: run.id.clone(),
         reason: reason.to_owned(),
-    });
-    request.set_timeout(ctx.settings.call_timeout);
-    let called = std::time::Instant::now();
-    let result = executor.cancel_run(request).await;
-    crate::metrics::metrics().call(
-        run,
-        "CancelRun",
-        called,
-        result.as_ref().map(|_| ()).map_err(tonic::Status::code),
-    );
+    };
+    let result = measured(ctx, run, "CancelRun", cancel, |r| executor.cancel_run(r)).await;
     if let Err(status) = result {
         tracing::warn!(code = ?status.code(), "executor did not take the cancellation; idleness decides");
     } else {
@@ -349,19 +333,14 @@ pub(super) async fn status_of(
     executor: &mut ExecutorServiceClient<InternalChannel>,
     run: &Run,
 ) -> Option<epb::ExecutionStatus> {
-    let mut request = tonic::Request::new(epb::GetRunStatusRequest {
+    let get = epb::GetRunStatusRequest {
         run_id: run.id.clone(),
-    });
-    request.set_timeout(ctx.settings.call_timeout);
-    let called = std::time::Instant::now();
-    let result = executor.get_run_status(request).await;
-    crate::metrics::metrics().call(
-        run,
-        "GetRunStatus",
-        called,
-        result.as_ref().map(|_| ()).map_err(tonic::Status::code),
-    );
-    result.ok()?.into_inner().status
+    };
+    let result = measured(ctx, run, "GetRunStatus", get, |r| {
+        executor.get_run_status(r)
+    })
+    .await;
+    result.ok()?.status
 }
 
 /// Moves the stored state forward to what the executor reports.
@@ -435,4 +414,25 @@ pub(super) async fn record_status(
         .append_events(&run.id, &[event], Utc::now())
         .await
         .map(|_| ())
+}
+
+/// One unary executor call for `run`: bounded by the call timeout, its
+/// duration and result measured (`automesh.executor.call.*`).
+async fn measured<Req, Resp, Answer>(
+    ctx: &Context,
+    run: &Run,
+    method: &'static str,
+    message: Req,
+    call: impl FnOnce(tonic::Request<Req>) -> Answer,
+) -> Result<Resp, tonic::Status>
+where
+    Answer: std::future::Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
+{
+    let mut request = tonic::Request::new(message);
+    request.set_timeout(ctx.settings.call_timeout);
+    let called = std::time::Instant::now();
+    let result = call(request).await;
+    let outcome = result.as_ref().map(|_| ()).map_err(tonic::Status::code);
+    crate::metrics::metrics().call(run, method, called, outcome);
+    result.map(tonic::Response::into_inner)
 }
