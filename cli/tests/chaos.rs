@@ -32,7 +32,7 @@ use automesh_domain::{Principal, RunEventPayload, RunState};
 use automesh_e2e_tests::processes::{Cluster, ClusterChannel, ClusterSpec, Kind};
 use automesh_proto::v1 as pb;
 use automesh_proto::v1::automations_client::AutomationsClient;
-use automesh_testkit::{FakeMcp, Reply, mcp, provider, text_completion};
+use automesh_testkit::{Reply, provider, text_completion};
 use chrono::Utc;
 use tokio_util::sync::CancellationToken;
 
@@ -144,25 +144,9 @@ async fn start_run(
         let mut api = client.clone();
         let prompt = prompt.clone();
         async move {
-            api.create_automation(pb::CreateAutomationRequest {
-                automation: Some(pb::Automation {
-                    name: format!("chaos {n}"),
-                    prompt,
-                    model: "fake/echo".into(),
-                    schedule: Some(pb::Schedule {
-                        kind: Some(pb::schedule::Kind::Daily(pb::DailySchedule {
-                            time_of_day: Some(pb::TimeOfDay {
-                                hours: 4,
-                                minutes: 0,
-                            }),
-                            time_zone: "UTC".into(),
-                        })),
-                    }),
-                    ..Default::default()
-                }),
-                surface: surface as i32,
-            })
-            .await
+            let name = format!("chaos {n}");
+            let request = automesh_e2e_tests::daily_automation(&name, &prompt, surface);
+            api.create_automation(request).await
         }
     })
     .await
@@ -327,11 +311,7 @@ async fn the_mesh_keeps_its_promises_under_seeded_faults() {
         )
     })
     .await;
-    let (mcp_url, _mcp) = mcp(
-        FakeMcp::with_tools(&["search_capabilities", "execute_capability"]),
-        MCP_TOKEN,
-    )
-    .await;
+    let (mcp_url, _mcp) = automesh_testkit::connect(MCP_TOKEN).await;
     let spec = ClusterSpec::new(2, &provider_url, &mcp_url, MCP_TOKEN)
         .set(
             Kind::Scheduler,

@@ -15,7 +15,7 @@ use std::time::Duration;
 use automesh_domain::{Principal, RunState};
 use automesh_proto::v1 as pb;
 use automesh_store::testing::TestDatabase;
-use automesh_testkit::{FakeMcp, Reply, mcp, provider, text_completion};
+use automesh_testkit::{Reply, provider, text_completion};
 use chrono::Utc;
 
 const COMPOSE: &str = include_str!("../../docker-compose.yml");
@@ -329,11 +329,7 @@ async fn outside() -> (
     tokio_util::sync::CancellationToken,
 ) {
     let (provider_url, _fake) = provider(|_, _| Reply::Json(text_completion("done"))).await;
-    let (mcp_url, stop) = mcp(
-        FakeMcp::with_tools(&["search_capabilities", "execute_capability"]),
-        MCP_TOKEN,
-    )
-    .await;
+    let (mcp_url, stop) = automesh_testkit::connect(MCP_TOKEN).await;
     let given = BTreeMap::from([
         ("AUTOMESH_WORKER_PROVIDER_URL", provider_url),
         ("AUTOMESH_WORKER_PROVIDER_API_KEY", "sk-compose".to_owned()),

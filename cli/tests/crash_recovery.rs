@@ -15,7 +15,7 @@ use automesh_domain::{AutomationState, ErrorCode, Principal, RunEventPayload, Ru
 use automesh_e2e_tests::Api;
 use automesh_e2e_tests::processes::{Cluster, ClusterSpec, Kind, tail};
 use automesh_proto::v1 as pb;
-use automesh_testkit::{FakeMcp, FakeProvider, Reply, mcp, provider, text_completion};
+use automesh_testkit::{FakeProvider, Reply, provider, text_completion};
 use chrono::Utc;
 use tokio_util::sync::CancellationToken;
 
@@ -40,11 +40,7 @@ async fn world(
     tune: impl FnOnce(ClusterSpec, &std::path::Path) -> ClusterSpec,
 ) -> World {
     let (provider_url, provider) = provider(script).await;
-    let (mcp_url, mcp_stop) = mcp(
-        FakeMcp::with_tools(&["search_capabilities", "execute_capability"]),
-        MCP_TOKEN,
-    )
-    .await;
+    let (mcp_url, mcp_stop) = automesh_testkit::connect(MCP_TOKEN).await;
     let scratch =
         std::env::temp_dir().join(format!("automesh-crash-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&scratch).expect("scratch");

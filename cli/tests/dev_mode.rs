@@ -293,64 +293,16 @@ fn grpcurl_with_reflection_drives_the_dev_mesh() {
     }
 }
 
-/// A fake OpenTelemetry collector: the real OTLP/gRPC trace service on
-/// loopback, recording (trace id, span name) of every span it receives.
-mod collector {
-    use std::sync::{Arc, Mutex};
-
-    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
-        TraceService, TraceServiceServer,
-    };
-    use opentelemetry_proto::tonic::collector::trace::v1::{
-        ExportTraceServiceRequest, ExportTraceServiceResponse,
-    };
-
-    pub type Spans = Arc<Mutex<Vec<(String, String)>>>;
-
-    #[derive(Clone, Default)]
-    struct Collector(Spans);
-
-    #[tonic::async_trait]
-    impl TraceService for Collector {
-        async fn export(
-            &self,
-            request: tonic::Request<ExportTraceServiceRequest>,
-        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-            let mut spans = self.0.lock().expect("lock");
-            for rs in &request.get_ref().resource_spans {
-                for ss in &rs.scope_spans {
-                    for span in &ss.spans {
-                        spans.push((hex::encode(&span.trace_id), span.name.clone()));
-                    }
-                }
-            }
-            Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
-        }
-    }
-
-    /// Serves until the runtime ends; returns its address and what it saw.
-    pub async fn start() -> (String, Spans) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = format!("http://{}", listener.local_addr().expect("addr"));
-        let spans = Spans::default();
-        let service = TraceServiceServer::new(Collector(spans.clone()));
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-        );
-        (addr, spans)
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn traces_are_exported_over_otlp_and_one_trace_crosses_the_services() {
     use automesh_proto::v1 as pb;
     use automesh_proto::v1::automations_client::AutomationsClient;
 
-    let (endpoint, spans) = collector::start().await;
+    // The harness's fake collector: the real OTLP/gRPC services on loopback.
+    let collector = automesh_e2e_tests::otlp::Receiver::start()
+        .await
+        .expect("collector");
+    let endpoint = collector.endpoint.clone();
     let (dev, gateway, token) = tokio::task::spawn_blocking(move || {
         start_dev(
             "otlp",
@@ -417,11 +369,11 @@ async fn traces_are_exported_over_otlp_and_one_trace_crosses_the_services() {
     ];
     let give_up = std::time::Instant::now() + Duration::from_secs(30);
     loop {
-        let seen: Vec<(String, String)> = spans.lock().expect("lock").clone();
+        let seen = collector.spans();
         let in_trace: Vec<&str> = seen
             .iter()
-            .filter(|(t, _)| t == trace_id)
-            .map(|(_, n)| n.as_str())
+            .filter(|s| s.trace_id == trace_id)
+            .map(|s| s.name.as_str())
             .collect();
         if wanted.iter().all(|w| in_trace.contains(w)) {
             break;
@@ -443,17 +395,13 @@ async fn traces_are_exported_over_otlp_and_one_trace_crosses_the_services() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_runner_process_killed_mid_run_never_runs_it_again_after_a_restart() {
     use automesh_proto::v1 as pb;
-    use automesh_testkit::{FakeMcp, Reply, mcp, provider, text_completion};
+    use automesh_testkit::{Reply, provider, text_completion};
 
     const PROVIDER_KEY: &str = "sk-provider-key-never-logged";
     const MCP_TOKEN: &str = "connect-token-never-logged";
     let (provider_url, fake) =
         provider(|_, _| Reply::Delayed(Duration::from_secs(30), text_completion("too late"))).await;
-    let (mcp_url, _mcp) = mcp(
-        FakeMcp::with_tools(&["search_capabilities", "execute_capability"]),
-        MCP_TOKEN,
-    )
-    .await;
+    let (mcp_url, _mcp) = automesh_testkit::connect(MCP_TOKEN).await;
     // This test's runner is the dev user's only one.
     let (dev, gateway, token) = start_dev_with("runner-kill", &[], &["--no-runner"], false);
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{gateway}"))

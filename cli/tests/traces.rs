@@ -11,7 +11,7 @@ use automesh_e2e_tests::Api;
 use automesh_e2e_tests::otlp::{Receiver, Span};
 use automesh_e2e_tests::processes::{Cluster, ClusterSpec, Kind};
 use automesh_proto::v1 as pb;
-use automesh_testkit::{FakeMcp, Reply, mcp, provider, text_completion, tool_call_completion};
+use automesh_testkit::{Reply, provider, text_completion, tool_call_completion};
 use chrono::Utc;
 
 const MCP_TOKEN: &str = "traces-connect-token";
@@ -152,11 +152,7 @@ async fn world(
 ) -> (Receiver, Cluster, tokio_util::sync::CancellationToken) {
     let receiver = Receiver::start().await.expect("collector");
     let (provider_url, _model) = provider(model).await;
-    let (mcp_url, mcp_stop) = mcp(
-        FakeMcp::with_tools(&["search_capabilities", "execute_capability"]),
-        MCP_TOKEN,
-    )
-    .await;
+    let (mcp_url, mcp_stop) = automesh_testkit::connect(MCP_TOKEN).await;
     let spec = tune(
         ClusterSpec::new(1, &provider_url, &mcp_url, MCP_TOKEN)
             .set_all("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.endpoint),

@@ -426,6 +426,25 @@ impl Mesh {
         &self.db.store
     }
 
+    /// A run's first thousand events, as stored.
+    pub async fn events(&self, run_id: &str) -> Vec<automesh_domain::RunEvent> {
+        self.store()
+            .internal()
+            .events(run_id, 0, 1000)
+            .await
+            .expect("events")
+    }
+
+    /// A run's receipt; panics when it has none.
+    pub async fn receipt(&self, run_id: &str) -> automesh_domain::Receipt {
+        self.store()
+            .internal()
+            .receipt(run_id)
+            .await
+            .expect("get receipt")
+            .expect("a receipt")
+    }
+
     /// Replaces every coordinator with one reading `models`, as an operator
     /// changing the catalogue and restarting the coordinators would.
     pub async fn reprice(&mut self, models: ModelCatalog) -> anyhow::Result<()> {
@@ -732,6 +751,49 @@ pub fn daily_automation(
     }
 }
 
+/// How many of `events` are assistant text.
+pub fn assistant_texts(events: &[automesh_domain::RunEvent]) -> usize {
+    events
+        .iter()
+        .filter(|e| {
+            matches!(
+                e.payload,
+                automesh_domain::RunEventPayload::AssistantText { .. }
+            )
+        })
+        .count()
+}
+
+/// Reads `stream` to its end, within `within`: the status it ended with, or
+/// `None` when it ended cleanly; panics naming `what` when it did not end.
+pub async fn end_of<T>(
+    stream: &mut tonic::Streaming<T>,
+    within: Duration,
+    what: &str,
+) -> Option<tonic::Status> {
+    tokio::time::timeout(within, async {
+        loop {
+            match stream.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => return None,
+                Err(status) => return Some(status),
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{what} within {within:?}"))
+}
+
+/// `message` as a request carrying `Authorization: Bearer <token>`.
+pub fn with_bearer<T>(token: &str, message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {token}").parse().expect("ascii"),
+    );
+    request
+}
+
 /// The two public calls nearly every test makes, on any client of
 /// `automesh.v1.Automations` (an in-process mesh's or a process cluster's):
 /// each panics naming what failed.
@@ -776,6 +838,30 @@ where
         .into_inner()
         .run
         .expect("run")
+    }
+}
+
+/// The run calls tests make on any client of `automesh.v1.Runs`.
+#[allow(async_fn_in_trait)]
+pub trait RunsApi {
+    /// Asks for run `id` to be cancelled; returns the run as it now is.
+    async fn cancel(&mut self, id: &str) -> automesh_proto::v1::Run;
+}
+
+impl<T> RunsApi for RunsClient<T>
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<tonic::codegen::StdError>,
+    T::ResponseBody: tonic::codegen::Body<Data = tonic::codegen::Bytes> + Send + 'static,
+    <T::ResponseBody as tonic::codegen::Body>::Error: Into<tonic::codegen::StdError> + Send,
+{
+    async fn cancel(&mut self, id: &str) -> automesh_proto::v1::Run {
+        self.cancel_run(automesh_proto::v1::CancelRunRequest { id: id.into() })
+            .await
+            .expect("cancel")
+            .into_inner()
+            .run
+            .expect("run")
     }
 }
 

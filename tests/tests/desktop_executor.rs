@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use automesh_domain::{ErrorCode, RunState};
+use automesh_e2e_tests::RunsApi;
 use automesh_e2e_tests::{Api, Mesh, MeshOptions};
 use automesh_proto::runner::v1 as rpb;
 use automesh_proto::runner::v1::desktop_runner_service_client::DesktopRunnerServiceClient;
@@ -42,11 +43,7 @@ async fn runner(mesh: &Mesh, token: &str, script: Script) -> mpsc::UnboundedRece
     })))
     .await
     .expect("hello");
-    let mut request = tonic::Request::new(ReceiverStream::new(rx));
-    request.metadata_mut().insert(
-        "authorization",
-        format!("Bearer {token}").parse().expect("ascii"),
-    );
+    let request = automesh_e2e_tests::with_bearer(token, ReceiverStream::new(rx));
     let mut down = client
         .connect(request)
         .await
@@ -172,13 +169,7 @@ async fn a_desktop_run_reaches_the_owners_runner_and_completes() {
     let ended = terminal(&mesh, &run.id).await;
     assert_eq!(ended.state, RunState::Succeeded, "{ended:?}");
     assert_eq!(assigned.recv().await.as_deref(), Some(run.id.as_str()));
-    let receipt = mesh
-        .store()
-        .internal()
-        .receipt(&run.id)
-        .await
-        .expect("get")
-        .expect("receipt");
+    let receipt = mesh.receipt(&run.id).await;
     assert_eq!(receipt.engine.as_deref(), Some("test-runner"));
     assert_eq!(
         (
@@ -189,21 +180,8 @@ async fn a_desktop_run_reaches_the_owners_runner_and_completes() {
         // Unpriced model: the runner's own cost figure is not charged.
         (3, 4, 0)
     );
-    let events = mesh
-        .store()
-        .internal()
-        .events(&run.id, 0, 100)
-        .await
-        .expect("events");
-    let texts = events
-        .iter()
-        .filter(|e| {
-            matches!(
-                e.payload,
-                automesh_domain::RunEventPayload::AssistantText { .. }
-            )
-        })
-        .count();
+    let events = mesh.events(&run.id).await;
+    let texts = automesh_e2e_tests::assistant_texts(&events);
     assert_eq!(texts, 2, "redelivered runner events added nothing");
     mesh.stop().await.expect("stop");
 }
@@ -241,14 +219,7 @@ async fn cancel_reaches_the_runner_and_ends_once_it_is_idle() {
         Some(run.id.as_str())
     );
     let api_token = mesh.token("acme", "alice");
-    let answered = mesh
-        .runs(Some(&api_token))
-        .cancel_run(pb::CancelRunRequest { id: run.id.clone() })
-        .await
-        .expect("cancel")
-        .into_inner()
-        .run
-        .expect("run");
+    let answered = mesh.runs(Some(&api_token)).cancel(&run.id).await;
     assert_eq!(
         answered.state,
         pb::RunState::Cancelled as i32,

@@ -18,7 +18,7 @@ use automesh_proto::runner::v1::desktop_runner_service_client::DesktopRunnerServ
 use automesh_proto::v1 as pb;
 use automesh_runner::{Runner, Settings, Stats};
 use automesh_store::Backend;
-use automesh_testkit::{FakeMcp, FakeProvider, Reply, mcp, provider, text_completion};
+use automesh_testkit::{FakeProvider, Reply, provider, text_completion};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -64,11 +64,7 @@ async fn desk(
         .into_inner()
         .token;
     let (provider_url, provider) = provider(script).await;
-    let (mcp_url, mcp_stop) = mcp(
-        FakeMcp::with_tools(&["search_capabilities", "execute_capability"]),
-        MCP_TOKEN,
-    )
-    .await;
+    let (mcp_url, mcp_stop) = automesh_testkit::connect(MCP_TOKEN).await;
     let engine = NativeEngine::openai_compatible(
         &provider_url,
         PROVIDER_KEY,
@@ -190,13 +186,7 @@ async fn an_assignment_made_through_replica_b_reaches_the_runner_on_a_and_surviv
     assert!(runner.stats.connections.load(Ordering::SeqCst) >= 2);
     assert_eq!(desk.provider.calls(), 1, "the prompt was submitted once");
     assert_eq!(runner.stats.executions.load(Ordering::SeqCst), 1);
-    let events = desk
-        .mesh
-        .store()
-        .internal()
-        .events(&run.id, 0, 100)
-        .await
-        .expect("events");
+    let events = desk.mesh.events(&run.id).await;
     assert!(
         events.iter().any(|e| matches!(
             &e.payload,
@@ -379,11 +369,7 @@ async fn stalled_runner(
     })
     .await
     .expect("hello");
-    let mut request = tonic::Request::new(ReceiverStream::new(rx));
-    request.metadata_mut().insert(
-        "authorization",
-        format!("Bearer {token}").parse().expect("ascii"),
-    );
+    let request = automesh_e2e_tests::with_bearer(token, ReceiverStream::new(rx));
     let stream = tokio::time::timeout(Duration::from_secs(10), client.connect(request))
         .await
         .expect("bounded")
@@ -418,17 +404,12 @@ async fn a_stalled_stream_is_declared_dead_and_its_run_is_offered_again_when_the
     let run = desk.run_now().await;
     let offered = next_assignment(&mut stream).await;
     assert_eq!(offered.run_id, run.id);
-    let declared = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            match stream.message().await {
-                Ok(Some(_)) => continue,
-                Ok(None) => return None,
-                Err(status) => return Some(status),
-            }
-        }
-    })
-    .await
-    .expect("declared dead within 10 s");
+    let declared = automesh_e2e_tests::end_of(
+        &mut stream,
+        Duration::from_secs(10),
+        "declared dead within 10 s",
+    )
+    .await;
     let status = declared.expect("ended with a status");
     assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
     // The unaccepted assignment is given back as the stream is dropped.
@@ -553,13 +534,7 @@ async fn desktop_runs_are_charged_at_the_catalogue_price_and_keep_it() {
         assert_eq!(body["model"], "echo", "the catalogue's provider name");
     }
     // The run reads `running` before its engine's first event.
-    let events = desk
-        .mesh
-        .store()
-        .internal()
-        .events(&run.id, 0, 100)
-        .await
-        .expect("events");
+    let events = desk.mesh.events(&run.id).await;
     let position = |want: &dyn Fn(&automesh_domain::RunEventPayload) -> bool| {
         events
             .iter()

@@ -6,6 +6,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use automesh_domain::{AutomationState, ErrorCode, Principal, Run, RunState};
+use automesh_e2e_tests::RunsApi;
 use automesh_e2e_tests::executor::{Behavior, TestExecutor};
 use automesh_e2e_tests::{Api, Mesh, MeshOptions, daily_automation, on_both_backends};
 use automesh_proto::v1 as pb;
@@ -140,13 +141,7 @@ async fn a_due_occurrence_runs_to_a_receipt(backend: Backend) {
         run.traceparent.clone().unwrap_or_default()
     );
 
-    let receipt = mesh
-        .store()
-        .internal()
-        .receipt(&run.id)
-        .await
-        .expect("get")
-        .expect("receipt");
+    let receipt = mesh.receipt(&run.id).await;
     assert_eq!(receipt.outcome, RunState::Succeeded);
     assert_eq!(receipt.engine.as_deref(), Some("test-executor"));
     assert_eq!(
@@ -164,21 +159,8 @@ async fn a_due_occurrence_runs_to_a_receipt(backend: Backend) {
     assert!(receipt.execution_micros > 0);
     assert_eq!(receipt.message_id.as_deref(), Some(message_id.as_str()));
 
-    let events = mesh
-        .store()
-        .internal()
-        .events(&run.id, 0, 100)
-        .await
-        .expect("events");
-    let texts = events
-        .iter()
-        .filter(|e| {
-            matches!(
-                e.payload,
-                automesh_domain::RunEventPayload::AssistantText { .. }
-            )
-        })
-        .count();
+    let events = mesh.events(&run.id).await;
+    let texts = automesh_e2e_tests::assistant_texts(&events);
     assert_eq!(texts, 3);
     assert!(
         events
@@ -236,21 +218,8 @@ async fn a_killed_coordinator_is_taken_over_without_a_second_submission(backend:
         executor.start_calls(&run.id) >= 2,
         "the second coordinator reattached through StartRun"
     );
-    let events = mesh
-        .store()
-        .internal()
-        .events(&run.id, 0, 100)
-        .await
-        .expect("events");
-    let texts = events
-        .iter()
-        .filter(|e| {
-            matches!(
-                e.payload,
-                automesh_domain::RunEventPayload::AssistantText { .. }
-            )
-        })
-        .count();
+    let events = mesh.events(&run.id).await;
+    let texts = automesh_e2e_tests::assistant_texts(&events);
     assert_eq!(texts, 4, "redelivered executor events were deduplicated");
     mesh.stop().await.expect("stop");
 }
@@ -312,13 +281,7 @@ async fn three_days_of_downtime_catch_up_once(backend: Backend) {
     );
     for m in &missed {
         assert_eq!(m.error_code, Some(ErrorCode::MissedDuringDowntime));
-        let receipt = mesh
-            .store()
-            .internal()
-            .receipt(&m.id)
-            .await
-            .expect("get")
-            .expect("a missed occurrence has a receipt");
+        let receipt = mesh.receipt(&m.id).await;
         assert_eq!(receipt.outcome, RunState::Missed);
     }
     let after = mesh
@@ -370,29 +333,14 @@ async fn an_occurrence_while_the_previous_run_is_live_is_skipped(backend: Backen
     )
     .await;
     assert_eq!(skipped.error_code, Some(ErrorCode::PreviousRunLive));
-    let receipt = mesh
-        .store()
-        .internal()
-        .receipt(&skipped.id)
-        .await
-        .expect("get")
-        .expect("receipt");
+    let receipt = mesh.receipt(&skipped.id).await;
     assert_eq!(receipt.outcome, RunState::Skipped);
     assert_eq!(
         all_runs(mesh.store(), &owner).await.len(),
         2,
         "nothing was queued"
     );
-    let cancelled = mesh
-        .runs(Some(&token))
-        .cancel_run(pb::CancelRunRequest {
-            id: live.id.clone(),
-        })
-        .await
-        .expect("cancel")
-        .into_inner()
-        .run
-        .expect("run");
+    let cancelled = mesh.runs(Some(&token)).cancel(&live.id).await;
     assert_eq!(cancelled.state, pb::RunState::Cancelled as i32);
     mesh.stop().await.expect("stop");
 }
@@ -528,14 +476,7 @@ async fn cancel_ends_cancelled_once_the_executor_is_idle() {
             .filter(|r| r.state == RunState::Running)
     })
     .await;
-    let answered = mesh
-        .runs(Some(&token))
-        .cancel_run(pb::CancelRunRequest { id: run.id.clone() })
-        .await
-        .expect("cancel")
-        .into_inner()
-        .run
-        .expect("run");
+    let answered = mesh.runs(Some(&token)).cancel(&run.id).await;
     assert_eq!(answered.state, pb::RunState::Cancelled as i32);
     assert!(answered.error_code.is_empty());
     assert!(executor.was_cancelled(&run.id));

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use automesh_domain::Principal;
+use automesh_e2e_tests::RunsApi;
 use automesh_e2e_tests::{Api, Mesh, on_both_backends, wait_for_health};
 use automesh_proto::v1 as pb;
 use automesh_rpc::status::field_violations;
@@ -835,29 +836,13 @@ async fn run_now_is_idempotent_and_cancellable(backend: Backend) {
         .into_inner();
     assert_eq!(listed.runs.len(), 2);
 
-    let cancelled = runs
-        .cancel_run(pb::CancelRunRequest {
-            id: first.id.clone(),
-        })
-        .await
-        .expect("cancel")
-        .into_inner()
-        .run
-        .expect("run");
+    let cancelled = runs.cancel(&first.id).await;
     assert_eq!(cancelled.state, pb::RunState::Cancelled as i32);
     let receipt = cancelled.receipt.expect("a terminal run has a receipt");
     assert_eq!(receipt.outcome, pb::RunState::Cancelled as i32);
     assert_eq!(receipt.placement, pb::Placement::Desktop as i32);
     // Cancelling again changes nothing; run-now with the same key returns the cancelled run.
-    let twice = runs
-        .cancel_run(pb::CancelRunRequest {
-            id: first.id.clone(),
-        })
-        .await
-        .expect("cancel")
-        .into_inner()
-        .run
-        .expect("run");
+    let twice = runs.cancel(&first.id).await;
     assert_eq!(twice.update_time, cancelled.update_time);
     let same = api
         .run_automation_now(run_now("k1"))
@@ -947,25 +932,13 @@ async fn watch_run_resumes_without_gaps_or_repeats(backend: Backend) {
         .await
         .expect("append");
     let receipt = Receipt {
-        run_id: run.id.clone(),
-        outcome: RunState::Succeeded,
-        error_code: None,
-        error_message: None,
-        placement: automesh_domain::Placement::Desktop,
         engine: Some("test".into()),
-        queued_micros: 0,
-        wake_micros: 0,
-        admission_micros: 0,
-        execution_micros: 0,
-        usage: Default::default(),
-        worker_id: None,
-        workspace_id: None,
-        thread_id: None,
-        message_id: None,
-        created_at: Utc::now(),
-        model: None,
-        provider_model: None,
-        price: None,
+        ..Receipt::bare(
+            &run.id,
+            RunState::Succeeded,
+            automesh_domain::Placement::Desktop,
+            Utc::now(),
+        )
     };
     store
         .finish_run(&receipt, Utc::now())

@@ -72,11 +72,7 @@ async fn open(
         automesh_rpc::client::channel(&mesh.runner_gateway).expect("channel"),
     );
     let (tx, rx) = mpsc::channel(16);
-    let mut request = tonic::Request::new(ReceiverStream::new(rx));
-    request.metadata_mut().insert(
-        "authorization",
-        format!("Bearer {token}").parse().expect("ascii"),
-    );
+    let request = automesh_e2e_tests::with_bearer(token, ReceiverStream::new(rx));
     // The gateway answers once it has the Hello; send it before waiting.
     let sender = tx.clone();
     tokio::spawn(async move {
@@ -127,17 +123,12 @@ async fn a_stalled_stream_is_declared_dead_although_its_connection_is_open() {
     let mut stream = answer.expect("connected");
     stream.message().await.expect("ok").expect("welcome");
     // Keep the sender (and so the HTTP/2 stream) open, but send nothing.
-    let ended = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            match stream.message().await {
-                Ok(Some(_)) => continue,
-                Ok(None) => return None,
-                Err(status) => return Some(status),
-            }
-        }
-    })
-    .await
-    .expect("the gateway ends a silent stream within its bound");
+    let ended = automesh_e2e_tests::end_of(
+        &mut stream,
+        Duration::from_secs(10),
+        "the gateway ends a silent stream within its bound",
+    )
+    .await;
     let status = ended.expect("ended with a status");
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
     assert!(status.message().contains("declared dead"));
@@ -330,17 +321,12 @@ async fn revoking_a_runner_through_the_public_api_ends_its_live_stream() {
         })
         .await
         .expect("revoke");
-    let ended = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            match stream.message().await {
-                Ok(Some(_)) => continue,
-                Ok(None) => return None,
-                Err(status) => return Some(status),
-            }
-        }
-    })
-    .await
-    .expect("the stream ended after the revocation");
+    let ended = automesh_e2e_tests::end_of(
+        &mut stream,
+        Duration::from_secs(30),
+        "the stream ended after the revocation",
+    )
+    .await;
     assert_eq!(ended.map(|s| s.code()), Some(Code::Unauthenticated));
     // Another user cannot revoke alice's runner: NOT_FOUND.
     let err = mesh
@@ -402,11 +388,7 @@ async fn connect_holding(
     })
     .await
     .expect("hello");
-    let mut request = tonic::Request::new(ReceiverStream::new(rx));
-    request.metadata_mut().insert(
-        "authorization",
-        format!("Bearer {token}").parse().expect("ascii"),
-    );
+    let request = automesh_e2e_tests::with_bearer(token, ReceiverStream::new(rx));
     let mut stream = tokio::time::timeout(Duration::from_secs(10), client.connect(request))
         .await
         .expect("answered in time")
@@ -588,11 +570,7 @@ async fn connect_to(
     );
     let (tx, rx) = mpsc::channel(64);
     tx.send(hello()).await.expect("hello");
-    let mut request = tonic::Request::new(ReceiverStream::new(rx));
-    request.metadata_mut().insert(
-        "authorization",
-        format!("Bearer {token}").parse().expect("ascii"),
-    );
+    let request = automesh_e2e_tests::with_bearer(token, ReceiverStream::new(rx));
     let mut stream = tokio::time::timeout(Duration::from_secs(10), client.connect(request))
         .await
         .expect("answered in time")

@@ -7,7 +7,7 @@ use std::time::Duration;
 use automesh_proto::agent::v1 as apb;
 use automesh_proto::agent::v1::worker_agent_service_client::WorkerAgentServiceClient;
 use automesh_proto::v1 as pb;
-use automesh_testkit::{FakeMcp, FakeProvider, Reply, mcp, provider, text_completion};
+use automesh_testkit::{FakeProvider, Reply, provider, text_completion};
 use automesh_worker_agent::{DualCredential, HOST_HEADER, Settings, serve};
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
@@ -37,11 +37,7 @@ async fn agent(
     script: impl Fn(usize, &serde_json::Value) -> Reply + Send + Sync + 'static,
 ) -> Agent {
     let (provider_url, fake) = provider(script).await;
-    let (mcp_url, mcp_stop) = mcp(
-        FakeMcp::with_tools(&["search_capabilities", "execute_capability"]),
-        MCP_TOKEN,
-    )
-    .await;
+    let (mcp_url, mcp_stop) = automesh_testkit::connect(MCP_TOKEN).await;
     let dir =
         std::env::temp_dir().join(format!("automesh-agent-{}", uuid::Uuid::new_v4().simple()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

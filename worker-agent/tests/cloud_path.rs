@@ -17,7 +17,7 @@ use automesh_domain::{
 };
 use automesh_e2e_tests::{CloudOptions, Mesh, MeshOptions, lifecycle_config};
 use automesh_store::Backend;
-use automesh_testkit::{FakeMcp, FakeProvider, Reply, mcp, provider, text_completion};
+use automesh_testkit::{FakeProvider, Reply, provider, text_completion};
 use chrono::Utc;
 use tokio_util::sync::CancellationToken;
 
@@ -42,11 +42,7 @@ async fn env(
     tune: impl FnOnce(&mut Config),
 ) -> Env {
     let (provider_url, fake) = provider(script).await;
-    let (mcp_url, mcp_stop) = mcp(
-        FakeMcp::with_tools(&["search_capabilities", "execute_capability"]),
-        MCP_TOKEN,
-    )
-    .await;
+    let (mcp_url, mcp_stop) = automesh_testkit::connect(MCP_TOKEN).await;
     let workers = std::env::temp_dir().join(format!(
         "automesh-workers-{}",
         uuid::Uuid::new_v4().simple()
@@ -242,14 +238,7 @@ async fn a_stopped_worker_is_woken_for_a_due_run_and_stopped_again_when_idle() {
     env.automation("journey", at).await;
     let run = env.run_of("journey", at).await;
     assert_eq!(run.state, RunState::Succeeded, "{run:?}");
-    let receipt = env
-        .mesh
-        .store()
-        .internal()
-        .receipt(&run.id)
-        .await
-        .expect("get")
-        .expect("receipt");
+    let receipt = env.mesh.receipt(&run.id).await;
     assert!(receipt.wake_micros > 0, "wake timing recorded: {receipt:?}");
     assert!(
         receipt.admission_micros > 0,
@@ -257,13 +246,7 @@ async fn a_stopped_worker_is_woken_for_a_due_run_and_stopped_again_when_idle() {
     );
     assert_eq!(receipt.engine.as_deref(), Some("native-v1"));
     assert_eq!(env.provider.calls(), 1);
-    let events = env
-        .mesh
-        .store()
-        .internal()
-        .events(&run.id, 0, 100)
-        .await
-        .expect("events");
+    let events = env.mesh.events(&run.id).await;
     assert!(
         events.iter().any(|e| matches!(
             &e.payload,
@@ -652,13 +635,7 @@ async fn a_cloud_run_is_running_while_its_agent_executes_it() {
     }
     let run = env.run_of("slow", at).await;
     assert_eq!(run.state, RunState::Succeeded, "{run:?}");
-    let events = env
-        .mesh
-        .store()
-        .internal()
-        .events(&run.id, 0, 100)
-        .await
-        .expect("events");
+    let events = env.mesh.events(&run.id).await;
     let seq = |want: &dyn Fn(&automesh_domain::RunEventPayload) -> bool| {
         events
             .iter()
@@ -674,14 +651,7 @@ async fn a_cloud_run_is_running_while_its_agent_executes_it() {
         running < text,
         "running before the engine's events: {events:?}"
     );
-    let receipt = env
-        .mesh
-        .store()
-        .internal()
-        .receipt(&run.id)
-        .await
-        .expect("get")
-        .expect("receipt");
+    let receipt = env.mesh.receipt(&run.id).await;
     assert!(
         receipt.execution_micros >= 2_500_000,
         "the execution time covers the 3 s the engine spent: {receipt:?}"

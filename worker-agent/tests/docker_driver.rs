@@ -14,7 +14,7 @@ use automesh_domain::automation::NewAutomation;
 use automesh_domain::{ErrorCode, Principal, RunState, Schedule, Surface, WorkerState};
 use automesh_e2e_tests::{CloudOptions, Mesh, MeshOptions, lifecycle_config};
 use automesh_store::Backend;
-use automesh_testkit::{FakeMcp, Reply, mcp, provider, text_completion};
+use automesh_testkit::{Reply, provider, text_completion};
 use axum::Router;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
@@ -215,11 +215,7 @@ fn driver(socket: PathBuf, image: &str, provider_url: &str) -> DockerDriver {
 async fn a_cloud_run_wakes_a_container_worker_and_idle_stop_stops_it() {
     let (provider_url, fake) =
         provider(|_, _| Reply::Json(text_completion("from the container"))).await;
-    let (mcp_url, _mcp) = mcp(
-        FakeMcp::with_tools(&["search_capabilities", "execute_capability"]),
-        "docker-connect-token",
-    )
-    .await;
+    let (mcp_url, _mcp) = automesh_testkit::connect("docker-connect-token").await;
     let (socket, engine) = fake_engine().await;
     let mesh = Mesh::start_with(
         Backend::Postgres,

@@ -22,9 +22,8 @@
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::{Request, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
-use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use rmcp::model::{
@@ -412,29 +411,11 @@ pub async fn serve_connect(listener: TcpListener, token: String, shutdown: Cance
                 .with_sse_keep_alive(None)
                 .with_cancellation_token(shutdown.child_token()),
         );
-    let want: Arc<str> = format!("Bearer {token}").into();
-    let app = Router::new()
-        .nest_service("/mcp", service)
-        .layer(middleware::from_fn(move |req: Request, next: Next| {
-            let want = want.clone();
-            async move {
-                let ok = req
-                    .headers()
-                    .get(header::AUTHORIZATION)
-                    .and_then(|v| v.to_str().ok())
-                    == Some(&*want);
-                if ok {
-                    next.run(req).await
-                } else {
-                    (
-                        StatusCode::UNAUTHORIZED,
-                        [(header::WWW_AUTHENTICATE, "Bearer")],
-                        "the demo Connect endpoint needs its token",
-                    )
-                        .into_response()
-                }
-            }
-        }));
+    let app = automesh_rpc::http::require_bearer(
+        Router::new().nest_service("/mcp", service),
+        &token,
+        "the demo Connect endpoint needs its token",
+    );
     let _ = axum::serve(listener, app)
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await;

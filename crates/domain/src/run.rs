@@ -175,6 +175,35 @@ pub struct Receipt {
     pub price: Option<crate::Price>,
 }
 
+impl Receipt {
+    /// The receipt of a run of `placement` that ended `outcome` at `at`
+    /// before anything ran it: no error, engine, timings, usage, identities
+    /// or model (a run recorded skipped or missed, say); set what applies.
+    pub fn bare(run_id: &str, outcome: RunState, placement: Placement, at: DateTime<Utc>) -> Self {
+        Self {
+            run_id: run_id.to_owned(),
+            outcome,
+            error_code: None,
+            error_message: None,
+            placement,
+            engine: None,
+            queued_micros: 0,
+            wake_micros: 0,
+            admission_micros: 0,
+            execution_micros: 0,
+            usage: Usage::default(),
+            worker_id: None,
+            workspace_id: None,
+            thread_id: None,
+            message_id: None,
+            created_at: at,
+            model: None,
+            provider_model: None,
+            price: None,
+        }
+    }
+}
+
 /// What happened in a run, as the event log records it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]

@@ -62,6 +62,55 @@ pub enum EngineEvent {
     Checkpoint(Checkpoint),
 }
 
+impl EngineEvent {
+    /// The run event this engine event is (a checkpoint is none: it stays
+    /// with the engine).
+    pub fn payload(&self) -> Option<automesh_domain::RunEventPayload> {
+        use automesh_domain::RunEventPayload as P;
+        if let EngineEvent::Checkpoint(_) = self {
+            return None;
+        }
+        Some(match self.clone() {
+            EngineEvent::AssistantText { text, .. } => P::AssistantText { text },
+            EngineEvent::ToolCall {
+                call_id,
+                tool,
+                input_json,
+                ..
+            } => P::ToolCall {
+                call_id,
+                tool,
+                input_json,
+            },
+            EngineEvent::ToolResult {
+                call_id,
+                tool,
+                output,
+                is_error,
+                ..
+            } => P::ToolResult {
+                call_id,
+                tool,
+                output,
+                is_error,
+            },
+            EngineEvent::Usage { usage, .. } => P::Usage(usage),
+            EngineEvent::Permission {
+                permission_id,
+                permission,
+                patterns,
+                reply,
+            } => P::PermissionPrompt {
+                permission_id,
+                permission,
+                patterns,
+                reply: Some(reply),
+            },
+            EngineEvent::Checkpoint(_) => return None,
+        })
+    }
+}
+
 /// How a run ended.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Ending {

@@ -15,47 +15,7 @@ pub fn now_ts() -> prost_types::Timestamp {
 
 /// The wire event for an engine event (checkpoints stay local).
 pub fn run_event(run_id: &str, n: usize, e: &EngineEvent) -> Option<pb::RunEvent> {
-    use pb::run_event::Payload;
-    let payload = match e {
-        EngineEvent::AssistantText { text, .. } => {
-            Payload::AssistantText(pb::AssistantText { text: text.clone() })
-        }
-        EngineEvent::ToolCall {
-            call_id,
-            tool,
-            input_json,
-            ..
-        } => Payload::ToolCall(pb::ToolCall {
-            call_id: call_id.clone(),
-            tool: tool.clone(),
-            input_json: input_json.clone(),
-        }),
-        EngineEvent::ToolResult {
-            call_id,
-            tool,
-            output,
-            is_error,
-            ..
-        } => Payload::ToolResult(pb::ToolResult {
-            call_id: call_id.clone(),
-            tool: tool.clone(),
-            output: output.clone(),
-            is_error: *is_error,
-        }),
-        EngineEvent::Usage { usage, .. } => Payload::Usage(convert::usage_to_pb(usage)),
-        EngineEvent::Permission {
-            permission_id,
-            permission,
-            patterns,
-            reply,
-        } => Payload::PermissionPrompt(pb::PermissionPrompt {
-            permission_id: permission_id.clone(),
-            permission: permission.clone(),
-            patterns: patterns.clone(),
-            reply: reply.clone(),
-        }),
-        EngineEvent::Checkpoint(_) => return None,
-    };
+    let payload = convert::payload_to_pb(&e.payload()?);
     // Within the event size bound wherever it goes (automesh_proto::bounds).
     Some(
         pb::RunEvent {

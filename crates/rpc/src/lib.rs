@@ -8,6 +8,7 @@ pub mod auth;
 pub mod client;
 pub mod convert;
 pub mod executor;
+pub mod http;
 pub mod json_log;
 pub mod metrics;
 pub mod otlp_logs;

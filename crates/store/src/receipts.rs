@@ -9,7 +9,6 @@ use sqlx::any::AnyRow;
 
 use crate::events::{append_in, status_event};
 use crate::rows::{instant, int, micros, opt_int, opt_parsed, opt_text, parsed, text};
-use crate::runs::live_states;
 use crate::{Result, Store, StoreError};
 
 const INSERT: &str = "INSERT INTO receipts (run_id, outcome, error_code, error_message, placement, \
@@ -24,21 +23,6 @@ const GET: &str = "SELECT run_id, outcome, error_code, error_message, placement,
      wake_us, admission_us, execution_us, input_tokens, output_tokens, cost_micros, worker_id, \
      workspace_id, thread_id, message_id, created_at, model, provider_model, \
      price_input_micros_per_mtok, price_output_micros_per_mtok FROM receipts WHERE run_id = $1";
-
-const FINISH: &str = concat!(
-    "UPDATE runs SET state = $2, error_code = $3, error_message = $4, \
-     updated_at = $5 WHERE id = $1 AND state IN ",
-    live_states!()
-);
-
-/// The same, only while `$6` holds the run's lease (a fenced finish).
-const FINISH_AS: &str = concat!(
-    "UPDATE runs SET state = $2, error_code = $3, error_message = $4, \
-     updated_at = $5 WHERE id = $1 AND state IN ",
-    live_states!(),
-    " \
-     AND lease_owner = $6"
-);
 
 const CURRENT_STATE: &str = "SELECT state FROM runs WHERE id = $1";
 
@@ -111,20 +95,15 @@ impl Store {
             });
         }
         let mut tx = self.begin_write().await?;
-        let query = match lease_owner {
-            None => sqlx::query(FINISH),
-            Some(_) => sqlx::query(FINISH_AS),
-        };
-        let mut query = query
+        let done = sqlx::query(crate::runs::END)
             .bind(&receipt.run_id)
             .bind(receipt.outcome.as_str())
             .bind(receipt.error_code.map(|c| c.as_str()))
             .bind(receipt.error_message.as_deref())
-            .bind(micros(now));
-        if let Some(owner) = lease_owner {
-            query = query.bind(owner);
-        }
-        let done = query.execute(&mut *tx).await?;
+            .bind(micros(now))
+            .bind(lease_owner.unwrap_or(""))
+            .execute(&mut *tx)
+            .await?;
         if done.rows_affected() != 1 {
             let state: Option<String> = sqlx::query_scalar(CURRENT_STATE)
                 .bind(&receipt.run_id)

@@ -53,6 +53,17 @@ const LIST: &str = concat!(
      ORDER BY created_at DESC, id DESC LIMIT $6"
 );
 
+/// A live run's end (its receipt is written in the same transaction,
+/// `receipts.rs`); `$6` is the lease owner the end is fenced by, or empty
+/// for an end no lease fences. Every write of a run's state is in this
+/// module: this, [`TRANSITION`] and the creation.
+pub(crate) const END: &str = concat!(
+    "UPDATE runs SET state = $2, error_code = $3, error_message = $4, \
+     updated_at = $5 WHERE id = $1 AND state IN ",
+    live_states!(),
+    " AND ($6 = '' OR lease_owner = $6)"
+);
+
 /// `$5` is a comma-framed list of the states the run may move from, such as
 /// `,pending,waking,`: one static query for every transition on both backends.
 const TRANSITION: &str = "UPDATE runs SET state = $2, error_code = $3, error_message = $4, \

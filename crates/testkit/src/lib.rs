@@ -9,9 +9,8 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, Response, StatusCode, header};
+use axum::http::{HeaderMap, Response, StatusCode};
 use axum::middleware::{self, Next};
-use axum::response::IntoResponse;
 use axum::routing::post;
 
 // ---- provider ----
@@ -267,6 +266,16 @@ impl ServerHandler for FakeMcp {
     }
 }
 
+/// A fake Connect endpoint with exactly the two reviewed tools
+/// (`search_capabilities`, `execute_capability`), requiring `Bearer <token>`.
+pub async fn connect(token: &str) -> (String, CancellationToken) {
+    mcp(
+        FakeMcp::with_tools(&["search_capabilities", "execute_capability"]),
+        token,
+    )
+    .await
+}
+
 /// Serves the fake MCP endpoint at `…/mcp`, requiring `Bearer <token>`.
 pub async fn mcp(fake: FakeMcp, token: &str) -> (String, CancellationToken) {
     let ct = CancellationToken::new();
@@ -278,39 +287,25 @@ pub async fn mcp(fake: FakeMcp, token: &str) -> (String, CancellationToken) {
             .with_sse_keep_alive(None)
             .with_cancellation_token(ct.child_token()),
     );
-    let want: Arc<str> = format!("Bearer {token}").into();
     let traceparents = fake_traceparents;
-    let app = Router::new()
-        .nest_service("/mcp", service)
-        .layer(middleware::from_fn(move |req: Request, next: Next| {
-            let want = want.clone();
-            if let Ok(mut t) = traceparents.lock() {
-                t.push(
-                    req.headers()
-                        .get("traceparent")
-                        .and_then(|v| v.to_str().ok())
-                        .unwrap_or_default()
-                        .to_owned(),
-                );
-            }
-            async move {
-                let ok = req
-                    .headers()
-                    .get(header::AUTHORIZATION)
+    let app = automesh_rpc::http::require_bearer(
+        Router::new().nest_service("/mcp", service),
+        token,
+        "unauthorized",
+    )
+    // Outermost: every request's trace context is recorded, refused or not.
+    .layer(middleware::from_fn(move |req: Request, next: Next| {
+        if let Ok(mut t) = traceparents.lock() {
+            t.push(
+                req.headers()
+                    .get("traceparent")
                     .and_then(|v| v.to_str().ok())
-                    == Some(&*want);
-                if ok {
-                    next.run(req).await
-                } else {
-                    (
-                        StatusCode::UNAUTHORIZED,
-                        [(header::WWW_AUTHENTICATE, "Bearer")],
-                        "unauthorized",
-                    )
-                        .into_response()
-                }
-            }
-        }));
+                    .unwrap_or_default()
+                    .to_owned(),
+            );
+        }
+        next.run(req)
+    }));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");

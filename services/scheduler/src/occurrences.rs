@@ -280,25 +280,9 @@ async fn record_terminal(
     let run = new_run(a, at, now, &settings, state, Some((code, message)), None);
     if tx.create_run(&run, now).await? {
         tx.insert_receipt(&Receipt {
-            run_id: run.id.clone(),
-            outcome: state,
             error_code: Some(code),
             error_message: Some(message.to_owned()),
-            placement: a.placement,
-            engine: None,
-            queued_micros: 0,
-            wake_micros: 0,
-            admission_micros: 0,
-            execution_micros: 0,
-            usage: Default::default(),
-            worker_id: None,
-            workspace_id: None,
-            thread_id: None,
-            message_id: None,
-            created_at: now,
-            model: None,
-            provider_model: None,
-            price: None,
+            ..Receipt::bare(&run.id, state, a.placement, now)
         })
         .await?;
         created.push(Created {

@@ -258,14 +258,18 @@ async fn main() -> anyhow::Result<()> {
     let ended = Arc::new(AtomicUsize::new(0));
     let (assigned_tx, mut assigned_rx) = mpsc::unbounded_channel();
     let t = Instant::now();
-    for (i, token) in tokens.into_iter().enumerate() {
+    // One idle runner stream per token, counted as it is welcomed or ends.
+    let connect = |token: String| {
         tokio::spawn(hold(
             addr.clone(),
             token,
             welcomed.clone(),
             ended.clone(),
             assigned_tx.clone(),
-        ));
+        ))
+    };
+    for (i, token) in tokens.into_iter().enumerate() {
+        connect(token);
         if i % 200 == 199 {
             // Pace the connects a little: a real fleet does not arrive in one instant.
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -300,13 +304,7 @@ async fn main() -> anyhow::Result<()> {
     // Latency: desktop occurrences due one at a time, 50 ms apart, for
     // runners on the gateway process, coordinated through the other replica.
     for token in latency_tokens {
-        tokio::spawn(hold(
-            addr.clone(),
-            token,
-            welcomed.clone(),
-            ended.clone(),
-            assigned_tx.clone(),
-        ));
+        connect(token);
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
     let start = Utc::now() + chrono::Duration::seconds(3);

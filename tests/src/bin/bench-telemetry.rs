@@ -25,7 +25,7 @@ use automesh_e2e_tests::bench::{arg, median};
 use automesh_e2e_tests::otlp::Receiver;
 use automesh_e2e_tests::processes::{Cluster, ClusterSpec, Kind};
 use automesh_proto::v1 as pb;
-use automesh_testkit::{FakeMcp, Reply, mcp, provider, text_completion};
+use automesh_testkit::{Reply, provider, text_completion};
 
 /// CPU seconds (user + system) `pid` has used.
 fn cpu_seconds(pid: u32) -> f64 {
@@ -68,11 +68,7 @@ fn mesh_cpu(cluster: &Cluster) -> f64 {
 async fn measure(bin: &Path, runs: usize, on: bool) -> anyhow::Result<(f64, f64)> {
     let receiver = Receiver::start().await?;
     let (provider_url, _p) = provider(|_, _| Reply::Json(text_completion("done"))).await;
-    let (mcp_url, _mcp) = mcp(
-        FakeMcp::with_tools(&["search_capabilities", "execute_capability"]),
-        "bench-token",
-    )
-    .await;
+    let (mcp_url, _mcp) = automesh_testkit::connect("bench-token").await;
     let mut spec = ClusterSpec::new(1, &provider_url, &mcp_url, "bench-token");
     if on {
         spec = spec

@@ -84,9 +84,10 @@ pub fn receipt_to_pb(r: &Receipt) -> pb::Receipt {
     }
 }
 
-pub fn event_to_pb(e: &RunEvent) -> pb::RunEvent {
+/// An event's payload in its protobuf form.
+pub fn payload_to_pb(payload: &RunEventPayload) -> pb::run_event::Payload {
     use pb::run_event::Payload;
-    let payload = match &e.payload {
+    match payload {
         RunEventPayload::AssistantText { text } => {
             Payload::AssistantText(pb::AssistantText { text: text.clone() })
         }
@@ -134,7 +135,11 @@ pub fn event_to_pb(e: &RunEvent) -> pb::RunEvent {
             error_code: error_code.clone().unwrap_or_default(),
             message: message.clone().unwrap_or_default(),
         }),
-    };
+    }
+}
+
+pub fn event_to_pb(e: &RunEvent) -> pb::RunEvent {
+    let payload = payload_to_pb(&e.payload);
     pb::RunEvent {
         run_id: e.run_id.clone(),
         sequence: e.sequence,

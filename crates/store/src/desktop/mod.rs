@@ -199,19 +199,15 @@ impl Store {
         spec: &[u8],
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let done = sqlx::query(OFFER)
-            .bind(run_id)
-            .bind(org_id)
-            .bind(owner_id)
-            .bind(to_hex(spec))
-            .bind(micros(now))
-            .execute(self.db())
-            .await?;
-        let offered = done.rows_affected() == 1;
-        if offered {
-            self.desktop_changed().await;
-        }
-        Ok(offered)
+        let spec = to_hex(spec);
+        let args = [
+            Arg::Text(run_id),
+            Arg::Text(org_id),
+            Arg::Text(owner_id),
+            Arg::Text(&spec),
+            Arg::Int(micros(now)),
+        ];
+        Ok(self.desktop_write(OFFER, &args).await? == 1)
     }
 
     /// One assignment.
