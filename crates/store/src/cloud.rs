@@ -228,13 +228,7 @@ impl Store {
         starter: &str,
         until: DateTime<Utc>,
     ) -> Result<bool> {
-        let done = sqlx::query(RENEW_START)
-            .bind(worker_id)
-            .bind(starter)
-            .bind(micros(until))
-            .execute(self.db())
-            .await?;
-        Ok(done.rows_affected() == 1)
+        crate::rows::changed_one(self.db(), RENEW_START, (worker_id, starter, micros(until))).await
     }
 
     /// The endpoint of a ready worker and the agent that answers there.
@@ -268,15 +262,12 @@ impl Store {
         agent_id: &str,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let done = sqlx::query(READY)
-            .bind(worker_id)
-            .bind(starter)
-            .bind(endpoint)
-            .bind(agent_id)
-            .bind(micros(now))
-            .execute(self.db())
-            .await?;
-        Ok(done.rows_affected() == 1)
+        crate::rows::changed_one(
+            self.db(),
+            READY,
+            (worker_id, starter, endpoint, agent_id, micros(now)),
+        )
+        .await
     }
 
     /// The start `starter` holds failed.
@@ -286,13 +277,7 @@ impl Store {
         starter: &str,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let done = sqlx::query(START_FAILED)
-            .bind(worker_id)
-            .bind(starter)
-            .bind(micros(now))
-            .execute(self.db())
-            .await?;
-        Ok(done.rows_affected() == 1)
+        crate::rows::changed_one(self.db(), START_FAILED, (worker_id, starter, micros(now))).await
     }
 
     /// The agent `agent_id` of a ready worker stopped answering: the worker
@@ -304,23 +289,12 @@ impl Store {
         agent_id: &str,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let done = sqlx::query(LOST)
-            .bind(worker_id)
-            .bind(agent_id)
-            .bind(micros(now))
-            .execute(self.db())
-            .await?;
-        Ok(done.rows_affected() == 1)
+        crate::rows::changed_one(self.db(), LOST, (worker_id, agent_id, micros(now))).await
     }
 
     /// The worker failed (while it was being stopped, say).
     pub async fn worker_failed(&self, worker_id: &str, now: DateTime<Utc>) -> Result<bool> {
-        let done = sqlx::query(FAILED)
-            .bind(worker_id)
-            .bind(micros(now))
-            .execute(self.db())
-            .await?;
-        Ok(done.rows_affected() == 1)
+        crate::rows::changed_one(self.db(), FAILED, (worker_id, micros(now))).await
     }
 
     /// Up to `limit` ready workers with their agents.
@@ -361,12 +335,7 @@ impl Store {
     /// Marks the worker in use now; false unless it is ready or starting
     /// (a stopping or stopped worker must be woken again).
     pub async fn touch_worker(&self, worker_id: &str, now: DateTime<Utc>) -> Result<bool> {
-        let done = sqlx::query(TOUCH)
-            .bind(worker_id)
-            .bind(micros(now))
-            .execute(self.db())
-            .await?;
-        Ok(done.rows_affected() == 1)
+        crate::rows::changed_one(self.db(), TOUCH, (worker_id, micros(now))).await
     }
 
     /// Ready workers unused since before `cutoff`.
@@ -386,41 +355,38 @@ impl Store {
         cutoff: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let done = sqlx::query(BEGIN_STOP)
-            .bind(worker_id)
-            .bind(micros(cutoff))
-            .bind(micros(now))
-            .execute(self.db())
-            .await?;
-        Ok(done.rows_affected() == 1)
+        crate::rows::changed_one(
+            self.db(),
+            BEGIN_STOP,
+            (worker_id, micros(cutoff), micros(now)),
+        )
+        .await
     }
 
     /// The worker this caller was stopping is stopped.
     pub async fn worker_stopped(&self, worker_id: &str, now: DateTime<Utc>) -> Result<bool> {
-        let done = sqlx::query(STOPPED)
-            .bind(worker_id)
-            .bind(micros(now))
-            .execute(self.db())
-            .await?;
-        Ok(done.rows_affected() == 1)
+        crate::rows::changed_one(self.db(), STOPPED, (worker_id, micros(now))).await
     }
 
     /// Reserves a cloud run's identity; false when it was reserved before
     /// (the existing reservation stands).
     pub async fn reserve_cloud_run(&self, r: &Reservation<'_>, now: DateTime<Utc>) -> Result<bool> {
-        let done = sqlx::query(RESERVE)
-            .bind(r.run_id)
-            .bind(r.org_id)
-            .bind(r.owner_id)
-            .bind(r.worker_id)
-            .bind(r.workspace_id)
-            .bind(r.thread_id)
-            .bind(r.message_id)
-            .bind(to_hex(r.spec))
-            .bind(micros(now))
-            .execute(self.db())
-            .await?;
-        Ok(done.rows_affected() == 1)
+        crate::rows::changed_one(
+            self.db(),
+            RESERVE,
+            (
+                r.run_id,
+                r.org_id,
+                r.owner_id,
+                r.worker_id,
+                r.workspace_id,
+                r.thread_id,
+                r.message_id,
+                to_hex(r.spec),
+                micros(now),
+            ),
+        )
+        .await
     }
 
     /// One cloud run's dispatch.
@@ -437,14 +403,12 @@ impl Store {
         until: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let done = sqlx::query(TAKE_DRIVE)
-            .bind(run_id)
-            .bind(owner)
-            .bind(micros(until))
-            .bind(micros(now))
-            .execute(self.db())
-            .await?;
-        Ok(done.rows_affected() == 1)
+        crate::rows::changed_one(
+            self.db(),
+            TAKE_DRIVE,
+            (run_id, owner, micros(until), micros(now)),
+        )
+        .await
     }
 
     /// Records progress of an unfinished cloud run.
@@ -456,15 +420,18 @@ impl Store {
         admission_micros: i64,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let done = sqlx::query(SET_PHASE)
-            .bind(run_id)
-            .bind(phase.as_str())
-            .bind(wake_micros)
-            .bind(admission_micros)
-            .bind(micros(now))
-            .execute(self.db())
-            .await?;
-        Ok(done.rows_affected() == 1)
+        crate::rows::changed_one(
+            self.db(),
+            SET_PHASE,
+            (
+                run_id,
+                phase.as_str(),
+                wake_micros,
+                admission_micros,
+                micros(now),
+            ),
+        )
+        .await
     }
 
     /// Records a cloud run's outcome (once).
@@ -474,22 +441,11 @@ impl Store {
         outcome: &[u8],
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let done = sqlx::query(FINISH)
-            .bind(run_id)
-            .bind(to_hex(outcome))
-            .bind(micros(now))
-            .execute(self.db())
-            .await?;
-        Ok(done.rows_affected() == 1)
+        crate::rows::changed_one(self.db(), FINISH, (run_id, to_hex(outcome), micros(now))).await
     }
 
     /// Asks for a cloud run to be cancelled.
     pub async fn cancel_cloud_run(&self, run_id: &str, now: DateTime<Utc>) -> Result<bool> {
-        let done = sqlx::query(CANCEL)
-            .bind(run_id)
-            .bind(micros(now))
-            .execute(self.db())
-            .await?;
-        Ok(done.rows_affected() == 1)
+        crate::rows::changed_one(self.db(), CANCEL, (run_id, micros(now))).await
     }
 }

@@ -222,11 +222,6 @@ impl crate::Internal<'_> {
     /// Records a cancellation request on a live run; `false` when the run
     /// is already terminal (or unknown).
     pub async fn request_cancel(self, id: &str, now: DateTime<Utc>) -> Result<bool> {
-        let done = sqlx::query(REQUEST_CANCEL)
-            .bind(id)
-            .bind(micros(now))
-            .execute(self.db())
-            .await?;
-        Ok(done.rows_affected() == 1)
+        crate::rows::changed_one(self.db(), REQUEST_CANCEL, (id, micros(now))).await
     }
 }

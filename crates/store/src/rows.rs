@@ -56,6 +56,52 @@ pub(crate) async fn maybe<T>(
         .transpose()
 }
 
+type AnyQuery<'x> = sqlx::query::Query<'x, sqlx::Any, sqlx::any::AnyArguments>;
+
+/// The values of a query's `$1 … $n`, in order, as one tuple.
+pub(crate) trait Params<'q> {
+    fn bind_to<'x>(self, query: AnyQuery<'x>) -> AnyQuery<'x>;
+}
+
+macro_rules! params {
+    ($($p:ident),+) => {
+        impl<'q, $($p),+> Params<'q> for ($($p,)+)
+        where
+            $($p: sqlx::Encode<'q, sqlx::Any> + sqlx::Type<sqlx::Any>),+
+        {
+            #[allow(non_snake_case)]
+            fn bind_to<'x>(self, query: AnyQuery<'x>) -> AnyQuery<'x> {
+                let ($($p,)+) = self;
+                query$(.bind($p))+
+            }
+        }
+    };
+}
+
+params!(A);
+params!(A, B);
+params!(A, B, C);
+params!(A, B, C, D);
+params!(A, B, C, D, E);
+params!(A, B, C, D, E, F);
+params!(A, B, C, D, E, F, G);
+params!(A, B, C, D, E, F, G, H);
+params!(A, B, C, D, E, F, G, H, I);
+params!(A, B, C, D, E, F, G, H, I, J);
+params!(A, B, C, D, E, F, G, H, I, J, K);
+params!(A, B, C, D, E, F, G, H, I, J, K, L);
+
+/// Runs the guarded write `sql` with `params`: true when it changed exactly
+/// the one row it guards (the write won), false when its guard held it off.
+pub(crate) async fn changed_one<'q>(
+    db: &sqlx::AnyPool,
+    sql: &'static str,
+    params: impl Params<'q>,
+) -> Result<bool> {
+    let done = params.bind_to(sqlx::query(sql)).execute(db).await?;
+    Ok(done.rows_affected() == 1)
+}
+
 /// An instant as stored: microseconds since the Unix epoch.
 pub(crate) fn micros(t: DateTime<Utc>) -> i64 {
     t.timestamp_micros()

@@ -77,12 +77,6 @@ pub struct DesktopAssignment {
     pub passed_over: Option<String>,
 }
 
-/// A value bound to a desktop write.
-enum Arg<'a> {
-    Text(&'a str),
-    Int(i64),
-}
-
 const COLUMNS: &str = "run_id, org_id, owner_id, spec, runner_id, phase, idle, outcome, \
      cancel_requested, cancel_reason, event_count, stream_id, claimed_at, passed_over";
 
@@ -199,15 +193,8 @@ impl Store {
         spec: &[u8],
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let spec = to_hex(spec);
-        let args = [
-            Arg::Text(run_id),
-            Arg::Text(org_id),
-            Arg::Text(owner_id),
-            Arg::Text(&spec),
-            Arg::Int(micros(now)),
-        ];
-        Ok(self.desktop_write(OFFER, &args).await? == 1)
+        let args = (run_id, org_id, owner_id, to_hex(spec), micros(now));
+        Ok(self.desktop_write(OFFER, args).await? == 1)
     }
 
     /// One assignment.
@@ -267,14 +254,12 @@ impl Store {
         stream_id: &str,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let done = sqlx::query(CLAIM)
-            .bind(run_id)
-            .bind(runner_id)
-            .bind(stream_id)
-            .bind(micros(now))
-            .execute(self.db())
-            .await?;
-        Ok(done.rows_affected() == 1)
+        crate::rows::changed_one(
+            self.db(),
+            CLAIM,
+            (run_id, runner_id, stream_id, micros(now)),
+        )
+        .await
     }
 
     /// Gives back the assignments stream `stream_id` was offered but never
@@ -285,15 +270,8 @@ impl Store {
         stream_id: &str,
         now: DateTime<Utc>,
     ) -> Result<u64> {
-        self.desktop_write(
-            RELEASE_UNACCEPTED,
-            &[
-                Arg::Text(runner_id),
-                Arg::Text(stream_id),
-                Arg::Int(micros(now)),
-            ],
-        )
-        .await
+        let args = (runner_id, stream_id, micros(now));
+        self.desktop_write(RELEASE_UNACCEPTED, args).await
     }
 
     /// Gives back a claim its stream did not accept in time; the runner is
@@ -305,13 +283,8 @@ impl Store {
         stream_id: &str,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let args = [
-            Arg::Text(run_id),
-            Arg::Text(runner_id),
-            Arg::Text(stream_id),
-            Arg::Int(micros(now)),
-        ];
-        Ok(self.desktop_write(EXPIRE_CLAIM, &args).await? == 1)
+        let args = (run_id, runner_id, stream_id, micros(now));
+        Ok(self.desktop_write(EXPIRE_CLAIM, args).await? == 1)
     }
 
     /// Gives back every unaccepted claim made before `before` (claims whose
@@ -321,11 +294,8 @@ impl Store {
         before: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> Result<u64> {
-        self.desktop_write(
-            EXPIRE_ORPHANED_CLAIMS,
-            &[Arg::Int(micros(before)), Arg::Int(micros(now))],
-        )
-        .await
+        let args = (micros(before), micros(now));
+        self.desktop_write(EXPIRE_ORPHANED_CLAIMS, args).await
     }
 
     /// Records what the runner of stream `stream_id` reported of `run_id`;
@@ -339,34 +309,33 @@ impl Store {
         stream_id: &str,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let (sql, body) = match report {
-            RunnerReport::Accepted => (ACCEPTED, None),
-            RunnerReport::Finished(outcome) => (FINISHED, Some(to_hex(outcome))),
-            RunnerReport::Idle => (IDLE, None),
+        let at = micros(now);
+        let changed = match report {
+            RunnerReport::Accepted => {
+                let args = (run_id, runner_id, stream_id, at);
+                self.desktop_write(ACCEPTED, args).await?
+            }
+            RunnerReport::Finished(outcome) => {
+                let args = (run_id, runner_id, stream_id, to_hex(outcome), at);
+                self.desktop_write(FINISHED, args).await?
+            }
+            RunnerReport::Idle => {
+                let args = (run_id, runner_id, stream_id, at);
+                self.desktop_write(IDLE, args).await?
+            }
         };
-        let mut args = vec![
-            Arg::Text(run_id),
-            Arg::Text(runner_id),
-            Arg::Text(stream_id),
-        ];
-        if let Some(body) = body.as_deref() {
-            args.push(Arg::Text(body));
-        }
-        args.push(Arg::Int(micros(now)));
-        Ok(self.desktop_write(sql, &args).await? == 1)
+        Ok(changed == 1)
     }
 
     /// Runs one desktop write and, when it changed anything, signals the
     /// replicas; returns how many rows it changed.
-    async fn desktop_write(&self, sql: &'static str, args: &[Arg<'_>]) -> Result<u64> {
-        let mut q = sqlx::query(sql);
-        for arg in args {
-            q = match arg {
-                Arg::Text(t) => q.bind(*t),
-                Arg::Int(i) => q.bind(*i),
-            };
-        }
-        let changed = q.execute(self.db()).await?.rows_affected();
+    async fn desktop_write<'q>(
+        &self,
+        sql: &'static str,
+        params: impl crate::rows::Params<'q>,
+    ) -> Result<u64> {
+        let query = params.bind_to(sqlx::query(sql));
+        let changed = query.execute(self.db()).await?.rows_affected();
         if changed > 0 {
             self.desktop_changed().await;
         }
