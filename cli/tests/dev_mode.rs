@@ -321,15 +321,15 @@ async fn traces_are_exported_over_otlp_and_one_trace_crosses_the_services() {
     let channel = automesh_rpc::client::channel(&format!("http://{gateway}")).expect("channel");
     let mut api = AutomationsClient::new(channel);
     let created = api
-        .create_automation(with_bearer(
+        .create_automation(automesh_e2e_tests::with_bearer(
             &token,
-            tonic::Request::new(daily_automation(
+            daily_automation(
                 "traced",
                 "p",
                 "fake/echo",
                 pb::Surface::Desktop,
                 (7, 0, "UTC"),
-            )),
+            ),
         ))
         .await
         .expect("create")
@@ -338,12 +338,12 @@ async fn traces_are_exported_over_otlp_and_one_trace_crosses_the_services() {
         .expect("automation");
 
     let trace_id = "0af7651916cd43dd8448eb211c80319c";
-    let mut request = with_bearer(
+    let mut request = automesh_e2e_tests::with_bearer(
         &token,
-        tonic::Request::new(pb::RunAutomationNowRequest {
+        pb::RunAutomationNowRequest {
             id: created.id,
             idempotency_key: "otlp".into(),
-        }),
+        },
     );
     request.metadata_mut().insert(
         "traceparent",
@@ -412,11 +412,11 @@ async fn a_runner_process_killed_mid_run_never_runs_it_again_after_a_restart() {
     let mut automations = pb::automations_client::AutomationsClient::new(channel.clone());
     let mut runs = pb::runs_client::RunsClient::new(channel);
     let runner_token = automations
-        .create_runner_token(with_bearer(
+        .create_runner_token(automesh_e2e_tests::with_bearer(
             &token,
-            tonic::Request::new(pb::CreateRunnerTokenRequest {
+            pb::CreateRunnerTokenRequest {
                 runner_name: "laptop".into(),
-            }),
+            },
         ))
         .await
         .expect("runner token")
@@ -466,15 +466,15 @@ async fn a_runner_process_killed_mid_run_never_runs_it_again_after_a_restart() {
     let mut first = start_runner();
 
     let automation = automations
-        .create_automation(with_bearer(
+        .create_automation(automesh_e2e_tests::with_bearer(
             &token,
-            tonic::Request::new(daily_automation(
+            daily_automation(
                 "desk",
                 "tidy my downloads",
                 "fake/echo",
                 pb::Surface::Desktop,
                 (9, 0, "UTC"),
-            )),
+            ),
         ))
         .await
         .expect("create")
@@ -483,12 +483,12 @@ async fn a_runner_process_killed_mid_run_never_runs_it_again_after_a_restart() {
         .expect("automation");
     let run = runs_now(
         &mut automations,
-        with_bearer(
+        automesh_e2e_tests::with_bearer(
             &token,
-            tonic::Request::new(pb::RunAutomationNowRequest {
+            pb::RunAutomationNowRequest {
                 id: automation.id,
                 idempotency_key: "once".into(),
-            }),
+            },
         ),
     )
     .await;
@@ -508,9 +508,9 @@ async fn a_runner_process_killed_mid_run_never_runs_it_again_after_a_restart() {
     let give_up = std::time::Instant::now() + Duration::from_secs(60);
     let ended = loop {
         let got = runs
-            .get_run(with_bearer(
+            .get_run(automesh_e2e_tests::with_bearer(
                 &token,
-                tonic::Request::new(pb::GetRunRequest { id: run.id.clone() }),
+                pb::GetRunRequest { id: run.id.clone() },
             ))
             .await
             .expect("get run")
@@ -582,14 +582,6 @@ fn daily_automation(
         }),
         surface: surface as i32,
     }
-}
-
-fn with_bearer<T>(token: &str, mut r: tonic::Request<T>) -> tonic::Request<T> {
-    r.metadata_mut().insert(
-        "authorization",
-        format!("Bearer {token}").parse().expect("ascii"),
-    );
-    r
 }
 
 /// Every service checks its configuration before it serves: a bad setting
@@ -667,6 +659,7 @@ fn every_service_refuses_a_bad_configuration_before_it_serves() {
             wrong.push(format!("{service} {env:?}: {:?}, {stderr}", out.status));
         }
     }
+    let _ = std::fs::remove_file(&bad_models);
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
@@ -711,15 +704,15 @@ async fn a_first_run_succeeds_out_of_the_box_on_both_placements() {
         ),
     ] {
         let automation = automations
-            .create_automation(with_bearer(
+            .create_automation(automesh_e2e_tests::with_bearer(
                 &token,
-                tonic::Request::new(daily_automation(
+                daily_automation(
                     name,
                     prompt,
                     "openai/gpt-4.1-mini",
                     surface,
                     (9, 30, "Europe/Paris"),
-                )),
+                ),
             ))
             .await
             .unwrap_or_else(|e| panic!("create {name}: {e:?}"))
@@ -727,12 +720,12 @@ async fn a_first_run_succeeds_out_of_the_box_on_both_placements() {
             .automation
             .expect("automation");
         let run = automations
-            .run_automation_now(with_bearer(
+            .run_automation_now(automesh_e2e_tests::with_bearer(
                 &token,
-                tonic::Request::new(pb::RunAutomationNowRequest {
+                pb::RunAutomationNowRequest {
                     id: automation.id.clone(),
                     idempotency_key: format!("first-{name}"),
-                }),
+                },
             ))
             .await
             .expect("run now")
@@ -748,13 +741,13 @@ async fn a_first_run_succeeds_out_of_the_box_on_both_placements() {
         let run = until_receipt(&mut runs, &token, run_id, Duration::from_secs(90)).await;
         assert_eq!(run.state, pb::RunState::Succeeded as i32, "{name}: {run:?}");
         let events = runs
-            .list_run_events(with_bearer(
+            .list_run_events(automesh_e2e_tests::with_bearer(
                 &token,
-                tonic::Request::new(pb::ListRunEventsRequest {
+                pb::ListRunEventsRequest {
                     run_id: run_id.clone(),
                     after_sequence: 0,
                     page_size: 500,
-                }),
+                },
             ))
             .await
             .expect("events")
@@ -1092,15 +1085,15 @@ async fn a_configured_provider_and_connect_endpoint_replace_the_demo_ones() {
     let mut automations = pb::automations_client::AutomationsClient::new(channel.clone());
     let mut runs = pb::runs_client::RunsClient::new(channel);
     let automation = automations
-        .create_automation(with_bearer(
+        .create_automation(automesh_e2e_tests::with_bearer(
             &token,
-            tonic::Request::new(daily_automation(
+            daily_automation(
                 "configured",
                 "say hello",
                 "openai/gpt-4.1-mini",
                 pb::Surface::Desktop,
                 (9, 0, "UTC"),
-            )),
+            ),
         ))
         .await
         .expect("create")
@@ -1108,12 +1101,12 @@ async fn a_configured_provider_and_connect_endpoint_replace_the_demo_ones() {
         .automation
         .expect("automation");
     let run = automations
-        .run_automation_now(with_bearer(
+        .run_automation_now(automesh_e2e_tests::with_bearer(
             &token,
-            tonic::Request::new(pb::RunAutomationNowRequest {
+            pb::RunAutomationNowRequest {
                 id: automation.id,
                 idempotency_key: "configured".into(),
-            }),
+            },
         ))
         .await
         .expect("run now")
@@ -1150,9 +1143,9 @@ async fn until_receipt(
     let give_up = std::time::Instant::now() + within;
     loop {
         let run = runs
-            .get_run(with_bearer(
+            .get_run(automesh_e2e_tests::with_bearer(
                 token,
-                tonic::Request::new(pb::GetRunRequest { id: run_id.into() }),
+                pb::GetRunRequest { id: run_id.into() },
             ))
             .await
             .expect("get run")

@@ -20,11 +20,12 @@ impl Gateway {
         change: spb::StateChange,
     ) -> Result<Option<pb::Automation>, Status> {
         let call = self.accept(request, |_| Ok(()))?;
+        let caller = call.caller();
         let (id, etag) = id_and_etag(call.req);
         convert::require_id(&id, "id").map_err(|v| status::invalid_argument(&v))?;
         convert::parse_optional_etag(&etag, "etag").map_err(|v| status::invalid_argument(&v))?;
         let upstream = spb::SetAutomationStateRequest {
-            caller: call.caller,
+            caller,
             id,
             etag,
             change: change as i32,
@@ -63,7 +64,7 @@ impl Automations for Gateway {
             }
         }
         let upstream = spb::CreateAutomationRequest {
-            caller: call.caller,
+            caller: call.caller(),
             automation: call.req.automation,
             surface: call.req.surface,
         };
@@ -78,7 +79,7 @@ impl Automations for Gateway {
     ) -> Result<Response<pb::GetAutomationResponse>, Status> {
         let call = self.accept(request, |r| convert::require_id(&r.id, "id"))?;
         let upstream = spb::GetAutomationRequest {
-            caller: call.caller,
+            caller: call.caller(),
             id: call.req.id,
         };
         let answer = self.upstreams.scheduler().get_automation(upstream).await;
@@ -95,7 +96,7 @@ impl Automations for Gateway {
             convert::check_optional_text(&[("page_token", &r.page_token)])
         })?;
         let upstream = spb::ListAutomationsRequest {
-            caller: call.caller,
+            caller: call.caller(),
             request: Some(call.req),
         };
         let answer = self.upstreams.scheduler().list_automations(upstream).await;
@@ -118,7 +119,7 @@ impl Automations for Gateway {
         if let Some((id, model)) = changed {
             // The model rules depend on the stored placement.
             let upstream = spb::GetAutomationRequest {
-                caller: call.caller.clone(),
+                caller: call.caller(),
                 id,
             };
             let current = forwarded(scheduler.get_automation(upstream).await)?.automation;
@@ -127,7 +128,7 @@ impl Automations for Gateway {
             self.check_model(&call.owner, &model, placement)?;
         }
         let upstream = spb::UpdateAutomationRequest {
-            caller: call.caller,
+            caller: call.caller(),
             request: Some(call.req),
         };
         let automation = forwarded(scheduler.update_automation(upstream).await)?.automation;
@@ -170,7 +171,7 @@ impl Automations for Gateway {
     ) -> Result<Response<pb::RunAutomationNowResponse>, Status> {
         let call = self.accept(request, convert::parse_run_now)?;
         let upstream = spb::RunAutomationNowRequest {
-            caller: call.caller,
+            caller: call.caller(),
             request: Some(call.req),
         };
         let answer = self
@@ -188,7 +189,7 @@ impl Automations for Gateway {
     ) -> Result<Response<pb::CreateRunnerTokenResponse>, Status> {
         let call = self.accept(request, |_| Ok(()))?;
         let upstream = rpb::CreateRunnerTokenRequest {
-            caller: call.caller,
+            caller: call.caller(),
             runner_name: call.req.runner_name,
         };
         let answer = self
@@ -210,7 +211,7 @@ impl Automations for Gateway {
     ) -> Result<Response<pb::RevokeRunnerTokenResponse>, Status> {
         let call = self.accept(request, |_| Ok(()))?;
         let upstream = rpb::RevokeRunnerTokenRequest {
-            caller: call.caller,
+            caller: call.caller(),
             runner_id: call.req.runner_id,
         };
         let answer = self

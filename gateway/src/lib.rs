@@ -38,10 +38,15 @@ automesh_rpc::service_config! {
 
 /// A call the gateway accepted: authenticated, its request checked.
 struct Accepted<T> {
-    /// What scopes the upstream call to the caller.
-    caller: Option<automesh_proto::internal::v1::Caller>,
     owner: Principal,
     req: T,
+}
+
+impl<T> Accepted<T> {
+    /// What scopes the upstream call to the caller.
+    fn caller(&self) -> Option<automesh_proto::internal::v1::Caller> {
+        Some(convert::caller(&self.owner))
+    }
 }
 
 /// An upstream's answer, its status passed on as it came.
@@ -83,11 +88,7 @@ impl Gateway {
         let owner = self.principal(&request)?;
         let req = request.into_inner();
         check(&req).map_err(|v| status::invalid_argument(&v))?;
-        Ok(Accepted {
-            caller: Some(convert::caller(&owner)),
-            owner,
-            req,
-        })
+        Ok(Accepted { owner, req })
     }
 
     /// A model must exist; for a cloud automation it must also be authorised

@@ -21,7 +21,7 @@ impl Runs for Gateway {
     ) -> Result<Response<pb::GetRunResponse>, Status> {
         let call = self.accept(request, |r| convert::require_id(&r.id, "id"))?;
         let upstream = cpb::GetRunRequest {
-            caller: call.caller,
+            caller: call.caller(),
             id: call.req.id,
         };
         let answer = self.upstreams.coordinator().get_run(upstream).await;
@@ -41,7 +41,7 @@ impl Runs for Gateway {
             ])
         })?;
         let upstream = cpb::ListRunsRequest {
-            caller: call.caller,
+            caller: call.caller(),
             request: Some(call.req),
         };
         let answer = self.upstreams.coordinator().list_runs(upstream).await;
@@ -56,7 +56,7 @@ impl Runs for Gateway {
     ) -> Result<Response<pb::CancelRunResponse>, Status> {
         let call = self.accept(request, |r| convert::require_id(&r.id, "id"))?;
         let upstream = cpb::CancelRunRequest {
-            caller: call.caller,
+            caller: call.caller(),
             id: call.req.id,
         };
         let answer = self.upstreams.coordinator().cancel_run(upstream).await;
@@ -70,7 +70,7 @@ impl Runs for Gateway {
     ) -> Result<Response<pb::ListRunEventsResponse>, Status> {
         let call = self.accept(request, |r| convert::require_id(&r.run_id, "run_id"))?;
         let upstream = cpb::ListRunEventsRequest {
-            caller: call.caller,
+            caller: call.caller(),
             request: Some(call.req),
         };
         let answer = self.upstreams.coordinator().list_run_events(upstream).await;
@@ -87,7 +87,7 @@ impl Runs for Gateway {
     ) -> Result<Response<Self::WatchRunStream>, Status> {
         let call = self.accept(request, |r| convert::require_id(&r.run_id, "run_id"))?;
         let upstream = cpb::WatchRunRequest {
-            caller: call.caller,
+            caller: call.caller(),
             request: Some(call.req),
         };
         let answer = self.upstreams.coordinator().watch_run(upstream).await;

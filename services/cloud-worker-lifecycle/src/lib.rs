@@ -277,13 +277,10 @@ impl CloudWorkerLifecycleService for WorkerRegistry {
 /// [`Service::new`], then [`Service::serve`].
 #[derive(Debug)]
 pub struct Service {
-    /// The worker driver, the store, the cloud settings: what
-    /// [`cloud::Cloud`] is made of once the driver is final.
-    parts: (
-        std::sync::Arc<dyn driver::WorkerDriver>,
-        Store,
-        cloud::CloudSettings,
-    ),
+    /// What [`cloud::Cloud`] is made of once the driver is final.
+    driver: std::sync::Arc<dyn driver::WorkerDriver>,
+    store: Store,
+    settings: cloud::CloudSettings,
     credential: InternalCredential,
 }
 
@@ -311,7 +308,9 @@ impl Service {
         let (driver, settings) = config.cloud()?;
         store.observe_pool(&automesh_rpc::metrics::meter());
         Ok(Self {
-            parts: (driver, store, settings),
+            driver,
+            store,
+            settings,
             credential,
         })
     }
@@ -319,25 +318,30 @@ impl Service {
     /// Replaces the configured worker driver with `driver`: for a container
     /// runtime no flag can name, such as a test's fake one.
     pub fn with_driver(mut self, driver: std::sync::Arc<dyn driver::WorkerDriver>) -> Self {
-        self.parts.0 = driver;
+        self.driver = driver;
         self
     }
 
     /// Serves the lifecycle API and the cloud executor, and keeps workers
     /// (idle stop, keepalive, resumed drives), until `shutdown` is cancelled.
     pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
-        let (driver, store, settings) = self.parts;
+        let Self {
+            driver,
+            store,
+            settings,
+            credential,
+        } = self;
         let registry = WorkerRegistry::new(store.clone(), driver.name());
-        let cloud = cloud::Cloud::new(store.clone(), driver, settings, self.credential.clone());
+        let cloud = cloud::Cloud::new(store.clone(), driver, settings, credential.clone());
         let mut server = GrpcServer::new(ServerSettings::default())?;
         server.add_service(CloudWorkerLifecycleServiceServer::with_interceptor(
             registry,
-            RequireInternal(self.credential.clone()),
+            RequireInternal(credential.clone()),
         ));
         server.add_service(
             automesh_proto::executor::v1::executor_service_server::ExecutorServiceServer::with_interceptor(
                 cloud.clone(),
-                RequireInternal(self.credential),
+                RequireInternal(credential),
             ),
         );
         server

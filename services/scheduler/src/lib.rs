@@ -53,8 +53,10 @@ pub use automesh_rpc::runtime::parse_duration;
 pub struct Service {
     /// The gRPC server, the scheduler service added.
     server: GrpcServer,
-    /// What the occurrence loop runs on.
-    occurrences: (Store, occurrences::Settings, Arc<Notify>),
+    /// What the occurrence loop runs on; `wake` is how an edit wakes it.
+    store: Store,
+    settings: occurrences::Settings,
+    wake: Arc<Notify>,
 }
 
 impl Service {
@@ -75,7 +77,9 @@ impl Service {
         ));
         Ok(Self {
             server,
-            occurrences: (store, config.settings(), wake),
+            store,
+            settings: config.settings(),
+            wake,
         })
     }
 
@@ -83,9 +87,14 @@ impl Service {
     /// occurrence loop, both inside this future, so aborting it stops
     /// everything at once, as a crash would.
     pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
-        let (store, settings, wake) = self.occurrences;
+        let Self {
+            server,
+            store,
+            settings,
+            wake,
+        } = self;
         let probe = store.readiness_probe();
-        self.server
+        server
             .serve_beside(listener, shutdown, probe, |stop| {
                 occurrences::run_loop(store, settings, wake, stop)
             })
