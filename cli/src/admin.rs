@@ -11,12 +11,7 @@ use clap::{Args, Subcommand};
 #[derive(Debug, Args)]
 pub struct AdminArgs {
     /// The internal service credential; defaults to <data-dir>/internal-token.
-    #[arg(
-        long,
-        env = "AUTOMESH_INTERNAL_TOKEN",
-        hide_env_values = true,
-        global = true
-    )]
+    #[arg(long, env = "AUTOMESH_INTERNAL_TOKEN", hide_env_values = true, global = true)]
     internal_token: Option<automesh_rpc::auth::Secret>,
     #[command(flatten)]
     data_dir: crate::dev::DataDir,
@@ -38,11 +33,7 @@ enum AdminCommand {
         #[arg(long)]
         org: String,
         /// The cloud-worker-lifecycle service (any replica).
-        #[arg(
-            long,
-            env = "AUTOMESH_LIFECYCLE_ADDR",
-            default_value = "http://127.0.0.1:50055"
-        )]
+        #[arg(long, env = "AUTOMESH_LIFECYCLE_ADDR", default_value = "http://127.0.0.1:50055")]
         lifecycle_addr: String,
     },
 }

@@ -6,6 +6,7 @@
 
 pub mod auth;
 mod automations;
+mod pass;
 mod runs;
 pub mod upstream;
 

@@ -22,33 +22,23 @@ pub struct Upstreams {
 /// comma separated; calls move to the next when one fails.
 #[derive(Debug, Clone, clap::Args)]
 pub struct UpstreamAddrs {
-    #[arg(
-        long,
-        env = "AUTOMESH_SCHEDULER_ADDR",
-        default_value = "http://127.0.0.1:50053"
-    )]
+    #[arg(long, env = "AUTOMESH_SCHEDULER_ADDR", default_value = SCHEDULER)]
     pub scheduler_addr: String,
-    #[arg(
-        long,
-        env = "AUTOMESH_COORDINATOR_ADDR",
-        default_value = "http://127.0.0.1:50054"
-    )]
+    #[arg(long, env = "AUTOMESH_COORDINATOR_ADDR", default_value = COORDINATOR)]
     pub coordinator_addr: String,
-    #[arg(
-        long,
-        env = "AUTOMESH_LIFECYCLE_ADDR",
-        default_value = "http://127.0.0.1:50055"
-    )]
+    #[arg(long, env = "AUTOMESH_LIFECYCLE_ADDR", default_value = LIFECYCLE)]
     pub lifecycle_addr: String,
     /// The desktop-runner-gateway's internal listener (its
     /// `--internal-listen`), where the runner token service is.
-    #[arg(
-        long,
-        env = "AUTOMESH_RUNNER_GATEWAY_ADDR",
-        default_value = "http://127.0.0.1:50056"
-    )]
+    #[arg(long, env = "AUTOMESH_RUNNER_GATEWAY_ADDR", default_value = RUNNER_GATEWAY)]
     pub runner_gateway_addr: String,
 }
+
+/// Where each service listens by default.
+const SCHEDULER: &str = "http://127.0.0.1:50053";
+const COORDINATOR: &str = "http://127.0.0.1:50054";
+const LIFECYCLE: &str = "http://127.0.0.1:50055";
+const RUNNER_GATEWAY: &str = "http://127.0.0.1:50056";
 
 impl Upstreams {
     pub fn new(

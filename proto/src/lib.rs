@@ -17,58 +17,33 @@ pub mod v1 {
     tonic::include_proto!("automesh.v1");
 }
 
-#[allow(clippy::all, missing_docs)]
-pub mod internal {
-    //! `automesh.internal.v1`: types shared by internal contracts.
-    pub mod v1 {
-        tonic::include_proto!("automesh.internal.v1");
-    }
+/// One module per internal package, `<area>::v1`, holding its generated
+/// code.
+macro_rules! internal_packages {
+    ($($(#[doc = $doc:literal])* $area:ident => $package:literal;)+) => {$(
+        $(#[doc = $doc])*
+        #[allow(clippy::all, missing_docs)]
+        pub mod $area {
+            pub mod v1 {
+                tonic::include_proto!($package);
+            }
+        }
+    )+};
 }
 
-#[allow(clippy::all, missing_docs)]
-pub mod scheduler {
-    //! `automesh.scheduler.v1`: the scheduler's internal API.
-    pub mod v1 {
-        tonic::include_proto!("automesh.scheduler.v1");
-    }
-}
-
-#[allow(clippy::all, missing_docs)]
-pub mod coordinator {
-    //! `automesh.coordinator.v1`: the run-coordinator's internal API.
-    pub mod v1 {
-        tonic::include_proto!("automesh.coordinator.v1");
-    }
-}
-
-#[allow(clippy::all, missing_docs)]
-pub mod worker {
-    //! `automesh.worker.v1`: the cloud-worker-lifecycle internal API.
-    pub mod v1 {
-        tonic::include_proto!("automesh.worker.v1");
-    }
-}
-
-#[allow(clippy::all, missing_docs)]
-pub mod runner {
-    //! `automesh.runner.v1`: the desktop runner stream protocol and runner tokens.
-    pub mod v1 {
-        tonic::include_proto!("automesh.runner.v1");
-    }
-}
-
-#[allow(clippy::all, missing_docs)]
-pub mod executor {
-    //! `automesh.executor.v1`: how the coordinator drives a run on an executor.
-    pub mod v1 {
-        tonic::include_proto!("automesh.executor.v1");
-    }
-}
-
-#[allow(clippy::all, missing_docs)]
-pub mod agent {
-    //! `automesh.agent.v1`: the worker agent inside a user's cloud worker.
-    pub mod v1 {
-        tonic::include_proto!("automesh.agent.v1");
-    }
+internal_packages! {
+    /// `automesh.internal.v1`: types shared by internal contracts.
+    internal => "automesh.internal.v1";
+    /// `automesh.scheduler.v1`: the scheduler's internal API.
+    scheduler => "automesh.scheduler.v1";
+    /// `automesh.coordinator.v1`: the run-coordinator's internal API.
+    coordinator => "automesh.coordinator.v1";
+    /// `automesh.worker.v1`: the cloud-worker-lifecycle internal API.
+    worker => "automesh.worker.v1";
+    /// `automesh.runner.v1`: the desktop runner stream protocol and runner tokens.
+    runner => "automesh.runner.v1";
+    /// `automesh.executor.v1`: how the coordinator drives a run on an executor.
+    executor => "automesh.executor.v1";
+    /// `automesh.agent.v1`: the worker agent inside a user's cloud worker.
+    agent => "automesh.agent.v1";
 }

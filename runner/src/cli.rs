@@ -44,11 +44,7 @@ pub struct Args {
     #[arg(long, env = "AUTOMESH_RUNNER_TOKEN", hide_env_values = true)]
     pub token: Secret,
     /// Where the record of accepted runs is kept.
-    #[arg(
-        long,
-        env = "AUTOMESH_RUNNER_STATE_DIR",
-        default_value = ".automesh/runner"
-    )]
+    #[arg(long, env = "AUTOMESH_RUNNER_STATE_DIR", default_value = ".automesh/runner")]
     pub state_dir: PathBuf,
     /// The engine that executes runs.
     #[arg(long, value_enum, default_value = "native")]
@@ -59,41 +55,14 @@ pub struct Args {
     /// The largest pause between reconnection attempts.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub reconnect_max: Duration,
-    /// Native engine: the OpenAI-compatible provider's base URL.
-    #[arg(
-        long,
-        env = "AUTOMESH_PROVIDER_URL",
-        default_value = "https://api.openai.com/v1"
-    )]
-    pub provider_url: String,
-    /// Native engine: the provider's API key (sent only as a header).
-    #[arg(
-        long,
-        env = "AUTOMESH_PROVIDER_API_KEY",
-        hide_env_values = true,
-        default_value = ""
-    )]
-    pub provider_key: Secret,
-    /// Native engine: use streaming completions.
-    #[arg(long)]
-    pub stream: bool,
-    /// Native engine: bound on one provider request.
-    #[arg(long, default_value = "120s", value_parser = parse_duration)]
-    pub request_timeout: Duration,
+    #[command(flatten)]
+    pub provider: automesh_rpc::runtime::ProviderFlags,
     /// Native engine: the Connect (MCP) endpoint serving the owner's tools.
     #[arg(long, env = "AUTOMESH_CONNECT_URL", default_value = "")]
     pub connect_url: String,
     /// Native engine: the Connect bearer token.
-    #[arg(
-        long,
-        env = "AUTOMESH_CONNECT_TOKEN",
-        hide_env_values = true,
-        default_value = ""
-    )]
+    #[arg(long, env = "AUTOMESH_CONNECT_TOKEN", hide_env_values = true, default_value = "")]
     pub connect_token: Secret,
-    /// Native engine: the agent loop's step limit.
-    #[arg(long, default_value_t = 32)]
-    pub max_steps: u32,
     /// OpenCode: attach to this running server (such as http://127.0.0.1:4096).
     #[arg(long, env = "AUTOMESH_OPENCODE_URL", conflicts_with = "opencode_bin")]
     pub opencode_url: Option<String>,
@@ -127,17 +96,10 @@ pub fn read_policy(path: &std::path::Path) -> anyhow::Result<PolicyBook> {
 
 /// The native engine as the flags configure it.
 pub fn native_engine(args: &Args) -> NativeEngine {
-    NativeEngine::openai_compatible(
-        &args.provider_url,
-        args.provider_key.expose(),
+    NativeEngine::from_flags(
+        &args.provider,
         &args.connect_url,
         args.connect_token.expose(),
-        automesh_engine::adapter::NativeSettings {
-            request_timeout: args.request_timeout,
-            stream: args.stream,
-            max_steps: args.max_steps,
-            ..Default::default()
-        },
     )
 }
 

@@ -50,8 +50,6 @@ type Record = automesh_engine::journal::Record<automesh_proto::runner::v1::RunFi
 const OUTBOUND: usize = 256;
 /// Bound on queueing one message towards the gateway.
 const SEND_TIMEOUT: Duration = Duration::from_secs(5);
-/// Engine events buffered between the engine and the stream.
-const ENGINE_EVENTS: usize = 64;
 
 /// How a runner connects and where it keeps its record.
 #[derive(Debug, Clone)]
@@ -167,10 +165,7 @@ pub fn finished(run_id: &str, engine: &str, outcome: &Outcome) -> rpb::RunFinish
 /// A span of the runner's handling of an assignment, in its run's trace.
 fn assignment_span(name: &'static str, a: &rpb::Assignment) -> tracing::Span {
     let span = tracing::info_span!("automesh.runner", otel.name = name, run_id = %a.run_id);
-    automesh_rpc::propagation::continue_trace(
-        &span,
-        Some(a.traceparent.as_str()).filter(|t| !t.is_empty()),
-    );
+    automesh_rpc::propagation::continue_trace(&span, Some(a.traceparent.as_str()));
     span
 }
 
@@ -480,10 +475,7 @@ impl Runner {
         }
         self.stats.executions.fetch_add(1, Ordering::SeqCst);
         let span = tracing::info_span!("automesh.runner.run", run_id = %run_id, engine = self.engine.engine_id());
-        automesh_rpc::propagation::continue_trace(
-            &span,
-            Some(a.traceparent.as_str()).filter(|t| !t.is_empty()),
-        );
+        automesh_rpc::propagation::continue_trace(&span, Some(a.traceparent.as_str()));
         let engine = self.engine.clone();
         let record = self.record.clone();
         let active = self.active.clone();

@@ -7,12 +7,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use automesh_proto::executor::v1 as epb;
-use automesh_proto::executor::v1::executor_service_server::{
-    ExecutorService, ExecutorServiceServer,
-};
+use automesh_proto::executor::v1::executor_service_server::ExecutorServiceServer;
 use automesh_proto::v1 as pb;
+use automesh_rpc::executor::{Contract, Executor, ObserveStream};
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status};
+use tonic::Status;
 
 /// What the executor does with a run.
 #[derive(Debug, Clone)]
@@ -66,7 +65,7 @@ impl TestExecutor {
             behavior: Arc::new(Mutex::new(behavior)),
             stop: CancellationToken::new(),
         };
-        let server = ExecutorServiceServer::new(executor.clone());
+        let server = ExecutorServiceServer::new(Contract(executor.clone()));
         let stop = executor.stop.clone();
         tokio::spawn(
             tonic::transport::Server::builder()
@@ -125,7 +124,7 @@ impl TestExecutor {
             .is_some_and(|e| e.cancelled)
     }
 
-    fn status(e: &Execution) -> epb::ExecutionStatus {
+    fn execution_status(e: &Execution) -> epb::ExecutionStatus {
         epb::ExecutionStatus {
             phase: e.phase,
             idle: e.idle,
@@ -209,12 +208,8 @@ impl TestExecutor {
 }
 
 #[tonic::async_trait]
-impl ExecutorService for TestExecutor {
-    async fn start_run(
-        &self,
-        request: Request<epb::StartRunRequest>,
-    ) -> Result<Response<epb::StartRunResponse>, Status> {
-        let spec = automesh_rpc::executor::run_spec(request.into_inner())?;
+impl Executor for TestExecutor {
+    async fn start(&self, spec: epb::RunSpec) -> Result<(bool, epb::ExecutionStatus), Status> {
         let behavior = self.behavior.lock().expect("lock").clone();
         let (submitted, status) = {
             let mut state = self.state.lock().expect("lock");
@@ -224,7 +219,7 @@ impl ExecutorService for TestExecutor {
                 .entry(spec.run_id.clone())
                 .or_insert_with(chrono::Utc::now);
             match state.runs.get(&spec.run_id) {
-                Some(existing) => (false, Self::status(existing)),
+                Some(existing) => (false, Self::execution_status(existing)),
                 None => {
                     *state
                         .submissions
@@ -235,7 +230,7 @@ impl ExecutorService for TestExecutor {
                         phase: epb::ExecutionPhase::Admitted as i32,
                         ..Default::default()
                     };
-                    let status = Self::status(&e);
+                    let status = Self::execution_status(&e);
                     state.runs.insert(spec.run_id.clone(), e);
                     (true, status)
                 }
@@ -244,34 +239,19 @@ impl ExecutorService for TestExecutor {
         if submitted {
             tokio::spawn(self.clone().execute(spec.run_id.clone(), behavior));
         }
-        Ok(Response::new(epb::StartRunResponse {
-            submitted,
-            status: Some(status),
-        }))
+        Ok((submitted, status))
     }
 
-    type ObserveRunStream = automesh_rpc::executor::ObserveStream;
-
-    async fn observe_run(
-        &self,
-        request: Request<epb::ObserveRunRequest>,
-    ) -> Result<Response<Self::ObserveRunStream>, Status> {
-        let req = request.into_inner();
-        let state = self.state.clone();
-        let stream = async_stream(state, req.run_id, req.after_sequence);
-        Ok(Response::new(stream))
+    async fn observe(&self, run_id: String, after: i64) -> Result<ObserveStream, Status> {
+        Ok(async_stream(self.state.clone(), run_id, after))
     }
 
-    async fn cancel_run(
-        &self,
-        request: Request<epb::CancelRunRequest>,
-    ) -> Result<Response<epb::CancelRunResponse>, Status> {
-        let run_id = request.into_inner().run_id;
+    async fn cancel(&self, run_id: &str, _reason: &str) -> Result<epb::ExecutionStatus, Status> {
         let ignore = matches!(*self.behavior.lock().expect("lock"), Behavior::IgnoreCancel);
         let mut state = self.state.lock().expect("lock");
         let e = state
             .runs
-            .get_mut(&run_id)
+            .get_mut(run_id)
             .ok_or_else(|| Status::not_found("run"))?;
         e.cancelled = true;
         if !ignore && e.outcome.is_none() {
@@ -283,66 +263,34 @@ impl ExecutorService for TestExecutor {
                 ..Default::default()
             });
         }
-        Ok(Response::new(epb::CancelRunResponse {
-            status: Some(Self::status(e)),
-        }))
+        Ok(Self::execution_status(e))
     }
 
-    async fn get_run_status(
-        &self,
-        request: Request<epb::GetRunStatusRequest>,
-    ) -> Result<Response<epb::GetRunStatusResponse>, Status> {
-        let run_id = request.into_inner().run_id;
+    async fn status(&self, run_id: &str) -> Result<epb::ExecutionStatus, Status> {
         let state = self.state.lock().expect("lock");
-        let status = state
+        Ok(state
             .runs
-            .get(&run_id)
-            .map(Self::status)
-            .unwrap_or_else(automesh_rpc::executor::unknown_status);
-        Ok(Response::new(epb::GetRunStatusResponse {
-            status: Some(status),
-        }))
+            .get(run_id)
+            .map(Self::execution_status)
+            .unwrap_or_else(automesh_rpc::executor::unknown_status))
     }
 }
 
 /// Polls the execution and yields new events and status changes; ends after
 /// the finished status.
-fn async_stream(
-    state: Arc<Mutex<State>>,
-    run_id: String,
-    mut after: i64,
-) -> automesh_rpc::executor::ObserveStream {
-    let (mut observer, stream) = automesh_rpc::executor::observe();
+fn async_stream(state: Arc<Mutex<State>>, run_id: String, after: i64) -> ObserveStream {
+    let (observer, stream) = automesh_rpc::executor::observe();
+    let read = move |after: i64| {
+        let s = state.lock().expect("lock");
+        let e = s.runs.get(&run_id)?;
+        let events = e.events.iter().filter(|ev| ev.sequence > after);
+        Some((events.cloned().collect(), TestExecutor::execution_status(e)))
+    };
+    let finished = |s: &epb::ExecutionStatus| s.phase == epb::ExecutionPhase::Finished as i32;
     tokio::spawn(async move {
-        loop {
-            let snapshot = {
-                let s = state.lock().expect("lock");
-                s.runs.get(&run_id).map(|e| {
-                    let events: Vec<pb::RunEvent> = e
-                        .events
-                        .iter()
-                        .filter(|ev| ev.sequence > after)
-                        .cloned()
-                        .collect();
-                    (events, TestExecutor::status(e))
-                })
-            };
-            let Some((events, status)) = snapshot else {
-                observer.fail(Status::not_found("run")).await;
-                return;
-            };
-            for ev in events {
-                after = ev.sequence;
-                if !observer.event(ev).await {
-                    return;
-                }
-            }
-            let finished = status.phase == epb::ExecutionPhase::Finished as i32;
-            if !observer.status(status).await || finished {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let never = tokio::sync::Notify::new();
+        let poll = Duration::from_millis(20);
+        observer.follow(after, &never, poll, read, finished).await;
     });
     stream
 }

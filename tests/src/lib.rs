@@ -134,12 +134,6 @@ pub struct Mesh {
     /// connect) and its internal listener (desktop executor, runner tokens).
     pub runner_gateway: String,
     pub runner_gateway_internal: String,
-    /// Every desktop-runner-gateway replica's runner listener, in order.
-    pub runner_gateways: Vec<String>,
-    /// Every replica's internal listener, in the same order.
-    pub runner_gateway_internals: Vec<String>,
-    /// Stops one replica (as its process being terminated would).
-    pub runner_gateway_stops: Vec<CancellationToken>,
     pub credential: InternalCredential,
     pub options: MeshOptions,
     /// One handle per coordinator replica; aborting one kills it without
@@ -147,6 +141,12 @@ pub struct Mesh {
     pub coordinators: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
     shutdown: CancellationToken,
     tasks: JoinSet<anyhow::Result<()>>,
+    /// Every desktop-runner-gateway replica's runner listener, in order.
+    pub runner_gateways: Vec<String>,
+    /// Every replica's internal listener, in the same order.
+    pub runner_gateway_internals: Vec<String>,
+    /// Stops one replica (as its process being terminated would).
+    pub runner_gateway_stops: Vec<CancellationToken>,
 }
 
 async fn listener() -> anyhow::Result<(TcpListener, String)> {

@@ -369,7 +369,10 @@ async fn durable_failures_need_attention_until_a_run_succeeds(backend: Backend) 
             .filter(|a| a.state == AutomationState::NeedsAttention)
     })
     .await;
-    assert_eq!(paused.attention_reason, Some(ErrorCode::RuntimeMissing));
+    assert_eq!(
+        paused.attention.map(|x| x.reason),
+        Some(ErrorCode::RuntimeMissing)
+    );
     assert_eq!(paused.next_run_at, None, "the schedule is paused");
     // Run now still works, and success clears the attention.
     executor.set_behavior(Behavior::Complete {
@@ -391,7 +394,7 @@ async fn durable_failures_need_attention_until_a_run_succeeds(backend: Backend) 
             .filter(|a| a.state == AutomationState::Active)
     })
     .await;
-    assert_eq!(cleared.attention_reason, None);
+    assert_eq!(cleared.attention, None);
     assert!(cleared.next_run_at.is_some());
     mesh.stop().await.expect("stop");
 }
@@ -571,8 +574,7 @@ async fn five_hundred_due_at_once_on_two_schedulers_and_two_coordinators() {
         let owner = Principal::new("acme", format!("user-{}", i % 7));
         let new = NewAutomation {
             id: format!("bulk-{i:03}"),
-            org_id: owner.org_id.clone(),
-            owner_id: owner.user_id.clone(),
+            owner: owner.clone(),
             name: format!("bulk {i}"),
             prompt: "p".into(),
             model: "fake/echo".into(),

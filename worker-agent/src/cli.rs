@@ -58,42 +58,16 @@ pub struct Args {
     #[arg(long, env = "AUTOMESH_AGENT_LISTEN", default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
     /// The collaborator token every call must present (Bearer).
-    #[arg(
-        long,
-        env = "AUTOMESH_AGENT_COLLABORATOR_TOKEN",
-        hide_env_values = true
-    )]
+    #[arg(long, env = "AUTOMESH_AGENT_COLLABORATOR_TOKEN", hide_env_values = true)]
     pub collaborator_token: Secret,
     /// The internal host credential every call must present.
     #[arg(long, env = "AUTOMESH_AGENT_HOST_CREDENTIAL", hide_env_values = true)]
     pub host_credential: Secret,
-    /// The OpenAI-compatible provider's base URL.
-    #[arg(long, env = "AUTOMESH_PROVIDER_URL")]
-    pub provider_url: String,
-    #[arg(
-        long,
-        env = "AUTOMESH_PROVIDER_API_KEY",
-        hide_env_values = true,
-        default_value = ""
-    )]
-    pub provider_key: Secret,
+    #[command(flatten)]
+    pub provider: automesh_rpc::runtime::ProviderFlags,
     /// Where the agent keeps its MCP registrations.
     #[arg(long, env = "AUTOMESH_AGENT_STATE_DIR", default_value = ".")]
     pub state_dir: PathBuf,
-    /// The agent loop's step limit.
-    #[arg(long, env = "AUTOMESH_AGENT_MAX_STEPS", default_value_t = 32)]
-    pub max_steps: u32,
-    /// Bound on one provider request.
-    #[arg(
-        long,
-        env = "AUTOMESH_AGENT_REQUEST_TIMEOUT",
-        default_value = "120s",
-        value_parser = automesh_rpc::runtime::parse_duration
-    )]
-    pub request_timeout: Duration,
-    /// Use streaming completions.
-    #[arg(long, env = "AUTOMESH_AGENT_STREAM")]
-    pub stream: bool,
     /// Exit after this long without a call from the lifecycle service.
     #[arg(
         long,
@@ -121,12 +95,8 @@ impl Args {
         let shutdown = automesh_rpc::runtime::shutdown_on_signal();
         serve(
             Settings {
-                provider_url: self.provider_url,
-                provider_key: self.provider_key,
+                provider: self.provider,
                 state_dir: self.state_dir,
-                max_steps: self.max_steps,
-                request_timeout: self.request_timeout,
-                stream: self.stream,
                 orphan_after: Some(self.orphan_after),
             },
             DualCredential::new(

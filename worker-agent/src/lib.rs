@@ -28,17 +28,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use automesh_domain::ErrorCode;
-use automesh_engine::adapter::{EngineAdapter, EngineRequest, NativeEngine};
-use automesh_engine::wire::{finished_parts, run_event};
+use automesh_engine::adapter::{EngineRequest, NativeEngine};
+use automesh_engine::wire::{finished_parts, run_forwarding};
 use automesh_proto::agent::v1 as apb;
 use automesh_proto::agent::v1::worker_agent_service_server::{
     WorkerAgentService, WorkerAgentServiceServer,
 };
 use automesh_proto::v1 as pb;
-use automesh_rpc::auth::Secret;
 use automesh_rpc::{GrpcServer, ServerSettings, status};
 use tokio::net::TcpListener;
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
@@ -57,13 +56,8 @@ pub const REGISTRATION: &str = "openwork-cloud";
 /// How the agent reaches its model provider and where it keeps state.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    pub provider_url: String,
-    pub provider_key: Secret,
+    pub provider: automesh_rpc::runtime::ProviderFlags,
     pub state_dir: PathBuf,
-    pub max_steps: u32,
-    pub request_timeout: Duration,
-    /// Streaming completions.
-    pub stream: bool,
     /// The agent exits after this long without an authenticated call
     /// (`None`: never; only for tests that hold the agent in-process).
     pub orphan_after: Option<Duration>,
@@ -86,9 +80,7 @@ pub struct Agent {
 
 impl std::fmt::Debug for Agent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Agent")
-            .field("settings", &self.settings)
-            .finish()
+        write!(f, "Agent {{ settings: {:?}, .. }}", self.settings)
     }
 }
 
@@ -166,18 +158,7 @@ impl Agent {
     }
 
     fn engine(&self, url: &str, token: &str) -> NativeEngine {
-        NativeEngine::openai_compatible(
-            &self.settings.provider_url,
-            self.settings.provider_key.expose(),
-            url,
-            token,
-            automesh_engine::adapter::NativeSettings {
-                request_timeout: self.settings.request_timeout,
-                stream: self.settings.stream,
-                max_steps: self.settings.max_steps,
-                ..Default::default()
-            },
-        )
+        NativeEngine::from_flags(&self.settings.provider, url, token)
     }
 }
 
@@ -274,25 +255,13 @@ impl WorkerAgentService for Agent {
         }
         tracing::info!(thread_id = %req.thread_id, message_id = %req.message_id, "message submitted");
         let engine = self.engine(&registration.url, &req.connect_token);
-        let deadline = req
-            .deadline_time
-            .and_then(|t| chrono::DateTime::from_timestamp(t.seconds, t.nanos.max(0) as u32))
-            .map(|d| (d - chrono::Utc::now()).to_std().unwrap_or_default())
-            .unwrap_or(Duration::from_secs(1800));
+        let due = req.deadline_time.as_ref();
         let engine_request = EngineRequest {
-            prompt: req.prompt.clone(),
-            model: req.model.clone(),
-            provider_model: req.provider_model.clone(),
-            automation_id: String::new(),
             guidance: (!req.guidance.is_empty()).then(|| req.guidance.clone()),
-            deadline: tokio::time::Instant::now() + deadline,
-            resume_from: None,
+            ..EngineRequest::due(&req.prompt, &req.model, &req.provider_model, due)
         };
         let span = tracing::info_span!("automesh.agent.thread", thread_id = %req.thread_id);
-        automesh_rpc::propagation::continue_trace(
-            &span,
-            Some(req.traceparent.as_str()).filter(|t| !t.is_empty()),
-        );
+        automesh_rpc::propagation::continue_trace(&span, Some(req.traceparent.as_str()));
         let threads = self.threads.clone();
         let changed = self.changed.clone();
         let journal = self.journal.clone();
@@ -301,28 +270,18 @@ impl WorkerAgentService for Agent {
         let run_id = req.message_id.clone();
         tokio::spawn(
             async move {
-                let (tx, mut rx) = mpsc::channel(64);
-                let forward = {
-                    let threads = threads.clone();
-                    let changed = changed.clone();
-                    let thread_id = thread_id.clone();
-                    let run_id = run_id.clone();
-                    async move {
-                        let mut n = 0;
-                        while let Some(e) = rx.recv().await {
-                            n += 1;
-                            if let Some(mut event) = run_event(&run_id, n, &e)
-                                && let Ok(mut t) = threads.lock()
-                                && let Some(track) = t.by_id.get_mut(&thread_id)
-                            {
-                                event.sequence = track.events.len() as i64 + 1;
-                                track.events.push(event);
-                            }
-                            changed.notify_waiters();
-                        }
+                let append = |mut event: pb::RunEvent| {
+                    if let Ok(mut t) = threads.lock()
+                        && let Some(track) = t.by_id.get_mut(&thread_id)
+                    {
+                        event.sequence = track.events.len() as i64 + 1;
+                        track.events.push(event);
                     }
+                    changed.notify_waiters();
+                    std::future::ready(())
                 };
-                let (outcome, ()) = tokio::join!(engine.run(engine_request, tx, cancel), forward);
+                let outcome = run_forwarding(&engine, engine_request, &run_id, cancel, append);
+                let outcome = outcome.await;
                 if stop.is_cancelled() {
                     // Stopped with the agent, not finished: the journal keeps
                     // it unfinished, so the next agent reports it interrupted.
@@ -362,42 +321,22 @@ impl WorkerAgentService for Agent {
             return Err(Status::not_found("unknown thread"));
         }
         let agent = self.clone();
-        let (mut observer, stream) = automesh_rpc::executor::updates();
+        let (observer, stream) = automesh_rpc::executor::updates();
+        let thread_id = req.thread_id;
+        let read = move |after: i64| {
+            let t = agent.threads.lock().ok()?;
+            let track = t.by_id.get(&thread_id)?;
+            let events = track.events.iter().filter(|e| e.sequence > after);
+            Some((events.cloned().collect(), track.thread(&thread_id)))
+        };
+        // An idle thread is the end of the stream.
+        let idle = |t: &apb::Thread| t.status == apb::ThreadStatus::Idle as i32;
+        let changed = self.changed.clone();
         tokio::spawn(async move {
-            let mut after = req.after_sequence;
-            loop {
-                let changed = agent.changed.notified();
-                tokio::pin!(changed);
-                changed.as_mut().enable();
-                let snapshot = agent.threads.lock().ok().and_then(|t| {
-                    t.by_id.get(&req.thread_id).map(|track| {
-                        let events: Vec<pb::RunEvent> = track
-                            .events
-                            .iter()
-                            .filter(|e| e.sequence > after)
-                            .cloned()
-                            .collect();
-                        (events, track.thread(&req.thread_id))
-                    })
-                });
-                let Some((events, thread)) = snapshot else {
-                    return;
-                };
-                for e in events {
-                    after = e.sequence;
-                    if !observer.event(e).await {
-                        return;
-                    }
-                }
-                // An idle thread is the end of the stream.
-                let idle = thread.status == apb::ThreadStatus::Idle as i32;
-                if !observer.status(thread).await || idle {
-                    return;
-                }
-                if !observer.wait(changed, Duration::from_secs(1)).await {
-                    return;
-                }
-            }
+            let poll = Duration::from_secs(1);
+            observer
+                .follow(req.after_sequence, &changed, poll, read, idle)
+                .await;
         });
         Ok(Response::new(stream))
     }

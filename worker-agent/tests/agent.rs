@@ -47,12 +47,14 @@ async fn agent(
     let stop = CancellationToken::new();
     tokio::spawn(serve(
         Settings {
-            provider_url,
-            provider_key: "sk-agent".to_owned().into(),
+            provider: automesh_rpc::runtime::ProviderFlags {
+                provider_url,
+                provider_key: "sk-agent".to_owned().into(),
+                max_steps: 8,
+                request_timeout: Duration::from_secs(60),
+                stream: false,
+            },
             state_dir: dir.clone(),
-            max_steps: 8,
-            request_timeout: Duration::from_secs(60),
-            stream: false,
             orphan_after: None,
         },
         DualCredential::new(COLLABORATOR, HOST),

@@ -17,6 +17,7 @@ use automesh_domain::{
 };
 use automesh_e2e_tests::{CloudOptions, Mesh, MeshOptions, lifecycle_config};
 use automesh_store::Backend;
+use automesh_store::cloud::WorkerMove;
 use automesh_testkit::{FakeProvider, Reply, provider, text_completion};
 use chrono::Utc;
 use tokio_util::sync::CancellationToken;
@@ -115,8 +116,7 @@ impl Env {
             .create_automation(
                 &NewAutomation {
                     id: id.into(),
-                    org_id: o.org_id.clone(),
-                    owner_id: o.user_id.clone(),
+                    owner: o.clone(),
                     name: "cloud".into(),
                     prompt: "summarise my inbox".into(),
                     model: model.into(),
@@ -209,7 +209,7 @@ impl Env {
                 .await
                 .expect("automation");
             if a.state == AutomationState::NeedsAttention {
-                assert_eq!(a.attention_reason, Some(code));
+                assert_eq!(a.attention.map(|x| x.reason), Some(code));
                 return;
             }
             assert!(
@@ -488,7 +488,7 @@ async fn idle_stop_racing_an_admission_never_stops_a_worker_the_admission_holds(
                     .await
                     .expect("reserve");
                 store
-                    .touch_worker(&worker_id, Utc::now())
+                    .move_worker(&worker_id, WorkerMove::Touch, Utc::now())
                     .await
                     .expect("touch")
             }
@@ -731,9 +731,9 @@ async fn cloud_runs_are_charged_at_the_catalogue_price_and_run_with_the_lifecycl
         .map(|v| String::from_utf8_lossy(v).into_owned())
         .collect();
     for want in [
-        "AUTOMESH_AGENT_MAX_STEPS=5",
-        "AUTOMESH_AGENT_STREAM=true",
-        "AUTOMESH_AGENT_REQUEST_TIMEOUT=7000ms",
+        "AUTOMESH_MAX_STEPS=5",
+        "AUTOMESH_PROVIDER_STREAM=true",
+        "AUTOMESH_PROVIDER_REQUEST_TIMEOUT=7000ms",
     ] {
         assert!(environ.iter().any(|v| v == want), "{want} in {environ:?}");
     }

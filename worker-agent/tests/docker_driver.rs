@@ -248,8 +248,7 @@ async fn a_cloud_run_wakes_a_container_worker_and_idle_stop_stops_it() {
         .create_automation(
             &NewAutomation {
                 id: "in-docker".into(),
-                org_id: owner.org_id.clone(),
-                owner_id: owner.user_id.clone(),
+                owner: owner.clone(),
                 name: "docker".into(),
                 prompt: "p".into(),
                 model: "fake/echo".into(),

@@ -16,7 +16,9 @@ use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
-use print::{enum_name, print_automation, print_event, print_receipt, print_run};
+use print::{
+    automation_state, placement, print_automation, print_event, print_receipt, print_run, run_state,
+};
 
 #[derive(Debug, Args)]
 pub struct CtlArgs {
@@ -165,6 +167,11 @@ enum CtlCommand {
 type Authed = InterceptedService<Channel, automesh_rpc::client::Bearer>;
 
 /// A status as a person should read it: code, message, offending fields.
+/// The gateway's answer, or its refusal explained.
+fn answer<T>(answered: Result<tonic::Response<T>, tonic::Status>) -> anyhow::Result<T> {
+    Ok(answered.map_err(explain)?.into_inner())
+}
+
 fn explain(status: tonic::Status) -> anyhow::Error {
     let violations = automesh_rpc::status::field_violations(&status);
     if violations.is_empty() {
@@ -302,7 +309,7 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
             let schedule = schedule
                 .to_pb()?
                 .context("a schedule is required: --once, --daily or --weekly")?;
-            let resp = automations
+            let created = automations
                 .create_automation(pb::CreateAutomationRequest {
                     automation: Some(pb::Automation {
                         name,
@@ -313,9 +320,8 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
                     }),
                     surface: surface as i32,
                 })
-                .await
-                .map_err(explain)?;
-            print_automation(&resp.into_inner().automation.unwrap_or_default());
+                .await;
+            print_automation(answer(created)?.automation);
         }
         CtlCommand::List { all } => {
             let mut token = String::new();
@@ -334,12 +340,7 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
                     .map_err(explain)?
                     .into_inner();
                 for a in &page.automations {
-                    let state = pb::AutomationState::try_from(a.state)
-                        .map(|s| enum_name(s.as_str_name(), "AUTOMATION_STATE_"))
-                        .unwrap_or_default();
-                    let place = pb::Placement::try_from(a.placement)
-                        .map(|s| enum_name(s.as_str_name(), "PLACEMENT_"))
-                        .unwrap_or_default();
+                    let (state, place) = (automation_state(a.state), placement(a.placement));
                     println!(
                         "{:<36}  {:<15}  {:<7}  {:<20}  {}",
                         a.id,
@@ -356,11 +357,8 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
             }
         }
         CtlCommand::Get { id } => {
-            let resp = automations
-                .get_automation(pb::GetAutomationRequest { id })
-                .await
-                .map_err(explain)?;
-            print_automation(&resp.into_inner().automation.unwrap_or_default());
+            let got = automations.get_automation(pb::GetAutomationRequest { id });
+            print_automation(answer(got.await)?.automation);
         }
         CtlCommand::Update {
             id,
@@ -388,7 +386,7 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
                 !paths.is_empty(),
                 "nothing to update: pass --name, --prompt, --model or a schedule"
             );
-            let resp = automations
+            let updated = automations
                 .update_automation(pb::UpdateAutomationRequest {
                     automation: Some(pb::Automation {
                         id,
@@ -401,39 +399,30 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
                     }),
                     update_mask: Some(prost_types::FieldMask { paths }),
                 })
-                .await
-                .map_err(explain)?;
-            print_automation(&resp.into_inner().automation.unwrap_or_default());
+                .await;
+            print_automation(answer(updated)?.automation);
         }
         CtlCommand::Activate { id } => {
-            let r = automations
-                .activate_automation(pb::ActivateAutomationRequest {
-                    id,
-                    etag: String::new(),
-                })
-                .await
-                .map_err(explain)?;
-            print_automation(&r.into_inner().automation.unwrap_or_default());
+            let request = pb::ActivateAutomationRequest {
+                id,
+                etag: String::new(),
+            };
+            print_automation(answer(automations.activate_automation(request).await)?.automation);
         }
         CtlCommand::Deactivate { id } => {
-            let r = automations
-                .deactivate_automation(pb::DeactivateAutomationRequest {
-                    id,
-                    etag: String::new(),
-                })
-                .await
-                .map_err(explain)?;
-            print_automation(&r.into_inner().automation.unwrap_or_default());
+            let deactivated = automations.deactivate_automation(pb::DeactivateAutomationRequest {
+                id,
+                etag: String::new(),
+            });
+            print_automation(answer(deactivated.await)?.automation);
         }
         CtlCommand::Archive { id } => {
-            let r = automations
-                .archive_automation(pb::ArchiveAutomationRequest {
-                    id,
-                    etag: String::new(),
-                })
-                .await
-                .map_err(explain)?;
-            print_automation(&r.into_inner().automation.unwrap_or_default());
+            let archive = pb::ArchiveAutomationRequest {
+                id,
+                ..Default::default()
+            };
+            let archived = answer(automations.archive_automation(archive).await)?;
+            print_automation(archived.automation);
         }
         CtlCommand::RunNow { id, key } => {
             let key = key.unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
@@ -445,7 +434,7 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
                 .await
                 .map_err(explain)?;
             println!("idempotency key: {key}");
-            print_run(&r.into_inner().run.unwrap_or_default());
+            print_run(r.into_inner().run);
         }
         CtlCommand::Runs { automation, limit } => {
             let page = runs
@@ -462,13 +451,10 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
                 "RUN", "STATE", "CREATED", "ERROR"
             );
             for r in &page.runs {
-                let state = pb::RunState::try_from(r.state)
-                    .map(|s| enum_name(s.as_str_name(), "RUN_STATE_"))
-                    .unwrap_or_default();
                 println!(
                     "{:<36}  {:<10}  {:<20}  {:<22}  {}",
                     r.id,
-                    state,
+                    run_state(r.state),
                     ts(&r.create_time),
                     r.error_code,
                     r.automation_id
@@ -476,18 +462,11 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
             }
         }
         CtlCommand::Run { id } => {
-            let r = runs
-                .get_run(pb::GetRunRequest { id })
-                .await
-                .map_err(explain)?;
-            print_run(&r.into_inner().run.unwrap_or_default());
+            print_run(answer(runs.get_run(pb::GetRunRequest { id }).await)?.run)
         }
         CtlCommand::Cancel { id } => {
-            let r = runs
-                .cancel_run(pb::CancelRunRequest { id })
-                .await
-                .map_err(explain)?;
-            print_run(&r.into_inner().run.unwrap_or_default());
+            let cancelled = runs.cancel_run(pb::CancelRunRequest { id }).await;
+            print_run(answer(cancelled)?.run);
         }
         CtlCommand::Events { id, after } => {
             let mut after = after;
@@ -521,12 +500,10 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
                 match item.map_err(explain)?.update {
                     Some(pb::watch_run_response::Update::Event(e)) => print_event(&e),
                     Some(pb::watch_run_response::Update::Run(r)) => {
-                        let state = pb::RunState::try_from(r.state)
-                            .map(|s| enum_name(s.as_str_name(), "RUN_STATE_"))
-                            .unwrap_or_default();
                         println!(
-                            "-- run {} is {state}{}",
+                            "-- run {} is {}{}",
                             r.id,
+                            run_state(r.state),
                             if r.error_code.is_empty() {
                                 String::new()
                             } else {

@@ -37,17 +37,27 @@ pub(super) fn describe_schedule(s: &Option<pb::Schedule>) -> String {
     }
 }
 
-pub(super) fn enum_name(s: &str, prefix: &str) -> String {
-    s.trim_start_matches(prefix).to_ascii_lowercase()
+/// The short lowercase names people read for the public enums' values.
+macro_rules! short_names {
+    ($($name:ident: $enum:ident without $prefix:literal;)+) => {$(
+        pub(super) fn $name(value: i32) -> String {
+            pb::$enum::try_from(value)
+                .map(|v| v.as_str_name().trim_start_matches($prefix).to_ascii_lowercase())
+                .unwrap_or_default()
+        }
+    )+};
 }
 
-pub(super) fn print_automation(a: &pb::Automation) {
-    let state = pb::AutomationState::try_from(a.state)
-        .map(|s| enum_name(s.as_str_name(), "AUTOMATION_STATE_"))
-        .unwrap_or_default();
-    let placement = pb::Placement::try_from(a.placement)
-        .map(|s| enum_name(s.as_str_name(), "PLACEMENT_"))
-        .unwrap_or_default();
+short_names! {
+    automation_state: AutomationState without "AUTOMATION_STATE_";
+    placement: Placement without "PLACEMENT_";
+    run_state: RunState without "RUN_STATE_";
+}
+
+/// An automation, as an answer carries it (or nothing, as an empty one).
+pub(super) fn print_automation(a: Option<pb::Automation>) {
+    let a = a.unwrap_or_default();
+    let (state, placement) = (automation_state(a.state), placement(a.placement));
     println!("id:         {}", a.id);
     println!("name:       {}", a.name);
     println!("placement:  {placement}");
@@ -65,10 +75,10 @@ pub(super) fn print_automation(a: &pb::Automation) {
     println!("prompt:     {}", a.prompt);
 }
 
-pub(super) fn print_run(r: &pb::Run) {
-    let state = pb::RunState::try_from(r.state)
-        .map(|s| enum_name(s.as_str_name(), "RUN_STATE_"))
-        .unwrap_or_default();
+/// A run, as an answer carries it (or nothing, as an empty one).
+pub(super) fn print_run(r: Option<pb::Run>) {
+    let r = r.unwrap_or_default();
+    let state = run_state(r.state);
     println!("run:        {}", r.id);
     println!("automation: {}", r.automation_id);
     println!("state:      {state}");
@@ -139,20 +149,15 @@ pub(super) fn print_event(e: &pb::RunEvent) {
             "usage: tokens in/out {}/{}  cost {} µ",
             u.input_tokens, u.output_tokens, u.cost_micros
         ),
-        Some(Payload::StatusChange(s)) => {
-            let state = pb::RunState::try_from(s.state)
-                .map(|s| enum_name(s.as_str_name(), "RUN_STATE_"))
-                .unwrap_or_default();
-            [
-                format!("status {state}"),
-                s.error_code.clone(),
-                s.message.clone(),
-            ]
-            .into_iter()
-            .filter(|p| !p.is_empty())
-            .collect::<Vec<_>>()
-            .join(" ")
-        }
+        Some(Payload::StatusChange(s)) => [
+            format!("status {}", run_state(s.state)),
+            s.error_code.clone(),
+            s.message.clone(),
+        ]
+        .into_iter()
+        .filter(|p| !p.is_empty())
+        .collect::<Vec<_>>()
+        .join(" "),
         None => "(empty)".into(),
     };
     println!("{:>5}  {}  {what}", e.sequence, ts(&e.create_time));

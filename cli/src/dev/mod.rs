@@ -61,11 +61,7 @@ pub struct DevArgs {
     pub lifecycle_listen: SocketAddr,
     /// Where the whole mesh's metrics are served as Prometheus text
     /// (`GET /metrics`).
-    #[arg(
-        long,
-        env = "AUTOMESH_METRICS_LISTEN",
-        default_value = "127.0.0.1:9450"
-    )]
+    #[arg(long, env = "AUTOMESH_METRICS_LISTEN", default_value = "127.0.0.1:9450")]
     pub metrics_listen: SocketAddr,
     /// How long a run may take from creation to its end.
     #[arg(long, env = "AUTOMESH_DEV_RUN_DEADLINE", default_value = "30m", value_parser = automesh_scheduler::parse_duration)]
@@ -101,6 +97,24 @@ struct Outside {
     demo_connect: bool,
 }
 
+/// Serves a demo endpoint on a loopback port of its own when `url` names
+/// none: `serve` gets its listener and the fresh secret (`prefix…`) it will
+/// require, and `url` becomes its address with `path`. True when it did.
+async fn demo<F: std::future::Future<Output = ()> + Send + 'static>(
+    url: &mut Option<String>,
+    path: &str,
+    prefix: &str,
+    serve: impl FnOnce(tokio::net::TcpListener, String) -> F,
+) -> anyhow::Result<bool> {
+    if url.as_deref().is_some_and(|u| !u.trim().is_empty()) {
+        return Ok(false);
+    }
+    let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+    *url = Some(format!("http://{}{path}", listener.local_addr()?));
+    tokio::spawn(serve(listener, random_secret(prefix)));
+    Ok(true)
+}
+
 impl Outside {
     /// Starts the demo model and the demo Connect endpoint where nothing is
     /// configured, on loopback ports of their own.
@@ -109,28 +123,23 @@ impl Outside {
         shutdown: &tokio_util::sync::CancellationToken,
     ) -> anyhow::Result<Outside> {
         let mut worker = configured.clone();
-        let demo_model = worker
-            .provider_url
-            .as_deref()
-            .is_none_or(|u| u.trim().is_empty());
-        if demo_model {
-            let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
-            let key = random_secret("demo_key_");
-            worker.provider_url = Some(format!("http://{}/v1", listener.local_addr()?));
-            worker.provider_key = key.clone().into();
-            tokio::spawn(demo::serve_model(listener, key, shutdown.clone()));
-        }
-        let demo_connect = worker
-            .connect_url
-            .as_deref()
-            .is_none_or(|u| u.trim().is_empty());
-        if demo_connect {
-            let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
-            let token = random_secret("demo_connect_");
-            worker.connect_url = Some(format!("http://{}/mcp", listener.local_addr()?));
-            worker.connect_token = token.clone().into();
-            tokio::spawn(demo::serve_connect(listener, token, shutdown.clone()));
-        }
+        let w = &mut worker;
+        let stop = || shutdown.clone();
+        let demo_model = demo(&mut w.provider_url, "/v1", "demo_key_", |listener, key| {
+            w.provider_key = key.clone().into();
+            demo::serve_model(listener, key, stop())
+        });
+        let demo_model = demo_model.await?;
+        let demo_connect = demo(
+            &mut w.connect_url,
+            "/mcp",
+            "demo_connect_",
+            |listener, token| {
+                w.connect_token = token.clone().into();
+                demo::serve_connect(listener, token, stop())
+            },
+        );
+        let demo_connect = demo_connect.await?;
         Ok(Outside {
             worker,
             demo_model,
@@ -297,50 +306,38 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     // binary would be (every default is its flag's), over the one store:
     // a bad setting stops dev before anything serves.
     let url = ["--database-url", database_url.as_str()];
-    let scheduler = automesh_scheduler::Service::new(
-        &automesh_scheduler::Config {
-            run_deadline: args.run_deadline,
-            catch_up_window: args.catch_up_window,
-            ..config_from_args(&url)?
-        },
-        store.clone(),
-        credential.clone(),
-    )?;
+    let scheduler = automesh_scheduler::Config {
+        run_deadline: args.run_deadline,
+        catch_up_window: args.catch_up_window,
+        ..config_from_args(&url)?
+    };
     // Desktop runs go to the runner gateway (the desktop executor), cloud
     // runs to the lifecycle service.
-    let coordinator = automesh_run_coordinator::Service::new(
-        &automesh_run_coordinator::Config {
-            desktop_executor_addr: Some(upstreams.runner_gateway_addr.clone()),
-            cloud_executor_addr: Some(upstreams.lifecycle_addr.clone()),
-            models: automesh_rpc::runtime::Models::of(models),
-            ..config_from_args(&url)?
-        },
-        store.clone(),
-        credential.clone(),
-    )?;
+    let coordinator = automesh_run_coordinator::Config {
+        desktop_executor_addr: Some(upstreams.runner_gateway_addr.clone()),
+        cloud_executor_addr: Some(upstreams.lifecycle_addr.clone()),
+        models: automesh_rpc::runtime::Models::of(models),
+        ..config_from_args(&url)?
+    };
     // The local-process driver runs this binary's `worker-agent`.
-    let lifecycle = automesh_cloud_worker_lifecycle::Service::new(
-        &automesh_cloud_worker_lifecycle::Config {
-            workers_dir: args.data_dir.join("workers"),
-            worker: outside.worker.clone(),
-            ..config_from_args(&url)?
-        },
-        store.clone(),
-        credential.clone(),
-    )?;
-    let runner_gateway = automesh_desktop_runner_gateway::Service::new(
-        &config_from_args(&url)?,
-        store.clone(),
-        credential.clone(),
-    )?;
-    let gateway = automesh_gateway::Service::new(
-        &automesh_gateway::Config {
-            upstreams: upstreams.clone(),
-            models: automesh_rpc::runtime::Models::of(gateway_models),
-            ..config_from_args(&["--jwt-secret", jwt_secret.as_str()])?
-        },
-        credential.clone(),
-    )?;
+    let lifecycle = automesh_cloud_worker_lifecycle::Config {
+        workers_dir: args.data_dir.join("workers"),
+        worker: outside.worker.clone(),
+        ..config_from_args(&url)?
+    };
+    let runner_gateway: automesh_desktop_runner_gateway::Config = config_from_args(&url)?;
+    let gateway = automesh_gateway::Config {
+        upstreams: upstreams.clone(),
+        models: automesh_rpc::runtime::Models::of(gateway_models),
+        ..config_from_args(&["--jwt-secret", jwt_secret.as_str()])?
+    };
+    let (st, cred) = (|| store.clone(), || credential.clone());
+    let scheduler = automesh_scheduler::Service::new(&scheduler, st(), cred())?;
+    let coordinator = automesh_run_coordinator::Service::new(&coordinator, st(), cred())?;
+    let lifecycle = automesh_cloud_worker_lifecycle::Service::new(&lifecycle, st(), cred())?;
+    let runner_gateway =
+        automesh_desktop_runner_gateway::Service::new(&runner_gateway, st(), cred())?;
+    let gateway = automesh_gateway::Service::new(&gateway, cred())?;
     let mut tasks: JoinSet<(&'static str, anyhow::Result<()>)> = JoinSet::new();
     let sd = || shutdown.clone();
     spawn(&mut tasks, "scheduler", scheduler.serve(scheduler_l, sd()));

@@ -18,11 +18,14 @@ pub const IDEMPOTENCY_KEY_LIMIT: Limit = Limit::Chars(200);
 /// Longest runner name (the contract: 1..=200 characters).
 pub const RUNNER_NAME_LIMIT: Limit = Limit::Chars(200);
 
+/// A closed set of names: an enum with its stable names (`as_str`,
+/// `FromStr`, `Display`) and `ALL` its values.
+#[macro_export]
 macro_rules! string_enum {
-    ($(#[$m:meta])* $name:ident { $($variant:ident => $s:literal,)* }) => {
+    ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $variant:ident => $s:literal,)* }) => {
         $(#[$m])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-        pub enum $name { $($variant,)* }
+        pub enum $name { $($(#[$vm])* $variant,)* }
 
         impl $name {
             /// Every value, in declaration order.
@@ -51,7 +54,6 @@ macro_rules! string_enum {
         }
     };
 }
-pub(crate) use string_enum;
 
 string_enum! {
     /// Where an automation's runs execute. Fixed at creation, never edited.
@@ -129,14 +131,22 @@ pub struct Automation {
     pub placement: Placement,
     pub surface: Surface,
     pub schedule: Schedule,
-    pub state: AutomationState,
-    pub attention_reason: Option<ErrorCode>,
-    pub attention_message: Option<String>,
-    /// Bumped on every write; the public etag.
-    pub version: i64,
     pub next_run_at: Option<DateTime<Utc>>,
+    pub state: AutomationState,
+    /// Why the automation needs its owner's attention, while it does.
+    pub attention: Option<Attention>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+    /// Bumped on every write; the public etag.
+    pub version: i64,
+}
+
+/// Why an automation needs its owner's attention: the error that ended its
+/// run, in the run's words.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Attention {
+    pub reason: ErrorCode,
+    pub message: String,
 }
 
 impl Automation {
@@ -156,12 +166,11 @@ pub fn parse_etag(etag: &str) -> Option<i64> {
     etag.strip_prefix('v')?.parse().ok()
 }
 
-/// A validated automation to create.
+/// A validated automation to create, for its owner.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewAutomation {
     pub id: String,
-    pub org_id: String,
-    pub owner_id: String,
+    pub owner: crate::Principal,
     pub name: String,
     pub prompt: String,
     pub model: String,

@@ -17,7 +17,8 @@ pub mod validation;
 pub mod worker;
 
 pub use automation::{
-    Automation, AutomationPatch, AutomationState, NewAutomation, Placement, StateChange, Surface,
+    Attention, Automation, AutomationPatch, AutomationState, NewAutomation, Placement, StateChange,
+    Surface,
 };
 pub use error_code::{CodedError, ErrorCode};
 pub use failure::{Failure, FailureKind};

@@ -4,8 +4,9 @@
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use crate::automation::{Placement, string_enum};
+use crate::automation::Placement;
 use crate::error_code::ErrorCode;
+use crate::string_enum;
 
 string_enum! {
     /// The lifecycle state of a run.
@@ -91,16 +92,11 @@ pub struct Run {
     /// Snapshot of the automation's prompt and model when the run was created.
     pub prompt: String,
     pub model: String,
+    /// Fixed at creation; covers waiting, wake-up, admission and execution.
+    pub deadline_at: DateTime<Utc>,
     pub state: RunState,
     pub error_code: Option<ErrorCode>,
     pub error_message: Option<String>,
-    /// Fixed at creation; covers waiting, wake-up, admission and execution.
-    pub deadline_at: DateTime<Utc>,
-    /// W3C `traceparent` of the trace that follows this run.
-    pub traceparent: Option<String>,
-    /// The deterministic identity of the user message, persisted before the
-    /// prompt is first submitted.
-    pub message_id: Option<String>,
     /// When a user asked for cancellation.
     pub cancel_requested_at: Option<DateTime<Utc>>,
     /// When an executor accepted the run, and when it started executing.
@@ -108,6 +104,11 @@ pub struct Run {
     pub started_at: Option<DateTime<Utc>>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+    /// W3C `traceparent` of the trace that follows this run.
+    pub traceparent: Option<String>,
+    /// The deterministic identity of the user message, persisted before the
+    /// prompt is first submitted.
+    pub message_id: Option<String>,
 }
 
 impl Run {
@@ -125,24 +126,20 @@ fn trace_id_of(traceparent: &str) -> Option<&str> {
     (trace_id.len() == 32).then_some(trace_id)
 }
 
-/// A run to create.
+/// A run to create: the automation it runs — whose owner and placement it
+/// takes, and whose prompt and model it snapshots — and the occurrence,
+/// trigger and bounds of this run.
 #[derive(Debug, Clone, PartialEq)]
-pub struct NewRun {
+pub struct NewRun<'a> {
     pub id: String,
-    pub automation_id: String,
-    pub org_id: String,
-    pub owner_id: String,
-    pub placement: Placement,
+    pub automation: &'a crate::Automation,
     pub trigger: RunTrigger,
     pub scheduled_for: Option<DateTime<Utc>>,
     pub idempotency_key: Option<String>,
-    pub prompt: String,
-    pub model: String,
     /// `Pending` normally; `Skipped` or `Missed` for occurrences recorded
-    /// terminal at creation.
+    /// terminal at creation, with why.
     pub state: RunState,
-    pub error_code: Option<ErrorCode>,
-    pub error_message: Option<String>,
+    pub error: Option<(ErrorCode, String)>,
     pub deadline_at: DateTime<Utc>,
     pub traceparent: Option<String>,
 }

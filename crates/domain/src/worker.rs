@@ -2,7 +2,7 @@
 
 use chrono::{DateTime, Utc};
 
-use crate::automation::string_enum;
+use crate::string_enum;
 
 string_enum! {
     /// The state of a per-user cloud worker; a user without one has none.
@@ -18,13 +18,13 @@ string_enum! {
 /// A user's cloud worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CloudWorker {
-    pub id: String,
-    pub org_id: String,
-    pub owner_id: String,
     pub state: WorkerState,
     pub driver: String,
     pub endpoint: Option<String>,
     pub last_active_at: Option<DateTime<Utc>>,
+    pub id: String,
+    pub org_id: String,
+    pub owner_id: String,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }
@@ -35,6 +35,7 @@ pub struct Runner {
     pub id: String,
     pub org_id: String,
     pub owner_id: String,
+    /// What its owner calls it.
     pub name: String,
     pub created_at: DateTime<Utc>,
     pub revoked_at: Option<DateTime<Utc>>,

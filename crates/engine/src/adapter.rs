@@ -146,7 +146,35 @@ pub struct EngineRequest {
     pub resume_from: Option<Checkpoint>,
 }
 
+/// How long a run that came without a deadline may take.
+pub const DEFAULT_RUN_BOUND: std::time::Duration = std::time::Duration::from_secs(1800);
+
 impl EngineRequest {
+    /// `prompt` on `model` (`provider_model`: the provider's name for it,
+    /// empty for the default), due by `deadline_time` as the mesh sent it
+    /// (without one, within [`DEFAULT_RUN_BOUND`]); for no automation in
+    /// particular, without guidance, from the start.
+    pub fn due(
+        prompt: &str,
+        model: &str,
+        provider_model: &str,
+        deadline_time: Option<&prost_types::Timestamp>,
+    ) -> Self {
+        let left = deadline_time
+            .and_then(automesh_rpc::convert::from_timestamp)
+            .map(|d| (d - chrono::Utc::now()).to_std().unwrap_or_default())
+            .unwrap_or(DEFAULT_RUN_BOUND);
+        EngineRequest {
+            prompt: prompt.to_owned(),
+            model: model.to_owned(),
+            provider_model: provider_model.to_owned(),
+            automation_id: String::new(),
+            guidance: None,
+            deadline: Instant::now() + left,
+            resume_from: None,
+        }
+    }
+
     /// The name to ask the provider for: the catalogue's mapping, or, from
     /// a mesh that sends none, the id after its first `/`.
     pub fn provider_name(&self) -> &str {
@@ -165,13 +193,16 @@ pub trait EngineAdapter: Send + Sync {
     /// The engine id recorded on receipts, such as `native-v1`.
     fn engine_id(&self) -> &'static str;
 
-    fn run<'a>(
-        &'a self,
-        request: EngineRequest,
-        events: mpsc::Sender<EngineEvent>,
-        cancel: CancellationToken,
-    ) -> Pin<Box<dyn Future<Output = Outcome> + Send + 'a>>;
+    /// Runs `request` to its outcome, sending what happens on `events`,
+    /// until it ends or `stop` is cancelled.
+    fn run(&self, request: EngineRequest, events: Events, stop: CancellationToken) -> Running<'_>;
 }
+
+/// Where an engine sends what happens during a run.
+pub type Events = mpsc::Sender<EngineEvent>;
+
+/// A run under way, resolving to its outcome.
+pub type Running<'a> = Pin<Box<dyn Future<Output = Outcome> + Send + 'a>>;
 
 /// The native engine, configured for one run (its provider and its
 /// run-scoped Connect endpoint).
@@ -187,6 +218,28 @@ impl NativeEngine {
     /// desktop runner, the worker agent and `dev` all build it. The caller
     /// checked the model against its catalogue (the gateway only assigns
     /// runs whose model the owner may use).
+    /// [`NativeEngine::openai_compatible`] as the engine's flags set it.
+    pub fn from_flags(
+        flags: &automesh_rpc::runtime::ProviderFlags,
+        connect_url: &str,
+        connect_token: &str,
+    ) -> NativeEngine {
+        let settings = NativeSettings {
+            request_timeout: flags.request_timeout,
+            stream: flags.stream,
+            max_steps: flags.max_steps,
+            ..Default::default()
+        };
+        let key = flags.provider_key.expose();
+        Self::openai_compatible(
+            &flags.provider_url,
+            key,
+            connect_url,
+            connect_token,
+            settings,
+        )
+    }
+
     pub fn openai_compatible(
         provider_url: &str,
         provider_key: &str,
@@ -250,12 +303,7 @@ impl EngineAdapter for NativeEngine {
         "native-v1"
     }
 
-    fn run<'a>(
-        &'a self,
-        request: EngineRequest,
-        events: mpsc::Sender<EngineEvent>,
-        cancel: CancellationToken,
-    ) -> Pin<Box<dyn Future<Output = Outcome> + Send + 'a>> {
+    fn run(&self, request: EngineRequest, events: Events, stop: CancellationToken) -> Running<'_> {
         let model = request.provider_name().to_owned();
         let run = NativeRun {
             prompt: request.prompt,
@@ -265,6 +313,6 @@ impl EngineAdapter for NativeEngine {
             resume_from: request.resume_from,
             ..self.template.clone()
         };
-        Box::pin(native::run(run, events, cancel))
+        Box::pin(native::run(run, events, stop))
     }
 }

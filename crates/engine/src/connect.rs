@@ -49,13 +49,10 @@ impl std::fmt::Debug for Connect {
 /// never carry a URL or a type name. The detail goes to the log, its URLs
 /// removed (a URL may carry a key).
 fn init_error(e: ClientInitializeError) -> CodedError {
-    if e.is_authorization_required() || e.to_string().contains("401") {
-        return CodedError::new(
-            ErrorCode::ConnectUnauthorized,
-            "the Connect endpoint refused the run's token",
-        );
+    if token_refused(&e, e.is_authorization_required()) {
+        let message = "the Connect endpoint refused the run's token";
+        return CodedError::new(ErrorCode::ConnectUnauthorized, message);
     }
-    tracing::warn!(detail = %crate::error::without_urls(&e.to_string()), "the Connect handshake failed");
     let message = match &e {
         ClientInitializeError::TransportError { .. }
         | ClientInitializeError::ConnectionClosed(_) => "the Connect endpoint could not be reached",
@@ -65,17 +62,10 @@ fn init_error(e: ClientInitializeError) -> CodedError {
         }
         _ => "the Connect endpoint answered the handshake with something that is not MCP",
     };
-    CodedError::new(ErrorCode::ToolError, message)
+    tool_error(&e, "the Connect handshake failed", message.into())
 }
 
 fn call_error(e: ServiceError) -> CodedError {
-    if e.is_authorization_required() || e.to_string().contains("401") {
-        return CodedError::new(
-            ErrorCode::ConnectTokenExpired,
-            "the Connect endpoint stopped accepting the run's token",
-        );
-    }
-    tracing::warn!(detail = %crate::error::without_urls(&e.to_string()), "a Connect call failed");
     let message = match &e {
         // The server's own words about the call.
         ServiceError::McpError(data) => format!(
@@ -88,6 +78,23 @@ fn call_error(e: ServiceError) -> CodedError {
         ServiceError::Timeout { .. } => "the Connect endpoint did not answer in time".into(),
         _ => "the Connect endpoint answered with something that is not MCP".into(),
     };
+    if token_refused(&e, e.is_authorization_required()) {
+        let refused = "the Connect endpoint stopped accepting the run's token";
+        return CodedError::new(ErrorCode::ConnectTokenExpired, refused);
+    }
+    tool_error(&e, "a Connect call failed", message)
+}
+
+/// Whether the endpoint turned the run's token away (`flagged` by the
+/// client, or an HTTP 401 in its words).
+fn token_refused(e: &impl std::fmt::Display, flagged: bool) -> bool {
+    flagged || e.to_string().contains("401")
+}
+
+/// A failed Connect exchange in `message`'s words, its detail logged (as
+/// `what`) without its URLs.
+fn tool_error(e: &impl std::fmt::Display, what: &str, message: String) -> CodedError {
+    tracing::warn!(detail = %crate::error::without_urls(&e.to_string()), "{what}");
     CodedError::new(ErrorCode::ToolError, message)
 }
 

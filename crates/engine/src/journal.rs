@@ -62,6 +62,11 @@ enum Line {
     Finished { body: String, at: String },
 }
 
+/// When a line is written, as it is written.
+fn now() -> String {
+    chrono::Utc::now().to_rfc3339()
+}
+
 /// What the journal holds of one run; `F` is the executor's result message.
 #[derive(Debug, Clone)]
 pub struct RunRecord<F> {
@@ -208,14 +213,12 @@ impl<F: prost::Message + Default + Clone> Record<F> {
         if runs.get(run_id).is_some_and(|r| r.held.is_none()) {
             return Ok(false);
         }
-        self.append(
-            run_id,
-            &Line::Accepted {
-                run_id: run_id.to_owned(),
-                at: chrono::Utc::now().to_rfc3339(),
-                note: note.to_owned(),
-            },
-        )?;
+        let line = Line::Accepted {
+            run_id: run_id.to_owned(),
+            at: now(),
+            note: note.to_owned(),
+        };
+        self.append(run_id, &line)?;
         let run = runs.entry(run_id.to_owned()).or_default();
         run.run_id = run_id.to_owned();
         run.note = note.to_owned();
@@ -232,12 +235,13 @@ impl<F: prost::Message + Default + Clone> Record<F> {
         if runs.contains_key(run_id) {
             return Ok(false);
         }
+        let (run_id, body) = (run_id.to_owned(), hex::encode(assignment));
         self.append(
-            run_id,
+            &run_id,
             &Line::Held {
-                run_id: run_id.to_owned(),
-                at: chrono::Utc::now().to_rfc3339(),
-                body: hex::encode(assignment),
+                run_id: run_id.clone(),
+                at: now(),
+                body,
             },
         )?;
         runs.insert(
@@ -344,6 +348,13 @@ mod tests {
 
     type Record = super::Record<rpb::RunFinished>;
 
+    /// A journal opened in a fresh directory named after `name`.
+    fn opened(name: &str) -> (PathBuf, Record) {
+        let d = dir(name);
+        let r = Record::open(&d).expect("open");
+        (d, r)
+    }
+
     fn dir(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!(
             "automesh-record-{name}-{}",
@@ -355,8 +366,7 @@ mod tests {
 
     #[test]
     fn an_accepted_run_survives_a_reopen_and_is_not_accepted_twice() {
-        let d = dir("reopen");
-        let r = Record::open(&d).expect("open");
+        let (d, r) = opened("reopen");
         assert!(r.accept("run-1").expect("accept"));
         assert!(!r.accept("run-1").expect("again"));
         let e = pb::RunEvent {
@@ -387,8 +397,7 @@ mod tests {
 
     #[test]
     fn a_torn_last_line_loses_only_that_line() {
-        let d = dir("torn");
-        let r = Record::open(&d).expect("open");
+        let (d, r) = opened("torn");
         assert!(r.accept("run-2").expect("accept"));
         drop(r);
         let mut f = std::fs::OpenOptions::new()
@@ -404,8 +413,7 @@ mod tests {
 
     #[test]
     fn a_held_run_survives_a_reopen_unstarted_and_is_started_once() {
-        let d = dir("held");
-        let r = Record::open(&d).expect("open");
+        let (d, r) = opened("held");
         assert!(r.hold("run-3", b"assignment").expect("hold"));
         assert!(!r.hold("run-3", b"assignment").expect("held already"));
         drop(r);
@@ -429,8 +437,7 @@ mod tests {
 
     #[test]
     fn run_ids_cannot_escape_the_directory() {
-        let d = dir("escape");
-        let r = Record::open(&d).expect("open");
+        let (d, r) = opened("escape");
         assert!(r.accept("../etc/passwd").is_err());
         let _ = std::fs::remove_dir_all(&d);
     }

@@ -112,11 +112,8 @@ async fn drive(
             format!("model {} is not authorised for the owner", run.model),
         ));
     }
-    if token_expired(run.connect_token_expires_at) {
-        return Ending::Failed(CodedError::new(
-            ErrorCode::ConnectTokenExpired,
-            "the run's Connect token expired before the run started",
-        ));
+    if let Some(expired) = expired_token(run, "before the run started") {
+        return expired;
     }
     let provider = match Provider::new(run.provider.clone()) {
         Ok(p) => p,
@@ -131,6 +128,14 @@ async fn drive(
     let ending = steps_loop(run, &provider, &connect, events, cancel, usage, steps).await;
     connect.close().await;
     ending
+}
+
+/// The run's end when its Connect token has expired (`when`, in words).
+fn expired_token(run: &NativeRun, when: &str) -> Option<Ending> {
+    token_expired(run.connect_token_expires_at).then(|| {
+        let message = format!("the run's Connect token expired {when}");
+        Ending::Failed(CodedError::new(ErrorCode::ConnectTokenExpired, message))
+    })
 }
 
 async fn emit(events: &mpsc::Sender<EngineEvent>, e: EngineEvent) {
@@ -165,11 +170,8 @@ async fn steps_loop(
                 format!("the loop reached its limit of {} steps", run.max_steps),
             ));
         }
-        if token_expired(run.connect_token_expires_at) {
-            return Ending::Failed(CodedError::new(
-                ErrorCode::ConnectTokenExpired,
-                "the run's Connect token expired during the run",
-            ));
+        if let Some(expired) = expired_token(run, "during the run") {
+            return expired;
         }
         *steps += 1;
         let step = *steps;

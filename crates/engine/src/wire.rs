@@ -6,11 +6,37 @@ use automesh_domain::ErrorCode;
 use automesh_proto::v1 as pb;
 use automesh_rpc::convert;
 
-use crate::adapter::{Ending, EngineEvent, Outcome};
+use crate::adapter::{Ending, EngineAdapter, EngineEvent, EngineRequest, Outcome};
 
 /// Now, as a protobuf timestamp.
 pub fn now_ts() -> prost_types::Timestamp {
     convert::timestamp(chrono::Utc::now())
+}
+
+/// How many engine events may wait to be put on the wire.
+const ENGINE_EVENTS: usize = 64;
+
+/// Runs `request` on `engine` to its outcome, handing each of its events,
+/// as run `run_id`'s wire event, to `each` in order (checkpoints stay local).
+pub async fn run_forwarding<F: std::future::Future<Output = ()>>(
+    engine: &dyn EngineAdapter,
+    request: EngineRequest,
+    run_id: &str,
+    stop: tokio_util::sync::CancellationToken,
+    mut each: impl FnMut(pb::RunEvent) -> F,
+) -> Outcome {
+    let (tx, mut rx) = tokio::sync::mpsc::channel(ENGINE_EVENTS);
+    let forward = async {
+        let mut n = 0;
+        while let Some(e) = rx.recv().await {
+            n += 1;
+            if let Some(event) = run_event(run_id, n, &e) {
+                each(event).await;
+            }
+        }
+    };
+    let (outcome, ()) = tokio::join!(engine.run(request, tx, stop), forward);
+    outcome
 }
 
 /// The wire event for an engine event (checkpoints stay local).

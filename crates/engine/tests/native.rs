@@ -125,31 +125,15 @@ async fn happy_path(stream: bool) {
         .map(|(n, _)| n.clone())
         .collect();
     assert_eq!(calls, PAIR);
+    // A checkpoint stays local: it has no run event payload.
     let kinds: Vec<&str> = events
         .iter()
-        .map(|e| match e {
-            EngineEvent::AssistantText { .. } => "text",
-            EngineEvent::ToolCall { .. } => "call",
-            EngineEvent::ToolResult { .. } => "result",
-            EngineEvent::Usage { .. } => "usage",
-            EngineEvent::Checkpoint(_) => "checkpoint",
-            EngineEvent::Permission { .. } => "permission",
-        })
+        .map(|e| e.payload().map_or("checkpoint", |p| p.kind()))
         .collect();
+    let step = ["usage", "tool_call", "tool_result", "checkpoint"];
     assert_eq!(
         kinds,
-        [
-            "usage",
-            "call",
-            "result",
-            "checkpoint",
-            "usage",
-            "call",
-            "result",
-            "checkpoint",
-            "usage",
-            "text"
-        ]
+        [&step[..], &step[..], &["usage", "assistant_text"]].concat()
     );
     // The provider saw the two reviewed tools, and the guidance.
     let first = &p.bodies.lock().expect("lock")[0];

@@ -1,18 +1,21 @@
 //! The executor kit: what every executor of the executor contract
 //! (`automesh.executor.v1` — the desktop-runner-gateway, the cloud lifecycle
-//! service, the test executor) does alike. A `StartRun` is checked the same
-//! way everywhere ([`run_spec`]), and an `ObserveRun` stream is fed through
-//! one [`Observer`]: a status only when it changed, events in order, and the
-//! stream ends when the observer leaves.
+//! service, the test executor) does alike. An executor implements
+//! [`Executor`] in plain terms and [`Contract`] answers the contract's four
+//! calls for it: a `StartRun` is checked the same way everywhere
+//! ([`run_spec`]), a cancellation always carries a reason, and an
+//! `ObserveRun` stream is fed through one [`Observer`]: a status only when it
+//! changed, events in order, and the stream ends when the observer leaves.
 
 use std::pin::Pin;
 
 use automesh_domain::Violations;
 use automesh_proto::executor::v1 as epb;
+use automesh_proto::executor::v1::executor_service_server::ExecutorService;
 use automesh_proto::v1 as pb;
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
-use tonic::Status;
+use tonic::{Request, Response, Status};
 
 use crate::status;
 
@@ -62,6 +65,81 @@ impl Update for automesh_proto::agent::v1::ObserveThreadResponse {
         Self {
             update: Some(Update::Event(event)),
         }
+    }
+}
+
+/// What one executor of the executor contract does; [`Contract`] serves the
+/// contract for it.
+#[tonic::async_trait]
+pub trait Executor: Send + Sync + 'static {
+    /// Starts a checked run, idempotently by its run and message ids:
+    /// whether this call submitted it, and its status now.
+    async fn start(&self, spec: epb::RunSpec) -> Result<(bool, epb::ExecutionStatus), Status>;
+
+    /// The run's events after sequence `after`, then its status until it
+    /// finishes.
+    async fn observe(&self, run_id: String, after: i64) -> Result<ObserveStream, Status>;
+
+    /// Asks for the run to be cancelled for `reason` (never empty); its
+    /// status now.
+    async fn cancel(&self, run_id: &str, reason: &str) -> Result<epb::ExecutionStatus, Status>;
+
+    /// The run's status ([`unknown_status`] for a run it does not know).
+    async fn status(&self, run_id: &str) -> Result<epb::ExecutionStatus, Status>;
+}
+
+/// The executor contract's server for any [`Executor`].
+#[derive(Debug, Clone)]
+pub struct Contract<E>(pub E);
+
+/// The reason a cancellation without one is given.
+const CANCELLED: &str = "cancelled";
+
+#[tonic::async_trait]
+impl<E: Executor> ExecutorService for Contract<E> {
+    async fn start_run(
+        &self,
+        request: Request<epb::StartRunRequest>,
+    ) -> Result<Response<epb::StartRunResponse>, Status> {
+        let (submitted, status) = self.0.start(run_spec(request.into_inner())?).await?;
+        Ok(Response::new(epb::StartRunResponse {
+            submitted,
+            status: Some(status),
+        }))
+    }
+
+    type ObserveRunStream = ObserveStream;
+
+    async fn observe_run(
+        &self,
+        request: Request<epb::ObserveRunRequest>,
+    ) -> Result<Response<ObserveStream>, Status> {
+        let req = request.into_inner();
+        Ok(Response::new(
+            self.0.observe(req.run_id, req.after_sequence).await?,
+        ))
+    }
+
+    async fn cancel_run(
+        &self,
+        request: Request<epb::CancelRunRequest>,
+    ) -> Result<Response<epb::CancelRunResponse>, Status> {
+        let req = request.into_inner();
+        let reason = Some(req.reason.as_str()).filter(|r| !r.is_empty());
+        let status = self.0.cancel(&req.run_id, reason.unwrap_or(CANCELLED));
+        Ok(Response::new(epb::CancelRunResponse {
+            status: Some(status.await?),
+        }))
+    }
+
+    async fn get_run_status(
+        &self,
+        request: Request<epb::GetRunStatusRequest>,
+    ) -> Result<Response<epb::GetRunStatusResponse>, Status> {
+        let status = self.0.status(&request.into_inner().run_id).await?;
+        Ok(Response::new(epb::GetRunStatusResponse {
+            status: Some(status),
+        }))
     }
 }
 
@@ -156,12 +234,58 @@ impl<M: Update> Observer<M> {
     }
 }
 
+impl<M: Update> Observer<M> {
+    /// Feeds the stream from `read` until it ends: `read` gives what
+    /// happened after a sequence — the events, then the status now — or
+    /// `None` once there is nothing to observe. The events go out first,
+    /// then the status; the stream ends after a status `is_end` calls the
+    /// last, or when the observer leaves. Between reads it waits for
+    /// `changed` or at most `poll`.
+    pub async fn follow(
+        mut self,
+        mut after: i64,
+        changed: &tokio::sync::Notify,
+        poll: std::time::Duration,
+        mut read: impl FnMut(i64) -> Option<(Vec<pb::RunEvent>, M::Status)> + Send,
+        is_end: impl Fn(&M::Status) -> bool + Send,
+    ) {
+        loop {
+            let notified = changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let Some((events, status)) = read(after) else {
+                return;
+            };
+            for event in events {
+                after = event.sequence;
+                if !self.event(event).await {
+                    return;
+                }
+            }
+            let end = is_end(&status);
+            if !self.status(status).await || end || !self.wait(notified, poll).await {
+                return;
+            }
+        }
+    }
+}
+
 /// The status of a run this executor does not know: idle, no outcome.
 pub fn unknown_status() -> epb::ExecutionStatus {
     epb::ExecutionStatus {
         phase: epb::ExecutionPhase::Unknown as i32,
         idle: true,
         outcome: None,
+        unaccepted: false,
+    }
+}
+
+/// The status of a run that finished with `outcome`.
+pub fn finished(outcome: epb::Outcome) -> epb::ExecutionStatus {
+    epb::ExecutionStatus {
+        phase: epb::ExecutionPhase::Finished as i32,
+        idle: true,
+        outcome: Some(outcome),
         unaccepted: false,
     }
 }

@@ -66,7 +66,7 @@ pub fn context_from_traceparent(traceparent: &str) -> Context {
 
 /// Makes `span` a child of the run trace named by `traceparent`.
 pub fn continue_trace(span: &tracing::Span, traceparent: Option<&str>) {
-    if let Some(tp) = traceparent {
+    if let Some(tp) = traceparent.filter(|tp| !tp.is_empty()) {
         let _ = span.set_parent(context_from_traceparent(tp));
     }
 }

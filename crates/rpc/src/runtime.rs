@@ -178,6 +178,38 @@ pub fn config_from_args<C: clap::Args>(args: &[&str]) -> anyhow::Result<C> {
     Ok(C::from_arg_matches(&matches)?)
 }
 
+/// The native engine's flags, alike in every process that runs it (the
+/// desktop runner, the worker agent): its OpenAI-compatible model provider
+/// and the bounds of its loop.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ProviderFlags {
+    /// Native engine: the OpenAI-compatible provider's base URL.
+    #[arg(long, env = "AUTOMESH_PROVIDER_URL", default_value = "https://api.openai.com/v1")]
+    pub provider_url: String,
+    /// Native engine: the provider's API key (sent only as a header).
+    #[arg(
+        long,
+        env = "AUTOMESH_PROVIDER_API_KEY",
+        hide_env_values = true,
+        default_value = ""
+    )]
+    pub provider_key: crate::auth::Secret,
+    /// Native engine: use streaming completions.
+    #[arg(long, env = "AUTOMESH_PROVIDER_STREAM")]
+    pub stream: bool,
+    /// Native engine: bound on one provider request.
+    #[arg(
+        long,
+        env = "AUTOMESH_PROVIDER_REQUEST_TIMEOUT",
+        default_value = "120s",
+        value_parser = parse_duration
+    )]
+    pub request_timeout: std::time::Duration,
+    /// Native engine: the agent loop's step limit.
+    #[arg(long, env = "AUTOMESH_MAX_STEPS", default_value_t = 32)]
+    pub max_steps: u32,
+}
+
 /// The model catalogue flag the gateway, the run-coordinator and `dev`
 /// share: the file is read as the flags are parsed, so a bad catalogue
 /// stops a service before it serves.

@@ -11,9 +11,12 @@ use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing::subscriber::Interest;
+use tracing::{Metadata, span};
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::Layer;
 use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::layer::{Context, Filter};
 use tracing_subscriber::util::SubscriberInitExt;
 
 /// A per-layer filter whose callsites are never cached as "always".
@@ -28,32 +31,21 @@ use tracing_subscriber::util::SubscriberInitExt;
 /// "sometimes", `enabled` runs before every event and the state is fresh.
 pub struct Fresh<F>(pub F);
 
-impl<S, F: tracing_subscriber::layer::Filter<S>> tracing_subscriber::layer::Filter<S> for Fresh<F> {
-    fn enabled(
-        &self,
-        meta: &tracing::Metadata<'_>,
-        cx: &tracing_subscriber::layer::Context<'_, S>,
-    ) -> bool {
+impl<S, F: Filter<S>> Filter<S> for Fresh<F> {
+    fn enabled(&self, meta: &Metadata<'_>, cx: &Context<'_, S>) -> bool {
         self.0.enabled(meta, cx)
     }
 
-    fn callsite_enabled(
-        &self,
-        meta: &'static tracing::Metadata<'static>,
-    ) -> tracing::subscriber::Interest {
+    fn callsite_enabled(&self, meta: &'static Metadata<'static>) -> Interest {
         let interest = self.0.callsite_enabled(meta);
         if interest.is_never() {
             interest
         } else {
-            tracing::subscriber::Interest::sometimes()
+            Interest::sometimes()
         }
     }
 
-    fn event_enabled(
-        &self,
-        event: &tracing::Event<'_>,
-        cx: &tracing_subscriber::layer::Context<'_, S>,
-    ) -> bool {
+    fn event_enabled(&self, event: &tracing::Event<'_>, cx: &Context<'_, S>) -> bool {
         self.0.event_enabled(event, cx)
     }
 
@@ -61,33 +53,23 @@ impl<S, F: tracing_subscriber::layer::Filter<S>> tracing_subscriber::layer::Filt
         self.0.max_level_hint()
     }
 
-    fn on_new_span(
-        &self,
-        attrs: &tracing::span::Attributes<'_>,
-        id: &tracing::span::Id,
-        cx: tracing_subscriber::layer::Context<'_, S>,
-    ) {
+    fn on_new_span(&self, attrs: &span::Attributes<'_>, id: &span::Id, cx: Context<'_, S>) {
         self.0.on_new_span(attrs, id, cx);
     }
 
-    fn on_record(
-        &self,
-        id: &tracing::span::Id,
-        values: &tracing::span::Record<'_>,
-        cx: tracing_subscriber::layer::Context<'_, S>,
-    ) {
+    fn on_record(&self, id: &span::Id, values: &span::Record<'_>, cx: Context<'_, S>) {
         self.0.on_record(id, values, cx);
     }
 
-    fn on_enter(&self, id: &tracing::span::Id, cx: tracing_subscriber::layer::Context<'_, S>) {
+    fn on_enter(&self, id: &span::Id, cx: Context<'_, S>) {
         self.0.on_enter(id, cx);
     }
 
-    fn on_exit(&self, id: &tracing::span::Id, cx: tracing_subscriber::layer::Context<'_, S>) {
+    fn on_exit(&self, id: &span::Id, cx: Context<'_, S>) {
         self.0.on_exit(id, cx);
     }
 
-    fn on_close(&self, id: tracing::span::Id, cx: tracing_subscriber::layer::Context<'_, S>) {
+    fn on_close(&self, id: span::Id, cx: Context<'_, S>) {
         self.0.on_close(id, cx);
     }
 }

@@ -2,14 +2,12 @@
 
 use automesh_domain::automation::{Automation, NewAutomation};
 use automesh_domain::schedule::{Schedule, ScheduleRecord};
-use automesh_domain::{ErrorCode, Principal};
+use automesh_domain::{Attention, ErrorCode, Principal};
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
 use crate::page::{Cursor, Page};
-use crate::rows::{
-    instant, int, micros, opt_instant, opt_micros, opt_parsed, opt_text, parsed, text,
-};
+use crate::rows::{self, col, micros, opt_micros};
 use crate::{Result, Store, StoreError};
 
 /// The columns every automation query reads, in `decode`'s terms.
@@ -26,22 +24,16 @@ const INSERT: &str = "INSERT INTO automations (id, org_id, owner_id, name, promp
      created_at, updated_at) \
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'active', NULL, NULL, 1, $10, $11, $11)";
 
-const GET: &str = concat!(
-    "SELECT ",
-    automation_columns!(),
-    " FROM automations WHERE id = $1 AND org_id = $2 AND owner_id = $3"
+const GET: &str = rows::select!(
+    automation_columns,
+    "FROM automations WHERE id = $1 AND org_id = $2 AND owner_id = $3"
 );
 
-const GET_UNSCOPED: &str = concat!(
-    "SELECT ",
-    automation_columns!(),
-    " FROM automations WHERE id = $1"
-);
+const GET_UNSCOPED: &str = rows::select!(automation_columns, "FROM automations WHERE id = $1");
 
-const LIST: &str = concat!(
-    "SELECT ",
-    automation_columns!(),
-    " FROM automations \
+const LIST: &str = rows::select!(
+    automation_columns,
+    "FROM automations \
      WHERE org_id = $1 AND owner_id = $2 \
        AND (created_at < $3 OR (created_at = $3 AND id < $4)) \
        AND ($5 = 1 OR state <> 'archived') \
@@ -55,28 +47,16 @@ const UPDATE_IF_VERSION: &str = "UPDATE automations SET name = $4, prompt = $5, 
      WHERE id = $1 AND org_id = $2 AND owner_id = $3 AND version = $13";
 
 pub(crate) fn decode(row: &AnyRow) -> Result<Automation> {
-    let schedule_json = text(row, "schedule")?;
-    let record: ScheduleRecord = serde_json::from_str(&schedule_json)
-        .map_err(|e| StoreError::Corrupt(format!("schedule: {e}")))?;
-    let schedule = Schedule::try_from(record).map_err(StoreError::Corrupt)?;
-    Ok(Automation {
-        id: text(row, "id")?,
-        org_id: text(row, "org_id")?,
-        owner_id: text(row, "owner_id")?,
-        name: text(row, "name")?,
-        prompt: text(row, "prompt")?,
-        model: text(row, "model")?,
-        placement: parsed(row, "placement")?,
-        surface: parsed(row, "surface")?,
-        schedule,
-        state: parsed(row, "state")?,
-        attention_reason: opt_parsed::<ErrorCode>(row, "attention_reason")?,
-        attention_message: opt_text(row, "attention_message")?,
-        version: int(row, "version")?,
-        next_run_at: opt_instant(row, "next_run_at")?,
-        created_at: instant(row, "created_at")?,
-        updated_at: instant(row, "updated_at")?,
-    })
+    let reason: Option<ErrorCode> = col(row, "attention_reason")?;
+    let message: Option<String> = col(row, "attention_message")?;
+    let attention = reason.map(|reason| Attention {
+        reason,
+        message: message.unwrap_or_default(),
+    });
+    rows::columns! { row => Automation {
+        id, org_id, owner_id, name, prompt, model, placement, surface, schedule, state, version,
+        next_run_at, created_at, updated_at; attention
+    } }
 }
 
 fn schedule_json(s: &Schedule) -> String {
@@ -92,34 +72,32 @@ impl Store {
         next_run_at: Option<DateTime<Utc>>,
         now: DateTime<Utc>,
     ) -> Result<Automation> {
-        for (field, value) in [
+        crate::error::storable(&[
             ("id", &new.id),
             ("name", &new.name),
             ("prompt", &new.prompt),
             ("model", &new.model),
-        ] {
-            crate::error::storable(field, value)?;
-        }
-        sqlx::query(INSERT)
-            .bind(&new.id)
-            .bind(&new.org_id)
-            .bind(&new.owner_id)
-            .bind(&new.name)
-            .bind(&new.prompt)
-            .bind(&new.model)
-            .bind(new.placement().as_str())
-            .bind(new.surface.as_str())
-            .bind(schedule_json(&new.schedule))
-            .bind(opt_micros(next_run_at))
-            .bind(micros(now))
-            .execute(self.db())
-            .await?;
+        ])?;
+        let params = (
+            &new.id,
+            &new.owner.org_id,
+            &new.owner.user_id,
+            &new.name,
+            &new.prompt,
+            &new.model,
+            new.placement().as_str(),
+            new.surface.as_str(),
+            schedule_json(&new.schedule),
+            opt_micros(next_run_at),
+            micros(now),
+        );
+        rows::execute(self.db(), INSERT, params).await?;
         self.internal().get_automation(&new.id).await
     }
 
     /// One automation of `owner`; another tenant's answers `NotFound`.
     pub async fn get_automation(&self, owner: &Principal, id: &str) -> Result<Automation> {
-        crate::rows::owned(self.db(), GET, owner, id, decode).await
+        rows::owned(self.db(), GET, owner, id, decode).await
     }
 
     /// A page of `owner`'s automations, newest first.
@@ -130,17 +108,14 @@ impl Store {
         limit: u32,
         show_archived: bool,
     ) -> Result<Page<Automation>> {
-        let rows = sqlx::query(LIST)
-            .bind(&owner.org_id)
-            .bind(&owner.user_id)
-            .bind(after.created_micros)
-            .bind(&after.id)
-            .bind(i64::from(show_archived))
-            .bind(i64::from(limit) + 1)
-            .fetch_all(self.db())
-            .await?;
-        let items = rows.iter().map(decode).collect::<Result<Vec<_>>>()?;
-        Ok(Page::from_rows(items, limit))
+        let params = (
+            &owner.org_id,
+            &owner.user_id,
+            after.created_micros,
+            &after.id,
+            i64::from(show_archived),
+        );
+        rows::page(self.db(), LIST, params, limit, decode).await
     }
 
     /// Writes the mutable fields of `updated` if the stored version is still
@@ -152,32 +127,27 @@ impl Store {
         expected_version: i64,
         now: DateTime<Utc>,
     ) -> Result<Automation> {
-        for (field, value) in [
-            ("name", &updated.name),
-            ("prompt", &updated.prompt),
-            ("model", &updated.model),
-        ] {
-            crate::error::storable(field, value)?;
-        }
-        let done = sqlx::query(UPDATE_IF_VERSION)
-            .bind(&updated.id)
-            .bind(&updated.org_id)
-            .bind(&updated.owner_id)
-            .bind(&updated.name)
-            .bind(&updated.prompt)
-            .bind(&updated.model)
-            .bind(schedule_json(&updated.schedule))
-            .bind(updated.state.as_str())
-            .bind(updated.attention_reason.map(|c| c.as_str()))
-            .bind(updated.attention_message.as_deref())
-            .bind(opt_micros(updated.next_run_at))
-            .bind(micros(now))
-            .bind(expected_version)
-            .execute(self.db())
-            .await?;
+        let (name, prompt, model) = (&updated.name, &updated.prompt, &updated.model);
+        crate::error::storable(&[("name", name), ("prompt", prompt), ("model", model)])?;
+        let params = (
+            &updated.id,
+            &updated.org_id,
+            &updated.owner_id,
+            &updated.name,
+            &updated.prompt,
+            &updated.model,
+            schedule_json(&updated.schedule),
+            updated.state.as_str(),
+            updated.attention.as_ref().map(|x| x.reason.as_str()),
+            updated.attention.as_ref().map(|x| x.message.as_str()),
+            opt_micros(updated.next_run_at),
+            micros(now),
+            expected_version,
+        );
+        let written = rows::changed_one(self.db(), UPDATE_IF_VERSION, params).await?;
         let owner = Principal::new(&updated.org_id, &updated.owner_id);
         let stored = self.get_automation(&owner, &updated.id).await?;
-        if done.rows_affected() == 1 {
+        if written {
             Ok(stored)
         } else {
             Err(StoreError::VersionConflict {
@@ -190,6 +160,6 @@ impl Store {
 impl crate::Internal<'_> {
     /// One automation by id, for internal callers that act for no user.
     pub async fn get_automation(self, id: &str) -> Result<Automation> {
-        crate::rows::by_id(self.db(), GET_UNSCOPED, id, decode).await
+        rows::by_id(self.db(), GET_UNSCOPED, id, decode).await
     }
 }

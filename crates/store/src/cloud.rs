@@ -10,10 +10,11 @@
 //! (`last_active_at`) with an update that refuses a stopping worker — the
 //! two updates serialise on the worker's row.
 
+use automesh_domain::WorkerState;
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
-use crate::rows::{from_hex, int, micros, opt_text, text, to_hex};
+use crate::rows::{self, col, micros, to_hex};
 use crate::{Result, Store, StoreError};
 
 /// What a wake found.
@@ -28,6 +29,42 @@ pub enum Wake {
     Ready { endpoint: String, agent_id: String },
     /// It is being stopped; wake again once it is stopped.
     Stopping,
+}
+
+/// A guarded move of a cloud worker's state, applied only from the state it
+/// names and, where it names one, only for the holder of the worker's start
+/// or the agent it names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerMove<'a> {
+    /// `starter` renews its claim on the worker's start until `until`.
+    RenewStart {
+        starter: &'a str,
+        until: DateTime<Utc>,
+    },
+    /// The worker `starter` started is ready: `agent_id` answers at
+    /// `endpoint`. Refused when the start was taken over meanwhile.
+    Ready {
+        starter: &'a str,
+        endpoint: &'a str,
+        agent_id: &'a str,
+    },
+    /// The start `starter` holds failed.
+    StartFailed { starter: &'a str },
+    /// The agent `agent_id` of a ready worker stopped answering: the worker
+    /// must be woken afresh. Applies for the one caller that marks it, and
+    /// not once the worker has a different agent.
+    Lost { agent_id: &'a str },
+    /// The worker failed (while it was being stopped, say).
+    Failed,
+    /// The worker is in use now; refused unless it is ready or starting (a
+    /// stopping or stopped worker must be woken again).
+    Touch,
+    /// An idle worker starts stopping — only if it is still ready, unused
+    /// since `cutoff`, and has no live run. When it applies, the caller must
+    /// now stop it.
+    BeginStop { cutoff: DateTime<Utc> },
+    /// The worker this caller was stopping is stopped.
+    Stopped,
 }
 
 /// A ready worker and the agent that answers for it.
@@ -45,7 +82,21 @@ const CLAIM_START: &str = "UPDATE cloud_workers SET state = 'starting', endpoint
 const RENEW_START: &str = "UPDATE cloud_workers SET start_until = $3 \
      WHERE id = $1 AND state = 'starting' AND starter = $2";
 
-const STATE: &str = "SELECT state, endpoint, agent_id FROM cloud_workers WHERE id = $1";
+const STATE: &str = "SELECT id, state, endpoint, agent_id FROM cloud_workers WHERE id = $1";
+
+/// A worker's state, and its agent when it has one.
+fn decode_state(row: &AnyRow) -> Result<(WorkerState, Option<ReadyWorker>)> {
+    let agent = (col(row, "endpoint")?, col(row, "agent_id")?);
+    let ready = match agent {
+        (Some(endpoint), Some(agent_id)) => Some(ReadyWorker {
+            id: col(row, "id")?,
+            endpoint,
+            agent_id,
+        }),
+        _ => None,
+    };
+    Ok((col(row, "state")?, ready))
+}
 
 const READY: &str = "UPDATE cloud_workers SET state = 'ready', endpoint = $3, agent_id = $4, \
      updated_at = $5, last_active_at = $5 WHERE id = $1 AND state = 'starting' AND starter = $2";
@@ -65,7 +116,7 @@ const TOUCH: &str = "UPDATE cloud_workers SET last_active_at = $2 \
 const IDLE_CANDIDATES: &str = "SELECT id FROM cloud_workers \
      WHERE state = 'ready' AND last_active_at < $1 ORDER BY last_active_at LIMIT 100";
 
-const READY_WORKERS: &str = "SELECT id, endpoint, agent_id FROM cloud_workers \
+const READY_WORKERS: &str = "SELECT id, state, endpoint, agent_id FROM cloud_workers \
      WHERE state = 'ready' AND endpoint IS NOT NULL AND agent_id IS NOT NULL ORDER BY id LIMIT $1";
 
 const BEGIN_STOP: &str = "UPDATE cloud_workers SET state = 'stopping', updated_at = $3 \
@@ -100,37 +151,17 @@ const FINISH: &str = "UPDATE cloud_dispatch SET phase = 'finished', outcome = $2
 const CANCEL: &str =
     "UPDATE cloud_dispatch SET cancel_requested = 1, updated_at = $2 WHERE run_id = $1";
 
-/// Where a cloud run's admission is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CloudPhase {
-    /// Reserved; its worker is being woken.
-    Waking,
-    /// Its worker is ready; the message is not submitted yet.
-    Admitted,
-    /// The message was submitted to the worker's agent.
-    Running,
-    /// The outcome is recorded.
-    Finished,
-}
-
-impl CloudPhase {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CloudPhase::Waking => "waking",
-            CloudPhase::Admitted => "admitted",
-            CloudPhase::Running => "running",
-            CloudPhase::Finished => "finished",
-        }
-    }
-
-    fn parse(s: &str) -> Result<Self> {
-        match s {
-            "waking" => Ok(CloudPhase::Waking),
-            "admitted" => Ok(CloudPhase::Admitted),
-            "running" => Ok(CloudPhase::Running),
-            "finished" => Ok(CloudPhase::Finished),
-            other => Err(StoreError::Corrupt(format!("cloud phase {other:?}"))),
-        }
+automesh_domain::string_enum! {
+    /// Where a cloud run's admission is.
+    CloudPhase {
+        /// Reserved; its worker is being woken.
+        Waking => "waking",
+        /// Its worker is ready; the message is not submitted yet.
+        Admitted => "admitted",
+        /// The message was submitted to the worker's agent.
+        Running => "running",
+        /// The outcome is recorded.
+        Finished => "finished",
     }
 }
 
@@ -153,23 +184,10 @@ pub struct CloudDispatch {
 }
 
 fn decode(row: &AnyRow) -> Result<CloudDispatch> {
-    Ok(CloudDispatch {
-        run_id: text(row, "run_id")?,
-        org_id: text(row, "org_id")?,
-        owner_id: text(row, "owner_id")?,
-        worker_id: text(row, "worker_id")?,
-        workspace_id: text(row, "workspace_id")?,
-        thread_id: text(row, "thread_id")?,
-        message_id: text(row, "message_id")?,
-        spec: from_hex(&text(row, "spec")?)?,
-        phase: CloudPhase::parse(&text(row, "phase")?)?,
-        outcome: opt_text(row, "outcome")?
-            .map(|h| from_hex(&h))
-            .transpose()?,
-        cancel_requested: int(row, "cancel_requested")? != 0,
-        wake_micros: int(row, "wake_micros")?,
-        admission_micros: int(row, "admission_micros")?,
-    })
+    rows::columns! { row => CloudDispatch {
+        run_id, org_id, owner_id, worker_id, workspace_id, thread_id, message_id, spec, phase,
+        outcome, cancel_requested, wake_micros, admission_micros,
+    } }
 }
 
 /// A new reservation.
@@ -196,182 +214,98 @@ impl Store {
         until: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> Result<Wake> {
-        let done = sqlx::query(CLAIM_START)
-            .bind(worker_id)
-            .bind(micros(now))
-            .bind(starter)
-            .bind(micros(until))
-            .execute(self.db())
-            .await?;
-        if done.rows_affected() == 1 {
+        let params = (worker_id, micros(now), starter, micros(until));
+        if rows::changed_one(self.db(), CLAIM_START, params).await? {
             return Ok(Wake::Start);
         }
-        let row = sqlx::query(STATE)
-            .bind(worker_id)
-            .fetch_optional(self.db())
-            .await?
-            .ok_or(StoreError::NotFound)?;
-        Ok(match text(&row, "state")?.as_str() {
-            "ready" => match (opt_text(&row, "endpoint")?, opt_text(&row, "agent_id")?) {
-                (Some(endpoint), Some(agent_id)) => Wake::Ready { endpoint, agent_id },
-                _ => Wake::Starting,
+        let state = rows::optional(self.db(), STATE, (worker_id,), decode_state).await?;
+        Ok(match state.ok_or(StoreError::NotFound)? {
+            (WorkerState::Ready, Some(ready)) => Wake::Ready {
+                endpoint: ready.endpoint,
+                agent_id: ready.agent_id,
             },
-            "stopping" => Wake::Stopping,
+            (WorkerState::Stopping, _) => Wake::Stopping,
             _ => Wake::Starting,
         })
     }
 
-    /// Renews `starter`'s claim on a worker's start; false once it lost it.
-    pub async fn renew_worker_start(
-        &self,
-        worker_id: &str,
-        starter: &str,
-        until: DateTime<Utc>,
-    ) -> Result<bool> {
-        crate::rows::changed_one(self.db(), RENEW_START, (worker_id, starter, micros(until))).await
-    }
-
     /// The endpoint of a ready worker and the agent that answers there.
     pub async fn worker_endpoint(&self, worker_id: &str) -> Result<Option<ReadyWorker>> {
-        let row = sqlx::query(STATE)
-            .bind(worker_id)
-            .fetch_optional(self.db())
-            .await?;
-        match row {
-            Some(row) if text(&row, "state")? == "ready" => Ok(
-                match (opt_text(&row, "endpoint")?, opt_text(&row, "agent_id")?) {
-                    (Some(endpoint), Some(agent_id)) => Some(ReadyWorker {
-                        id: worker_id.to_owned(),
-                        endpoint,
-                        agent_id,
-                    }),
-                    _ => None,
-                },
-            ),
-            _ => Ok(None),
-        }
-    }
-
-    /// The worker `starter` started is ready: `agent_id` answers at
-    /// `endpoint`. False when the start was taken over meanwhile.
-    pub async fn worker_ready(
-        &self,
-        worker_id: &str,
-        starter: &str,
-        endpoint: &str,
-        agent_id: &str,
-        now: DateTime<Utc>,
-    ) -> Result<bool> {
-        crate::rows::changed_one(
-            self.db(),
-            READY,
-            (worker_id, starter, endpoint, agent_id, micros(now)),
+        Ok(
+            match rows::optional(self.db(), STATE, (worker_id,), decode_state).await? {
+                Some((WorkerState::Ready, ready)) => ready,
+                _ => None,
+            },
         )
-        .await
-    }
-
-    /// The start `starter` holds failed.
-    pub async fn worker_start_failed(
-        &self,
-        worker_id: &str,
-        starter: &str,
-        now: DateTime<Utc>,
-    ) -> Result<bool> {
-        crate::rows::changed_one(self.db(), START_FAILED, (worker_id, starter, micros(now))).await
-    }
-
-    /// The agent `agent_id` of a ready worker stopped answering: the worker
-    /// must be woken afresh. True for the one caller that marked it; false
-    /// when another did, or the worker has a different agent by now.
-    pub async fn worker_lost(
-        &self,
-        worker_id: &str,
-        agent_id: &str,
-        now: DateTime<Utc>,
-    ) -> Result<bool> {
-        crate::rows::changed_one(self.db(), LOST, (worker_id, agent_id, micros(now))).await
-    }
-
-    /// The worker failed (while it was being stopped, say).
-    pub async fn worker_failed(&self, worker_id: &str, now: DateTime<Utc>) -> Result<bool> {
-        crate::rows::changed_one(self.db(), FAILED, (worker_id, micros(now))).await
     }
 
     /// Up to `limit` ready workers with their agents.
     pub async fn ready_workers(&self, limit: u32) -> Result<Vec<ReadyWorker>> {
-        let rows = sqlx::query(READY_WORKERS)
-            .bind(i64::from(limit))
-            .fetch_all(self.db())
-            .await?;
-        rows.iter()
-            .map(|row| {
-                Ok(ReadyWorker {
-                    id: text(row, "id")?,
-                    endpoint: text(row, "endpoint")?,
-                    agent_id: text(row, "agent_id")?,
-                })
-            })
-            .collect()
+        let workers = rows::all(self.db(), READY_WORKERS, (i64::from(limit),), decode_state);
+        Ok(workers.await?.into_iter().filter_map(|(_, w)| w).collect())
     }
 
     /// How many workers are in each state.
     pub async fn workers_by_state(&self) -> Result<Vec<(String, i64)>> {
-        let rows = sqlx::query(BY_STATE).fetch_all(self.db()).await?;
-        rows.iter()
-            .map(|r| Ok((text(r, "state")?, int(r, "n")?)))
-            .collect()
+        rows::all(self.db(), BY_STATE, (), |r| {
+            Ok((col(r, "state")?, col(r, "n")?))
+        })
+        .await
     }
 
     /// Up to `limit` unfinished cloud runs whose driver stopped renewing its
     /// lease before `now` (its replica died): any replica resumes them.
     pub async fn undriven_cloud_runs(&self, now: DateTime<Utc>, limit: u32) -> Result<Vec<String>> {
-        Ok(sqlx::query_scalar(UNDRIVEN)
-            .bind(micros(now))
-            .bind(i64::from(limit))
-            .fetch_all(self.db())
-            .await?)
-    }
-
-    /// Marks the worker in use now; false unless it is ready or starting
-    /// (a stopping or stopped worker must be woken again).
-    pub async fn touch_worker(&self, worker_id: &str, now: DateTime<Utc>) -> Result<bool> {
-        crate::rows::changed_one(self.db(), TOUCH, (worker_id, micros(now))).await
+        let params = (micros(now), i64::from(limit));
+        rows::all(self.db(), UNDRIVEN, params, |r| col(r, "run_id")).await
     }
 
     /// Ready workers unused since before `cutoff`.
     pub async fn idle_worker_candidates(&self, cutoff: DateTime<Utc>) -> Result<Vec<String>> {
-        Ok(sqlx::query_scalar(IDLE_CANDIDATES)
-            .bind(micros(cutoff))
-            .fetch_all(self.db())
-            .await?)
-    }
-
-    /// Moves an idle worker to `stopping` — only if it is still ready, still
-    /// unused since `cutoff`, and has no live run. True when the caller must
-    /// now stop it.
-    pub async fn begin_worker_stop(
-        &self,
-        worker_id: &str,
-        cutoff: DateTime<Utc>,
-        now: DateTime<Utc>,
-    ) -> Result<bool> {
-        crate::rows::changed_one(
-            self.db(),
-            BEGIN_STOP,
-            (worker_id, micros(cutoff), micros(now)),
-        )
+        rows::all(self.db(), IDLE_CANDIDATES, (micros(cutoff),), |r| {
+            col(r, "id")
+        })
         .await
     }
 
-    /// The worker this caller was stopping is stopped.
-    pub async fn worker_stopped(&self, worker_id: &str, now: DateTime<Utc>) -> Result<bool> {
-        crate::rows::changed_one(self.db(), STOPPED, (worker_id, micros(now))).await
+    /// Makes the guarded move `m` of a worker's state: true when it applied,
+    /// false when the worker was not where the move starts from (or not the
+    /// caller's to move).
+    pub async fn move_worker(
+        &self,
+        worker_id: &str,
+        m: WorkerMove<'_>,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        let (db, at) = (self.db(), micros(now));
+        match m {
+            WorkerMove::RenewStart { starter, until } => {
+                rows::changed_one(db, RENEW_START, (worker_id, starter, micros(until))).await
+            }
+            WorkerMove::Ready {
+                starter,
+                endpoint,
+                agent_id,
+            } => rows::changed_one(db, READY, (worker_id, starter, endpoint, agent_id, at)).await,
+            WorkerMove::StartFailed { starter } => {
+                rows::changed_one(db, START_FAILED, (worker_id, starter, at)).await
+            }
+            WorkerMove::Lost { agent_id } => {
+                rows::changed_one(db, LOST, (worker_id, agent_id, at)).await
+            }
+            WorkerMove::Failed => rows::changed_one(db, FAILED, (worker_id, at)).await,
+            WorkerMove::Touch => rows::changed_one(db, TOUCH, (worker_id, at)).await,
+            WorkerMove::BeginStop { cutoff } => {
+                rows::changed_one(db, BEGIN_STOP, (worker_id, micros(cutoff), at)).await
+            }
+            WorkerMove::Stopped => rows::changed_one(db, STOPPED, (worker_id, at)).await,
+        }
     }
 
     /// Reserves a cloud run's identity; false when it was reserved before
     /// (the existing reservation stands).
     pub async fn reserve_cloud_run(&self, r: &Reservation<'_>, now: DateTime<Utc>) -> Result<bool> {
-        crate::rows::changed_one(
+        rows::changed_one(
             self.db(),
             RESERVE,
             (
@@ -391,7 +325,7 @@ impl Store {
 
     /// One cloud run's dispatch.
     pub async fn cloud_run(&self, run_id: &str) -> Result<Option<CloudDispatch>> {
-        crate::rows::maybe(self.db(), GET_DISPATCH, run_id, decode).await
+        rows::optional(self.db(), GET_DISPATCH, (run_id,), decode).await
     }
 
     /// Takes (or renews) the right to drive a cloud run's admission until
@@ -403,7 +337,7 @@ impl Store {
         until: DateTime<Utc>,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        crate::rows::changed_one(
+        rows::changed_one(
             self.db(),
             TAKE_DRIVE,
             (run_id, owner, micros(until), micros(now)),
@@ -420,7 +354,7 @@ impl Store {
         admission_micros: i64,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        crate::rows::changed_one(
+        rows::changed_one(
             self.db(),
             SET_PHASE,
             (
@@ -441,11 +375,11 @@ impl Store {
         outcome: &[u8],
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        crate::rows::changed_one(self.db(), FINISH, (run_id, to_hex(outcome), micros(now))).await
+        rows::changed_one(self.db(), FINISH, (run_id, to_hex(outcome), micros(now))).await
     }
 
     /// Asks for a cloud run to be cancelled.
     pub async fn cancel_cloud_run(&self, run_id: &str, now: DateTime<Utc>) -> Result<bool> {
-        crate::rows::changed_one(self.db(), CANCEL, (run_id, micros(now))).await
+        rows::changed_one(self.db(), CANCEL, (run_id, micros(now))).await
     }
 }

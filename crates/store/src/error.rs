@@ -65,13 +65,13 @@ impl automesh_domain::Failure for StoreError {
 
 /// Refuses text no backend may store: PostgreSQL cannot hold U+0000 in
 /// text, so SQLite is not allowed to either, and both give one answer.
-pub(crate) fn storable(field: &str, value: &str) -> Result<()> {
-    if value.contains('\0') {
-        return Err(StoreError::Refused(format!(
+pub(crate) fn storable(texts: &[(&str, &str)]) -> Result<()> {
+    match texts.iter().find(|(_, value)| value.contains('\0')) {
+        Some((field, _)) => Err(StoreError::Refused(format!(
             "{field} contains the NUL character (U+0000)"
-        )));
+        ))),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// PostgreSQL's SQLSTATE for a refused CHECK (and the schema's triggers).

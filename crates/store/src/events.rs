@@ -8,7 +8,7 @@ use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 use sqlx::{Any, Transaction};
 
-use crate::rows::{instant, int, micros, text};
+use crate::rows::{self, col, micros};
 use crate::{Result, Store, StoreError};
 
 /// Locks the run row (a no-op write) and reads its last sequence, so that
@@ -27,15 +27,7 @@ const LIST_AFTER: &str = "SELECT run_id, seq, event_id, payload, created_at FROM
      WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT $3";
 
 fn decode(row: &AnyRow) -> Result<RunEvent> {
-    let payload: RunEventPayload = serde_json::from_str(&text(row, "payload")?)
-        .map_err(|e| StoreError::Corrupt(format!("event payload: {e}")))?;
-    Ok(RunEvent {
-        run_id: text(row, "run_id")?,
-        sequence: int(row, "seq")?,
-        event_id: text(row, "event_id")?,
-        created_at: instant(row, "created_at")?,
-        payload,
-    })
+    rows::columns! { row => RunEvent { run_id, sequence = "seq", event_id, created_at, payload } }
 }
 
 /// An event as a producer sends it: its own id and what happened.
@@ -87,9 +79,7 @@ pub(crate) async fn append_in(
     events: &[NewEvent],
     now: DateTime<Utc>,
 ) -> Result<Vec<RunEvent>> {
-    let mut seq: i64 = sqlx::query_scalar(LOCK_RUN)
-        .bind(run_id)
-        .fetch_optional(&mut **tx)
+    let mut seq: i64 = rows::optional(&mut **tx, LOCK_RUN, (run_id,), |r| col(r, "last_event_seq"))
         .await?
         .ok_or(StoreError::NotFound)?;
     let mut seen = HashSet::new();
@@ -98,26 +88,19 @@ pub(crate) async fn append_in(
         if !seen.insert(event.event_id.as_str()) {
             continue;
         }
-        let existing: Option<i64> = sqlx::query_scalar(FIND_BY_EVENT_ID)
-            .bind(run_id)
-            .bind(&event.event_id)
-            .fetch_optional(&mut **tx)
-            .await?;
-        if existing.is_some() {
+        let known = (run_id, &event.event_id);
+        if rows::optional(&mut **tx, FIND_BY_EVENT_ID, known, |_| Ok(()))
+            .await?
+            .is_some()
+        {
             continue;
         }
         seq += 1;
         let payload = serde_json::to_string(&event.payload)
             .map_err(|e| StoreError::Corrupt(format!("event payload: {e}")))?;
-        sqlx::query(INSERT)
-            .bind(run_id)
-            .bind(seq)
-            .bind(&event.event_id)
-            .bind(event.payload.kind())
-            .bind(payload)
-            .bind(micros(now))
-            .execute(&mut **tx)
-            .await?;
+        let kind = event.payload.kind();
+        let params = (run_id, seq, &event.event_id, kind, payload, micros(now));
+        rows::execute(&mut **tx, INSERT, params).await?;
         appended.push(RunEvent {
             run_id: run_id.to_owned(),
             sequence: seq,
@@ -127,11 +110,7 @@ pub(crate) async fn append_in(
         });
     }
     if !appended.is_empty() {
-        sqlx::query(SET_LAST_SEQ)
-            .bind(run_id)
-            .bind(seq)
-            .execute(&mut **tx)
-            .await?;
+        rows::execute(&mut **tx, SET_LAST_SEQ, (run_id, seq)).await?;
     }
     Ok(appended)
 }
@@ -139,12 +118,7 @@ pub(crate) async fn append_in(
 impl crate::Internal<'_> {
     /// Up to `limit` events of a run with a sequence greater than `after`.
     pub async fn events(self, run_id: &str, after: i64, limit: u32) -> Result<Vec<RunEvent>> {
-        let rows = sqlx::query(LIST_AFTER)
-            .bind(run_id)
-            .bind(after)
-            .bind(i64::from(limit))
-            .fetch_all(self.db())
-            .await?;
-        rows.iter().map(decode).collect()
+        let params = (run_id, after, i64::from(limit));
+        rows::all(self.db(), LIST_AFTER, params, decode).await
     }
 }

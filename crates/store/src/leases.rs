@@ -6,7 +6,7 @@
 use automesh_domain::{Placement, Run};
 use chrono::{DateTime, Utc};
 
-use crate::rows::micros;
+use crate::rows::{self, col, micros};
 use crate::runs::live_states;
 use crate::runs::run_columns;
 use crate::{Backend, Result, Store, StoreError};
@@ -84,8 +84,8 @@ pub struct ClaimedRun {
 fn decode_claimed(row: &sqlx::any::AnyRow) -> Result<ClaimedRun> {
     Ok(ClaimedRun {
         run: crate::runs::decode(row)?,
-        executor_seq: crate::rows::int(row, "executor_seq")?,
-        claims: crate::rows::int(row, "claims")?,
+        executor_seq: col(row, "executor_seq")?,
+        claims: col(row, "claims")?,
     })
 }
 
@@ -113,28 +113,20 @@ impl Store {
             Backend::Sqlite => CLAIM_SQLITE,
         };
         let mut tx = self.begin_write().await?;
-        let rows = sqlx::query(sql)
-            .bind(owner)
-            .bind(micros(until))
-            .bind(micros(now))
-            .bind(i64::from(limit))
-            .bind(placements)
-            .bind(micros(orphaned_before))
-            .fetch_all(&mut *tx)
-            .await?;
-        tx.commit().await?;
+        let params = (
+            owner,
+            micros(until),
+            micros(now),
+            i64::from(limit),
+            placements,
+            micros(orphaned_before),
+        );
         // A row that does not decode is logged and left to its lease expiry,
         // rather than stopping every other claim.
-        Ok(rows
-            .iter()
-            .filter_map(|row| match decode_claimed(row) {
-                Ok(c) => Some(c),
-                Err(error) => {
-                    tracing::error!(%error, "claimed run does not decode; skipped");
-                    None
-                }
-            })
-            .collect())
+        let decode = rows::skipping("claimed run", decode_claimed);
+        let claimed = rows::all(&mut *tx, sql, params, decode).await?;
+        tx.commit().await?;
+        Ok(claimed.into_iter().flatten().collect())
     }
 
     /// Extends a lease. The heartbeat also brings news of a cancellation
@@ -145,12 +137,9 @@ impl Store {
         owner: &str,
         until: DateTime<Utc>,
     ) -> Result<Renewal> {
-        let row: Option<Option<i64>> = sqlx::query_scalar(RENEW)
-            .bind(id)
-            .bind(owner)
-            .bind(micros(until))
-            .fetch_optional(self.db())
-            .await?;
+        let params = (id, owner, micros(until));
+        let row: Option<Option<i64>> =
+            rows::optional(self.db(), RENEW, params, |r| col(r, "cancel_requested_at")).await?;
         Ok(match row {
             None => Renewal::Lost,
             Some(cancel) => Renewal::Held {
@@ -162,21 +151,17 @@ impl Store {
     /// Persists the run's message identity unless it has one, and returns
     /// the stored one: a run submits under one message id, forever.
     pub async fn ensure_message_id(&self, id: &str, candidate: &str) -> Result<String> {
-        let stored: Option<Option<String>> = sqlx::query_scalar(ENSURE_MESSAGE_ID)
-            .bind(id)
-            .bind(candidate)
-            .fetch_optional(self.db())
+        let stored: Option<Option<String>> =
+            rows::optional(self.db(), ENSURE_MESSAGE_ID, (id, candidate), |r| {
+                col(r, "message_id")
+            })
             .await?;
         stored.flatten().ok_or(StoreError::NotFound)
     }
 
     /// Records how far the executor's event stream has been consumed.
     pub async fn set_executor_seq(&self, id: &str, seq: i64) -> Result<()> {
-        sqlx::query(SET_EXECUTOR_SEQ)
-            .bind(id)
-            .bind(seq)
-            .execute(self.db())
-            .await?;
+        rows::execute(self.db(), SET_EXECUTOR_SEQ, (id, seq)).await?;
         Ok(())
     }
 }
@@ -187,11 +172,7 @@ const RELEASE_ALL: &str =
 impl Store {
     /// Gives up every lease `owner` holds (graceful shutdown).
     pub async fn release_all_leases(&self, owner: &str) -> Result<u64> {
-        Ok(sqlx::query(RELEASE_ALL)
-            .bind(owner)
-            .execute(self.db())
-            .await?
-            .rows_affected())
+        rows::execute(self.db(), RELEASE_ALL, (owner,)).await
     }
 }
 
@@ -210,11 +191,13 @@ const QUEUE: &str =
 impl Store {
     /// How many runs wait to be claimed, and since when (queue lag).
     pub async fn run_queue(&self) -> Result<Queue> {
-        let row = sqlx::query(QUEUE).fetch_one(self.db()).await?;
-        Ok(Queue {
-            pending: crate::rows::int(&row, "n")?,
-            oldest: crate::rows::opt_instant(&row, "oldest")?,
-        })
+        let queue = rows::optional(self.db(), QUEUE, (), |row| {
+            Ok(Queue {
+                pending: col(row, "n")?,
+                oldest: col(row, "oldest")?,
+            })
+        });
+        Ok(queue.await?.unwrap_or_default())
     }
 }
 
@@ -222,6 +205,6 @@ impl crate::Internal<'_> {
     /// Records a cancellation request on a live run; `false` when the run
     /// is already terminal (or unknown).
     pub async fn request_cancel(self, id: &str, now: DateTime<Utc>) -> Result<bool> {
-        crate::rows::changed_one(self.db(), REQUEST_CANCEL, (id, micros(now))).await
+        rows::changed_one(self.db(), REQUEST_CANCEL, (id, micros(now))).await
     }
 }

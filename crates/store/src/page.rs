@@ -91,6 +91,15 @@ impl<T: Listed> Page<T> {
         next.map(|c| c.encode()).unwrap_or_default()
     }
 
+    /// This page's items as `P`s (`items`, in order), cut to what `fits`
+    /// says fits one response, and the token of the page after what was
+    /// kept.
+    pub fn cut<P>(&self, mut items: Vec<P>, fits: impl Fn(&[P]) -> usize) -> (Vec<P>, String) {
+        let kept = fits(&items);
+        items.truncate(kept);
+        (items, self.next_token(kept))
+    }
+
     /// A page from up to `limit + 1` rows read in listing order: the extra
     /// row, when present, only says that another page follows.
     pub(crate) fn from_rows(mut items: Vec<T>, limit: u32) -> Self {

@@ -3,12 +3,12 @@
 //! transaction: a process that dies after the commit leaves nothing to
 //! finish, and one that dies before it leaves the run live, to be taken over.
 
-use automesh_domain::{ErrorCode, Price, Receipt, Run, RunState, Usage};
+use automesh_domain::{Price, Receipt, Run, RunState, Usage};
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
 use crate::events::{append_in, status_event};
-use crate::rows::{instant, int, micros, opt_int, opt_parsed, opt_text, parsed, text};
+use crate::rows::{self, col, micros};
 use crate::{Result, Store, StoreError};
 
 const INSERT: &str = "INSERT INTO receipts (run_id, outcome, error_code, error_message, placement, \
@@ -27,40 +27,23 @@ const GET: &str = "SELECT run_id, outcome, error_code, error_message, placement,
 const CURRENT_STATE: &str = "SELECT state FROM runs WHERE id = $1";
 
 fn decode(row: &AnyRow) -> Result<Receipt> {
-    Ok(Receipt {
-        run_id: text(row, "run_id")?,
-        outcome: parsed(row, "outcome")?,
-        error_code: opt_parsed::<ErrorCode>(row, "error_code")?,
-        error_message: opt_text(row, "error_message")?,
-        placement: parsed(row, "placement")?,
-        engine: opt_text(row, "engine")?,
-        queued_micros: int(row, "queued_us")?,
-        wake_micros: int(row, "wake_us")?,
-        admission_micros: int(row, "admission_us")?,
-        execution_micros: int(row, "execution_us")?,
-        usage: Usage {
-            input_tokens: int(row, "input_tokens")?,
-            output_tokens: int(row, "output_tokens")?,
-            cost_micros: int(row, "cost_micros")?,
-        },
-        worker_id: opt_text(row, "worker_id")?,
-        workspace_id: opt_text(row, "workspace_id")?,
-        thread_id: opt_text(row, "thread_id")?,
-        message_id: opt_text(row, "message_id")?,
-        created_at: instant(row, "created_at")?,
-        model: opt_text(row, "model")?,
-        provider_model: opt_text(row, "provider_model")?,
-        price: match (
-            opt_int(row, "price_input_micros_per_mtok")?,
-            opt_int(row, "price_output_micros_per_mtok")?,
-        ) {
-            (Some(input), Some(output)) => Some(Price {
-                input_micros_per_million_tokens: input,
-                output_micros_per_million_tokens: output,
-            }),
-            _ => None,
-        },
-    })
+    let usage: Result<Usage> = rows::columns! { row => Usage {
+        input_tokens, output_tokens, cost_micros,
+    } };
+    let usage = usage?;
+    let input: Option<i64> = col(row, "price_input_micros_per_mtok")?;
+    let output: Option<i64> = col(row, "price_output_micros_per_mtok")?;
+    let price = input.zip(output).map(|(input, output)| Price {
+        input_micros_per_million_tokens: input,
+        output_micros_per_million_tokens: output,
+    });
+    rows::columns! { row => Receipt {
+        run_id, outcome, error_code, error_message, placement, engine,
+        queued_micros = "queued_us", wake_micros = "wake_us", admission_micros = "admission_us",
+        execution_micros = "execution_us", worker_id, workspace_id, thread_id, message_id,
+        created_at, model, provider_model;
+        usage, price,
+    } }
 }
 
 impl Store {
@@ -95,19 +78,19 @@ impl Store {
             });
         }
         let mut tx = self.begin_write().await?;
-        let done = sqlx::query(crate::runs::END)
-            .bind(&receipt.run_id)
-            .bind(receipt.outcome.as_str())
-            .bind(receipt.error_code.map(|c| c.as_str()))
-            .bind(receipt.error_message.as_deref())
-            .bind(micros(now))
-            .bind(lease_owner.unwrap_or(""))
-            .execute(&mut *tx)
-            .await?;
-        if done.rows_affected() != 1 {
-            let state: Option<String> = sqlx::query_scalar(CURRENT_STATE)
-                .bind(&receipt.run_id)
-                .fetch_optional(&mut *tx)
+        let end = (
+            &receipt.run_id,
+            receipt.outcome.as_str(),
+            receipt.error_code.map(|c| c.as_str()),
+            receipt.error_message.as_deref(),
+            micros(now),
+            lease_owner.unwrap_or(""),
+        );
+        if !crate::rows::changed_one(&mut *tx, crate::runs::END, end).await? {
+            let state: Option<String> =
+                crate::rows::optional(&mut *tx, CURRENT_STATE, (&receipt.run_id,), |row| {
+                    col(row, "state")
+                })
                 .await?;
             tx.rollback().await?;
             return Err(match state {
@@ -138,32 +121,31 @@ pub(crate) async fn insert(
     r: &Receipt,
 ) -> Result<()> {
     let terminal: RunState = r.outcome;
-    let done = sqlx::query(INSERT)
-        .bind(&r.run_id)
-        .bind(terminal.as_str())
-        .bind(r.error_code.map(|c| c.as_str()))
-        .bind(r.error_message.as_deref())
-        .bind(r.placement.as_str())
-        .bind(r.engine.as_deref())
-        .bind(r.queued_micros)
-        .bind(r.wake_micros)
-        .bind(r.admission_micros)
-        .bind(r.execution_micros)
-        .bind(r.usage.input_tokens)
-        .bind(r.usage.output_tokens)
-        .bind(r.usage.cost_micros)
-        .bind(r.worker_id.as_deref())
-        .bind(r.workspace_id.as_deref())
-        .bind(r.thread_id.as_deref())
-        .bind(r.message_id.as_deref())
-        .bind(micros(r.created_at))
-        .bind(r.model.as_deref())
-        .bind(r.provider_model.as_deref())
-        .bind(r.price.map(|p| p.input_micros_per_million_tokens))
-        .bind(r.price.map(|p| p.output_micros_per_million_tokens))
-        .execute(&mut **tx)
-        .await?;
-    if done.rows_affected() == 1 {
+    let params = (
+        &r.run_id,
+        terminal.as_str(),
+        r.error_code.map(|c| c.as_str()),
+        r.error_message.as_deref(),
+        r.placement.as_str(),
+        r.engine.as_deref(),
+        r.queued_micros,
+        r.wake_micros,
+        r.admission_micros,
+        r.execution_micros,
+        r.usage.input_tokens,
+        r.usage.output_tokens,
+        r.usage.cost_micros,
+        r.worker_id.as_deref(),
+        r.workspace_id.as_deref(),
+        r.thread_id.as_deref(),
+        r.message_id.as_deref(),
+        micros(r.created_at),
+        r.model.as_deref(),
+        r.provider_model.as_deref(),
+        r.price.map(|p| p.input_micros_per_million_tokens),
+        r.price.map(|p| p.output_micros_per_million_tokens),
+    );
+    if crate::rows::changed_one(&mut **tx, INSERT, params).await? {
         // The run's end, in its event log, commits with its receipt.
         let event = status_event(terminal, r.error_code, r.error_message.as_deref());
         append_in(tx, &r.run_id, &[event], r.created_at).await?;
@@ -174,6 +156,6 @@ pub(crate) async fn insert(
 impl crate::Internal<'_> {
     /// The receipt of a run, once it has one.
     pub async fn receipt(self, run_id: &str) -> Result<Option<Receipt>> {
-        crate::rows::maybe(self.db(), GET, run_id, decode).await
+        crate::rows::optional(self.db(), GET, (run_id,), decode).await
     }
 }

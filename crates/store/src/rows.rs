@@ -3,8 +3,8 @@
 use std::str::FromStr;
 
 use chrono::{DateTime, Utc};
-use sqlx::Row;
 use sqlx::any::AnyRow;
+use sqlx::{Row, ValueRef};
 
 use crate::{Result, StoreError};
 
@@ -18,14 +18,11 @@ pub(crate) async fn owned<T>(
     id: &str,
     decode: fn(&AnyRow) -> Result<T>,
 ) -> Result<T> {
-    let row = sqlx::query(sql)
-        .bind(id)
-        .bind(&owner.org_id)
-        .bind(&owner.user_id)
-        .fetch_optional(db)
-        .await?
-        .ok_or(StoreError::NotFound)?;
-    decode(&row)
+    let params = (id, owner.org_id.as_str(), owner.user_id.as_str());
+    match optional(db, sql, params, decode).await? {
+        Some(row) => Ok(row),
+        None => Err(StoreError::NotFound),
+    }
 }
 
 /// The one row `sql` finds for `key` (`$1`), decoded, or `NotFound`.
@@ -35,32 +32,22 @@ pub(crate) async fn by_id<T>(
     key: &str,
     decode: fn(&AnyRow) -> Result<T>,
 ) -> Result<T> {
-    maybe(db, sql, key, decode)
-        .await?
-        .ok_or(StoreError::NotFound)
-}
-
-/// The row `sql` finds for `key` (`$1`), if any, decoded.
-pub(crate) async fn maybe<T>(
-    db: &sqlx::AnyPool,
-    sql: &'static str,
-    key: &str,
-    decode: fn(&AnyRow) -> Result<T>,
-) -> Result<Option<T>> {
-    sqlx::query(sql)
-        .bind(key)
-        .fetch_optional(db)
-        .await?
-        .as_ref()
-        .map(decode)
-        .transpose()
+    let row = optional(db, sql, (key,), decode).await?;
+    row.ok_or(StoreError::NotFound)
 }
 
 type AnyQuery<'x> = sqlx::query::Query<'x, sqlx::Any, sqlx::any::AnyArguments>;
 
-/// The values of a query's `$1 … $n`, in order, as one tuple.
+/// The values of a query's `$1 … $n`, in order, as one tuple (`()` for
+/// none). Every query in the store binds its values this way.
 pub(crate) trait Params<'q> {
     fn bind_to<'x>(self, query: AnyQuery<'x>) -> AnyQuery<'x>;
+}
+
+impl<'q> Params<'q> for () {
+    fn bind_to<'x>(self, query: AnyQuery<'x>) -> AnyQuery<'x> {
+        query
+    }
 }
 
 macro_rules! params {
@@ -90,17 +77,231 @@ params!(A, B, C, D, E, F, G, H, I);
 params!(A, B, C, D, E, F, G, H, I, J);
 params!(A, B, C, D, E, F, G, H, I, J, K);
 params!(A, B, C, D, E, F, G, H, I, J, K, L);
+params!(A, B, C, D, E, F, G, H, I, J, K, L, M);
+params!(A, B, C, D, E, F, G, H, I, J, K, L, M, N);
+params!(A, B, C, D, E, F, G, H, I, J, K, L, M, N, O);
+params!(A, B, C, D, E, F, G, H, I, J, K, L, M, N, O, P);
+params!(A, B, C, D, E, F, G, H, I, J, K, L, M, N, O, P, Q);
+params!(A, B, C, D, E, F, G, H, I, J, K, L, M, N, O, P, Q, R);
+params!(A, B, C, D, E, F, G, H, I, J, K, L, M, N, O, P, Q, R, S);
+params!(A, B, C, D, E, F, G, H, I, J, K, L, M, N, O, P, Q, R, S, T);
+params!(
+    A, B, C, D, E, F, G, H, I, J, K, L, M, N, O, P, Q, R, S, T, U
+);
+params!(
+    A, B, C, D, E, F, G, H, I, J, K, L, M, N, O, P, Q, R, S, T, U, V
+);
+params!(
+    A, B, C, D, E, F, G, H, I, J, K, L, M, N, O, P, Q, R, S, T, U, V, W
+);
+params!(
+    A, B, C, D, E, F, G, H, I, J, K, L, M, N, O, P, Q, R, S, T, U, V, W, X
+);
+
+/// Where a query runs: the pool, or a transaction's connection
+/// (`&mut *tx`).
+pub(crate) trait Db<'c>: sqlx::Executor<'c, Database = sqlx::Any> {}
+impl<'c, E: sqlx::Executor<'c, Database = sqlx::Any>> Db<'c> for E {}
+
+/// Runs the write `sql` with `params`; how many rows it changed.
+pub(crate) async fn execute<'c, 'q>(
+    db: impl Db<'c>,
+    sql: &'static str,
+    params: impl Params<'q>,
+) -> Result<u64> {
+    let done = params.bind_to(sqlx::query(sql)).execute(db).await?;
+    Ok(done.rows_affected())
+}
 
 /// Runs the guarded write `sql` with `params`: true when it changed exactly
 /// the one row it guards (the write won), false when its guard held it off.
-pub(crate) async fn changed_one<'q>(
-    db: &sqlx::AnyPool,
+pub(crate) async fn changed_one<'c, 'q>(
+    db: impl Db<'c>,
     sql: &'static str,
     params: impl Params<'q>,
 ) -> Result<bool> {
-    let done = params.bind_to(sqlx::query(sql)).execute(db).await?;
-    Ok(done.rows_affected() == 1)
+    Ok(execute(db, sql, params).await? == 1)
 }
+
+/// Every row `sql` finds with `params`, decoded.
+pub(crate) async fn all<'c, 'q, T>(
+    db: impl Db<'c>,
+    sql: &'static str,
+    params: impl Params<'q>,
+    decode: impl Fn(&AnyRow) -> Result<T>,
+) -> Result<Vec<T>> {
+    let rows = params.bind_to(sqlx::query(sql)).fetch_all(db).await?;
+    rows.iter().map(decode).collect()
+}
+
+/// `decode` for a batch that must not fail as a whole: a row that does not
+/// decode is logged (as `what`) and skipped, left to whatever bounds it.
+pub(crate) fn skipping<T>(
+    what: &'static str,
+    decode: fn(&AnyRow) -> Result<T>,
+) -> impl Fn(&AnyRow) -> Result<Option<T>> {
+    move |row| {
+        Ok(decode(row)
+            .inspect_err(|error| tracing::error!(%error, "{what} does not decode; skipped"))
+            .ok())
+    }
+}
+
+/// The row `sql` finds with `params`, if any, decoded (the first, were
+/// there more).
+pub(crate) async fn optional<'c, 'q, T, D>(
+    db: impl Db<'c>,
+    sql: &'static str,
+    params: impl Params<'q>,
+    decode: D,
+) -> Result<Option<T>>
+where
+    D: Fn(&AnyRow) -> Result<T>,
+{
+    Ok(all(db, sql, params, decode).await?.into_iter().next())
+}
+
+/// One page of up to `limit` of what the keyset query `sql` finds with
+/// `params`: its last parameter, after them, is bound here to one row more,
+/// which tells whether another page follows.
+pub(crate) async fn page<'c, 'q, T: crate::page::Listed>(
+    db: impl Db<'c>,
+    sql: &'static str,
+    params: impl Params<'q>,
+    limit: u32,
+    decode: fn(&AnyRow) -> Result<T>,
+) -> Result<crate::page::Page<T>> {
+    let query = params.bind_to(sqlx::query(sql)).bind(i64::from(limit) + 1);
+    let rows = query.fetch_all(db).await?;
+    let items = rows.iter().map(decode).collect::<Result<_>>()?;
+    Ok(crate::page::Page::from_rows(items, limit))
+}
+
+/// The column `name` of `row`, read as the type asked for.
+pub(crate) fn col<T: Column>(row: &AnyRow, name: &str) -> Result<T> {
+    T::read(row, name)
+}
+
+/// A value the store keeps in one column, read by its type: text, an
+/// integer, a flag (0 or 1), an instant (microseconds since the Unix
+/// epoch), a body (hex text), one of a closed set of names, or any of these
+/// where the column is nullable.
+pub(crate) trait Column: Sized {
+    fn read(row: &AnyRow, col: &str) -> Result<Self>;
+}
+
+/// Columns sqlx reads as they are.
+macro_rules! plain {
+    ($($t:ty),+) => {
+        $(impl Column for $t {
+            fn read(row: &AnyRow, col: &str) -> Result<Self> {
+                Ok(row.try_get(col)?)
+            }
+        })+
+    };
+}
+
+plain!(String, i64);
+
+impl Column for bool {
+    fn read(row: &AnyRow, col: &str) -> Result<Self> {
+        Ok(i64::read(row, col)? != 0)
+    }
+}
+
+impl Column for DateTime<Utc> {
+    fn read(row: &AnyRow, col: &str) -> Result<Self> {
+        let v = i64::read(row, col)?;
+        DateTime::from_timestamp_micros(v).ok_or_else(|| StoreError::Corrupt(format!("{col}={v}")))
+    }
+}
+
+impl Column for Vec<u8> {
+    fn read(row: &AnyRow, col: &str) -> Result<Self> {
+        from_hex(&String::read(row, col)?)
+    }
+}
+
+impl<T: Column> Column for Option<T> {
+    fn read(row: &AnyRow, col: &str) -> Result<Self> {
+        if row.try_get_raw(col)?.is_null() {
+            return Ok(None);
+        }
+        T::read(row, col).map(Some)
+    }
+}
+
+/// JSON kept as text (a schedule, an event's payload).
+macro_rules! json {
+    ($($t:ty => $through:ty),+) => {
+        $(impl Column for $t {
+            fn read(row: &AnyRow, col: &str) -> Result<Self> {
+                let text = String::read(row, col)?;
+                let value: $through = serde_json::from_str(&text)
+                    .map_err(|e| StoreError::Corrupt(format!("{col}: {e}")))?;
+                <$t>::try_from(value).map_err(|e| StoreError::Corrupt(format!("{col}: {e}")))
+            }
+        })+
+    };
+}
+
+json!(
+    automesh_domain::Schedule => automesh_domain::schedule::ScheduleRecord,
+    automesh_domain::RunEventPayload => automesh_domain::RunEventPayload
+);
+
+/// `SELECT <the columns $columns!() names> <the rest>`, as one literal.
+macro_rules! select {
+    ($columns:ident, $($rest:literal),+ $(,)?) => {
+        concat!("SELECT ", $columns!(), " ", $($rest),+)
+    };
+}
+pub(crate) use select;
+
+/// `Ok(T { field: col(row, "field")?, … })`: a `T` whose every field is the
+/// row's column of the same name, or of the name given (`field = "column"`);
+/// fields after a `;` are the variables of their names.
+macro_rules! columns {
+    ($row:expr => $t:ident {
+        $($field:ident $(= $column:literal)?),+ $(,)? $(; $($own:ident),+ $(,)?)?
+    }) => {
+        Ok($t {
+            $($field: $crate::rows::col($row, $crate::rows::columns!(@name $field $($column)?))?,)+
+            $($($own,)+)?
+        })
+    };
+    (@name $field:ident) => { stringify!($field) };
+    (@name $field:ident $column:literal) => { $column };
+}
+pub(crate) use columns;
+
+/// A closed set of names kept as text (the domain's enums, the dispatch
+/// phases): read through its `FromStr`, a name outside the set is corrupt.
+pub(crate) trait Named: FromStr {}
+
+impl<T: Named> Column for T {
+    fn read(row: &AnyRow, col: &str) -> Result<Self> {
+        let v = String::read(row, col)?;
+        v.parse()
+            .map_err(|_| StoreError::Corrupt(format!("{col}={v:?}")))
+    }
+}
+
+macro_rules! named {
+    ($($t:ty),+) => { $(impl Named for $t {})+ };
+}
+
+named!(
+    automesh_domain::Placement,
+    automesh_domain::Surface,
+    automesh_domain::AutomationState,
+    automesh_domain::RunTrigger,
+    automesh_domain::RunState,
+    automesh_domain::ErrorCode,
+    automesh_domain::WorkerState,
+    crate::cloud::CloudPhase,
+    crate::desktop::DesktopPhase
+);
 
 /// An instant as stored: microseconds since the Unix epoch.
 pub(crate) fn micros(t: DateTime<Utc>) -> i64 {
@@ -109,51 +310,6 @@ pub(crate) fn micros(t: DateTime<Utc>) -> i64 {
 
 pub(crate) fn opt_micros(t: Option<DateTime<Utc>>) -> Option<i64> {
     t.map(micros)
-}
-
-pub(crate) fn instant(row: &AnyRow, col: &str) -> Result<DateTime<Utc>> {
-    let v: i64 = row.try_get(col)?;
-    DateTime::from_timestamp_micros(v).ok_or_else(|| StoreError::Corrupt(format!("{col}={v}")))
-}
-
-pub(crate) fn opt_instant(row: &AnyRow, col: &str) -> Result<Option<DateTime<Utc>>> {
-    let v: Option<i64> = row.try_get(col)?;
-    v.map(|v| {
-        DateTime::from_timestamp_micros(v).ok_or_else(|| StoreError::Corrupt(format!("{col}={v}")))
-    })
-    .transpose()
-}
-
-pub(crate) fn text(row: &AnyRow, col: &str) -> Result<String> {
-    Ok(row.try_get(col)?)
-}
-
-pub(crate) fn opt_text(row: &AnyRow, col: &str) -> Result<Option<String>> {
-    Ok(row.try_get(col)?)
-}
-
-pub(crate) fn int(row: &AnyRow, col: &str) -> Result<i64> {
-    Ok(row.try_get(col)?)
-}
-
-pub(crate) fn opt_int(row: &AnyRow, col: &str) -> Result<Option<i64>> {
-    Ok(row.try_get(col)?)
-}
-
-/// A text column holding one of a closed set of names.
-pub(crate) fn parsed<T: FromStr>(row: &AnyRow, col: &str) -> Result<T> {
-    let v: String = row.try_get(col)?;
-    v.parse()
-        .map_err(|_| StoreError::Corrupt(format!("{col}={v:?}")))
-}
-
-pub(crate) fn opt_parsed<T: FromStr>(row: &AnyRow, col: &str) -> Result<Option<T>> {
-    let v: Option<String> = row.try_get(col)?;
-    v.map(|v| {
-        v.parse()
-            .map_err(|_| StoreError::Corrupt(format!("{col}={v:?}")))
-    })
-    .transpose()
 }
 
 /// Bytes as lowercase hex (bodies kept in TEXT columns on both backends).

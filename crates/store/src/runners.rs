@@ -5,7 +5,7 @@ use automesh_domain::{Principal, Runner};
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
-use crate::rows::{instant, micros, opt_instant, text};
+use crate::rows::{self, col, micros};
 use crate::{Result, Store};
 
 const INSERT_RUNNER: &str = "INSERT INTO runners (id, org_id, owner_id, name, created_at) \
@@ -31,14 +31,7 @@ const GET: &str = "SELECT id, org_id, owner_id, name, created_at, revoked_at FRO
      WHERE id = $1 AND org_id = $2 AND owner_id = $3";
 
 fn decode(row: &AnyRow) -> Result<Runner> {
-    Ok(Runner {
-        id: text(row, "id")?,
-        org_id: text(row, "org_id")?,
-        owner_id: text(row, "owner_id")?,
-        name: text(row, "name")?,
-        created_at: instant(row, "created_at")?,
-        revoked_at: opt_instant(row, "revoked_at")?,
-    })
+    rows::columns! { row => Runner { id, org_id, owner_id, name, created_at, revoked_at } }
 }
 
 impl Store {
@@ -51,22 +44,11 @@ impl Store {
         token_hash: &str,
         now: DateTime<Utc>,
     ) -> Result<Runner> {
-        crate::error::storable("runner name", name)?;
+        crate::error::storable(&[("runner name", name)])?;
+        let (org, user, at) = (&owner.org_id, &owner.user_id, micros(now));
         let mut tx = self.begin_write().await?;
-        sqlx::query(INSERT_RUNNER)
-            .bind(runner_id)
-            .bind(&owner.org_id)
-            .bind(&owner.user_id)
-            .bind(name)
-            .bind(micros(now))
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(INSERT_TOKEN)
-            .bind(token_hash)
-            .bind(runner_id)
-            .bind(micros(now))
-            .execute(&mut *tx)
-            .await?;
+        rows::execute(&mut *tx, INSERT_RUNNER, (runner_id, org, user, name, at)).await?;
+        rows::execute(&mut *tx, INSERT_TOKEN, (token_hash, runner_id, at)).await?;
         tx.commit().await?;
         self.get_runner(owner, runner_id).await
     }
@@ -74,20 +56,17 @@ impl Store {
     /// Runners revoked at or after `since` (any owner): replicas end the
     /// streams they hold of these.
     pub async fn runners_revoked_since(&self, since: DateTime<Utc>) -> Result<Vec<String>> {
-        Ok(sqlx::query_scalar(REVOKED_SINCE)
-            .bind(micros(since))
-            .fetch_all(self.db())
-            .await?)
+        rows::all(self.db(), REVOKED_SINCE, (micros(since),), |r| col(r, "id")).await
     }
 
     /// One runner of `owner`.
     pub async fn get_runner(&self, owner: &Principal, runner_id: &str) -> Result<Runner> {
-        crate::rows::owned(self.db(), GET, owner, runner_id, decode).await
+        rows::owned(self.db(), GET, owner, runner_id, decode).await
     }
 
     /// The live runner whose token hashes to `token_hash`.
     pub async fn find_runner_by_token_hash(&self, token_hash: &str) -> Result<Option<Runner>> {
-        crate::rows::maybe(self.db(), FIND_BY_TOKEN, token_hash, decode).await
+        rows::optional(self.db(), FIND_BY_TOKEN, (token_hash,), decode).await
     }
 
     /// Revokes a runner of `owner` and every token it has.
@@ -97,24 +76,14 @@ impl Store {
         runner_id: &str,
         now: DateTime<Utc>,
     ) -> Result<()> {
+        let (org, user, at) = (&owner.org_id, &owner.user_id, micros(now));
         let mut tx = self.begin_write().await?;
-        let done = sqlx::query(REVOKE_RUNNER)
-            .bind(runner_id)
-            .bind(&owner.org_id)
-            .bind(&owner.user_id)
-            .bind(micros(now))
-            .execute(&mut *tx)
-            .await?;
-        if done.rows_affected() == 0 {
+        if rows::execute(&mut *tx, REVOKE_RUNNER, (runner_id, org, user, at)).await? == 0 {
             tx.rollback().await?;
             // Already revoked is fine; someone else's runner is not found.
             return self.get_runner(owner, runner_id).await.map(|_| ());
         }
-        sqlx::query(REVOKE_TOKENS)
-            .bind(runner_id)
-            .bind(micros(now))
-            .execute(&mut *tx)
-            .await?;
+        rows::execute(&mut *tx, REVOKE_TOKENS, (runner_id, at)).await?;
         tx.commit().await?;
         Ok(())
     }

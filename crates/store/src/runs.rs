@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
 use crate::page::{Cursor, Page};
-use crate::rows::{instant, micros, opt_instant, opt_micros, opt_parsed, opt_text, parsed, text};
+use crate::rows::{self, micros, opt_micros};
 use crate::{Result, Store, StoreError};
 
 /// The columns every run query reads, in `decode`'s terms.
@@ -36,18 +36,16 @@ const INSERT: &str = "INSERT INTO runs (id, automation_id, org_id, owner_id, pla
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $16) \
      ON CONFLICT (id) DO NOTHING";
 
-const GET_UNSCOPED: &str = concat!("SELECT ", run_columns!(), " FROM runs WHERE id = $1");
+const GET_UNSCOPED: &str = rows::select!(run_columns, "FROM runs WHERE id = $1");
 
-const GET: &str = concat!(
-    "SELECT ",
-    run_columns!(),
-    " FROM runs WHERE id = $1 AND org_id = $2 AND owner_id = $3"
+const GET: &str = rows::select!(
+    run_columns,
+    "FROM runs WHERE id = $1 AND org_id = $2 AND owner_id = $3"
 );
 
-const LIST: &str = concat!(
-    "SELECT ",
-    run_columns!(),
-    " FROM runs \
+const LIST: &str = rows::select!(
+    run_columns,
+    "FROM runs \
      WHERE org_id = $1 AND owner_id = $2 AND ($3 = '' OR automation_id = $3) \
        AND (created_at < $4 OR (created_at = $4 AND id < $5)) \
      ORDER BY created_at DESC, id DESC LIMIT $6"
@@ -73,35 +71,17 @@ const TRANSITION: &str = "UPDATE runs SET state = $2, error_code = $3, error_mes
      WHERE id = $1 AND $5 LIKE '%,' || state || ',%'";
 
 pub(crate) fn decode(row: &AnyRow) -> Result<Run> {
-    Ok(Run {
-        id: text(row, "id")?,
-        automation_id: text(row, "automation_id")?,
-        org_id: text(row, "org_id")?,
-        owner_id: text(row, "owner_id")?,
-        placement: parsed(row, "placement")?,
-        trigger: parsed(row, "trigger")?,
-        scheduled_for: opt_instant(row, "scheduled_for")?,
-        idempotency_key: opt_text(row, "idempotency_key")?,
-        prompt: text(row, "prompt")?,
-        model: text(row, "model")?,
-        state: parsed(row, "state")?,
-        error_code: opt_parsed::<ErrorCode>(row, "error_code")?,
-        error_message: opt_text(row, "error_message")?,
-        deadline_at: instant(row, "deadline_at")?,
-        traceparent: opt_text(row, "traceparent")?,
-        message_id: opt_text(row, "message_id")?,
-        cancel_requested_at: opt_instant(row, "cancel_requested_at")?,
-        admitted_at: opt_instant(row, "admitted_at")?,
-        started_at: opt_instant(row, "started_at")?,
-        created_at: instant(row, "created_at")?,
-        updated_at: instant(row, "updated_at")?,
-    })
+    rows::columns! { row => Run {
+        id, automation_id, org_id, owner_id, placement, trigger, scheduled_for, idempotency_key,
+        prompt, model, state, error_code, error_message, deadline_at, traceparent, message_id,
+        cancel_requested_at, admitted_at, started_at, created_at, updated_at,
+    } }
 }
 
 impl Store {
     /// Creates a run unless one with the same id exists, and returns the
     /// stored run with `true` when this call created it.
-    pub async fn create_run(&self, new: &NewRun, now: DateTime<Utc>) -> Result<(Run, bool)> {
+    pub async fn create_run(&self, new: &NewRun<'_>, now: DateTime<Utc>) -> Result<(Run, bool)> {
         let mut tx = self.begin_write().await?;
         let created = insert(&mut tx, new, now).await?;
         if created && !new.state.is_terminal() && self.backend() == crate::Backend::Postgres {
@@ -118,7 +98,7 @@ impl Store {
 
     /// One run of `owner`; another tenant's answers `NotFound`.
     pub async fn get_run(&self, owner: &Principal, id: &str) -> Result<Run> {
-        crate::rows::owned(self.db(), GET, owner, id, decode).await
+        rows::owned(self.db(), GET, owner, id, decode).await
     }
 
     /// A page of `owner`'s runs, newest first, optionally of one automation.
@@ -129,17 +109,14 @@ impl Store {
         after: &Cursor,
         limit: u32,
     ) -> Result<Page<Run>> {
-        let rows = sqlx::query(LIST)
-            .bind(&owner.org_id)
-            .bind(&owner.user_id)
-            .bind(automation_id.unwrap_or(""))
-            .bind(after.created_micros)
-            .bind(&after.id)
-            .bind(i64::from(limit) + 1)
-            .fetch_all(self.db())
-            .await?;
-        let items = rows.iter().map(decode).collect::<Result<Vec<_>>>()?;
-        Ok(Page::from_rows(items, limit))
+        let params = (
+            &owner.org_id,
+            &owner.user_id,
+            automation_id.unwrap_or(""),
+            after.created_micros,
+            &after.id,
+        );
+        rows::page(self.db(), LIST, params, limit, decode).await
     }
 
     /// Moves a run to `to` if its current state allows it; otherwise
@@ -154,17 +131,11 @@ impl Store {
         let from: String = RunState::predecessors(to)
             .iter()
             .fold(String::from(","), |acc, s| format!("{acc}{s},"));
-        let done = sqlx::query(TRANSITION)
-            .bind(id)
-            .bind(to.as_str())
-            .bind(error.map(|(c, _)| c.as_str()))
-            .bind(error.map(|(_, m)| m))
-            .bind(from)
-            .bind(micros(now))
-            .execute(self.db())
-            .await?;
+        let (code, message) = (error.map(|(c, _)| c.as_str()), error.map(|(_, m)| m));
+        let params = (id, to.as_str(), code, message, from, micros(now));
+        let moved = rows::changed_one(self.db(), TRANSITION, params).await?;
         let run = self.internal().get_run(id).await?;
-        if done.rows_affected() == 1 {
+        if moved {
             Ok(run)
         } else {
             Err(StoreError::IllegalTransition {
@@ -178,35 +149,35 @@ impl Store {
 /// Inserts a run unless its id exists; `true` when this call created it.
 pub(crate) async fn insert(
     tx: &mut sqlx::Transaction<'static, sqlx::Any>,
-    new: &NewRun,
+    new: &NewRun<'_>,
     now: DateTime<Utc>,
 ) -> Result<bool> {
-    let done = sqlx::query(INSERT)
-        .bind(&new.id)
-        .bind(&new.automation_id)
-        .bind(&new.org_id)
-        .bind(&new.owner_id)
-        .bind(new.placement.as_str())
-        .bind(new.trigger.as_str())
-        .bind(opt_micros(new.scheduled_for))
-        .bind(new.idempotency_key.as_deref())
-        .bind(&new.prompt)
-        .bind(&new.model)
-        .bind(new.state.as_str())
-        .bind(new.error_code.map(|c| c.as_str()))
-        .bind(new.error_message.as_deref())
-        .bind(micros(new.deadline_at))
-        .bind(new.traceparent.as_deref())
-        .bind(micros(now))
-        .execute(&mut **tx)
-        .await?;
-    Ok(done.rows_affected() == 1)
+    let a = new.automation;
+    let params = (
+        &new.id,
+        &a.id,
+        &a.org_id,
+        &a.owner_id,
+        a.placement.as_str(),
+        new.trigger.as_str(),
+        opt_micros(new.scheduled_for),
+        new.idempotency_key.as_deref(),
+        &a.prompt,
+        &a.model,
+        new.state.as_str(),
+        new.error.as_ref().map(|(c, _)| c.as_str()),
+        new.error.as_ref().map(|(_, m)| m.as_str()),
+        micros(new.deadline_at),
+        new.traceparent.as_deref(),
+        micros(now),
+    );
+    rows::changed_one(&mut **tx, INSERT, params).await
 }
 
 impl crate::Internal<'_> {
     /// One run by id, for internal callers that act for no user.
     pub async fn get_run(self, id: &str) -> Result<Run> {
-        crate::rows::by_id(self.db(), GET_UNSCOPED, id, decode).await
+        rows::by_id(self.db(), GET_UNSCOPED, id, decode).await
     }
 }
 

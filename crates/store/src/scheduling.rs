@@ -9,31 +9,34 @@ use chrono::{DateTime, Utc};
 use sqlx::{Any, Transaction};
 
 use crate::automations::automation_columns;
-use crate::rows::{micros, opt_micros};
+use crate::rows::{self, col, micros, opt_micros};
 use crate::runs::live_states;
 use crate::{Backend, Result, Store};
 
-const DUE_PG: &str = concat!(
-    "SELECT ",
-    automation_columns!(),
-    " FROM automations WHERE state = 'active' AND next_run_at IS NOT NULL AND next_run_at <= $1 \
-     ORDER BY next_run_at LIMIT $2 FOR UPDATE SKIP LOCKED"
-);
+/// Up to `$2` active automations due at `$1`, soonest first; `$lock` is how
+/// the backend keeps two schedulers' claims apart.
+macro_rules! due_sql {
+    ($lock:literal) => {
+        rows::select!(
+            automation_columns,
+            "FROM automations WHERE state = 'active' AND next_run_at IS NOT NULL \
+             AND next_run_at <= $1 ORDER BY next_run_at LIMIT $2",
+            $lock
+        )
+    };
+}
 
-const DUE_SQLITE: &str = concat!(
-    "SELECT ",
-    automation_columns!(),
-    " FROM automations WHERE state = 'active' AND next_run_at IS NOT NULL AND next_run_at <= $1 \
-     ORDER BY next_run_at LIMIT $2"
-);
+const DUE_PG: &str = due_sql!(" FOR UPDATE SKIP LOCKED");
 
-const NEXT_DUE: &str =
-    "SELECT MIN(next_run_at) FROM automations WHERE state = 'active' AND next_run_at IS NOT NULL";
+/// SQLite has one writer at a time: the claim needs no row locks.
+const DUE_SQLITE: &str = due_sql!("");
+
+const NEXT_DUE: &str = "SELECT MIN(next_run_at) AS next_due FROM automations WHERE state = 'active' AND next_run_at IS NOT NULL";
 
 const HAS_LIVE_RUN: &str = concat!(
-    "SELECT COUNT(*) FROM runs WHERE automation_id = $1 \
-     AND state IN ",
-    live_states!()
+    "SELECT 1 AS live FROM runs WHERE automation_id = $1 AND state IN ",
+    live_states!(),
+    " LIMIT 1"
 );
 
 const ADVANCE: &str = "UPDATE automations SET next_run_at = $2, updated_at = $3, \
@@ -63,8 +66,8 @@ impl Store {
 
     /// The earliest next occurrence of any active automation (one index probe).
     pub async fn next_due_at(&self) -> Result<Option<DateTime<Utc>>> {
-        let v: Option<i64> = sqlx::query_scalar(NEXT_DUE).fetch_one(self.db()).await?;
-        Ok(v.and_then(DateTime::from_timestamp_micros))
+        let next = rows::optional(self.db(), NEXT_DUE, (), |r| col(r, "next_due")).await?;
+        Ok(next.flatten())
     }
 }
 
@@ -76,36 +79,22 @@ impl SchedulingTx {
             Backend::Postgres => DUE_PG,
             Backend::Sqlite => DUE_SQLITE,
         };
-        let rows = sqlx::query(sql)
-            .bind(micros(now))
-            .bind(i64::from(limit))
-            .fetch_all(&mut *self.tx)
-            .await?;
-        // A row that does not decode is logged and skipped, not allowed to
-        // stop every other automation from firing.
-        Ok(rows
-            .iter()
-            .filter_map(|row| match crate::automations::decode(row) {
-                Ok(a) => Some(a),
-                Err(error) => {
-                    tracing::error!(%error, "due automation does not decode; skipped");
-                    None
-                }
-            })
-            .collect())
+        // A row that does not decode is skipped, not allowed to stop every
+        // other automation from firing.
+        let decode = rows::skipping("due automation", crate::automations::decode);
+        let params = (micros(now), i64::from(limit));
+        let due = rows::all(&mut *self.tx, sql, params, decode).await?;
+        Ok(due.into_iter().flatten().collect())
     }
 
     /// Whether a run of the automation is still live.
     pub async fn has_live_run(&mut self, automation_id: &str) -> Result<bool> {
-        let n: i64 = sqlx::query_scalar(HAS_LIVE_RUN)
-            .bind(automation_id)
-            .fetch_one(&mut *self.tx)
-            .await?;
-        Ok(n > 0)
+        let live = rows::optional(&mut *self.tx, HAS_LIVE_RUN, (automation_id,), |_| Ok(()));
+        Ok(live.await?.is_some())
     }
 
     /// Creates a run unless its (derived) id exists; `true` when created.
-    pub async fn create_run(&mut self, new: &NewRun, now: DateTime<Utc>) -> Result<bool> {
+    pub async fn create_run(&mut self, new: &NewRun<'_>, now: DateTime<Utc>) -> Result<bool> {
         let created = crate::runs::insert(&mut self.tx, new, now).await?;
         if created && !new.state.is_terminal() {
             self.created_pending = true;
@@ -126,12 +115,8 @@ impl SchedulingTx {
         next: Option<DateTime<Utc>>,
         now: DateTime<Utc>,
     ) -> Result<()> {
-        sqlx::query(ADVANCE)
-            .bind(automation_id)
-            .bind(opt_micros(next))
-            .bind(micros(now))
-            .execute(&mut *self.tx)
-            .await?;
+        let params = (automation_id, opt_micros(next), micros(now));
+        rows::execute(&mut *self.tx, ADVANCE, params).await?;
         Ok(())
     }
 

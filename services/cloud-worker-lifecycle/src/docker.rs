@@ -40,6 +40,11 @@ fn container_name(worker_id: &str) -> String {
 
 impl DockerDriver {
     /// One Engine API call: (status, JSON body or Null).
+    /// A POST without a body.
+    async fn post(&self, path: &str) -> Result<(u16, Value), CodedError> {
+        self.call(http::Method::POST, path, None).await
+    }
+
     async fn call(
         &self,
         method: http::Method,
@@ -167,13 +172,7 @@ impl WorkerDriver for DockerDriver {
                 ));
             }
         }
-        let (status, body) = self
-            .call(
-                http::Method::POST,
-                &format!("/containers/{name}/start"),
-                None,
-            )
-            .await?;
+        let (status, body) = self.post(&format!("/containers/{name}/start")).await?;
         if !matches!(status, 204 | 304) {
             return Err(CodedError::new(
                 ErrorCode::RuntimeFailed,
@@ -220,13 +219,7 @@ impl WorkerDriver for DockerDriver {
 
     async fn stop(&self, worker_id: &str) -> Result<(), CodedError> {
         let name = container_name(worker_id);
-        let (status, body) = self
-            .call(
-                http::Method::POST,
-                &format!("/containers/{name}/stop?t=10"),
-                None,
-            )
-            .await?;
+        let (status, body) = self.post(&format!("/containers/{name}/stop?t=10")).await?;
         match status {
             204 | 304 | 404 => Ok(()),
             s => Err(CodedError::new(

@@ -120,14 +120,11 @@ impl EngineSettings {
     pub fn env(&self) -> Vec<(String, String)> {
         vec![
             (
-                "AUTOMESH_AGENT_REQUEST_TIMEOUT".into(),
+                "AUTOMESH_PROVIDER_REQUEST_TIMEOUT".into(),
                 format!("{}ms", self.request_timeout.as_millis()),
             ),
-            ("AUTOMESH_AGENT_STREAM".into(), self.stream.to_string()),
-            (
-                "AUTOMESH_AGENT_MAX_STEPS".into(),
-                self.max_steps.to_string(),
-            ),
+            ("AUTOMESH_PROVIDER_STREAM".into(), self.stream.to_string()),
+            ("AUTOMESH_MAX_STEPS".into(), self.max_steps.to_string()),
         ]
     }
 }

@@ -9,6 +9,7 @@ pub mod driver;
 mod metrics;
 
 use anyhow::Result;
+use automesh_domain::Principal;
 use automesh_domain::{CloudWorker, WorkerState};
 use automesh_proto::worker::v1 as wpb;
 use automesh_proto::worker::v1::cloud_worker_lifecycle_service_server::{
@@ -21,7 +22,7 @@ use automesh_store::Store;
 use chrono::Utc;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status};
+use tonic::Status;
 
 automesh_rpc::service_config! {
     /// Settings of a cloud-worker-lifecycle process.
@@ -91,12 +92,7 @@ pub struct WorkerEnv {
     /// end `mcp_config_missing` (and need attention).
     #[arg(long, env = "AUTOMESH_CONNECT_URL")]
     pub connect_url: Option<String>,
-    #[arg(
-        long,
-        env = "AUTOMESH_CONNECT_TOKEN",
-        hide_env_values = true,
-        default_value = ""
-    )]
+    #[arg(long, env = "AUTOMESH_CONNECT_TOKEN", hide_env_values = true, default_value = "")]
     pub connect_token: automesh_rpc::auth::Secret,
     /// Bound on one provider request of a cloud worker's engine.
     #[arg(long = "worker-request-timeout", env = "AUTOMESH_WORKER_REQUEST_TIMEOUT", default_value = "120s", value_parser = automesh_rpc::runtime::parse_duration)]
@@ -239,36 +235,40 @@ fn worker_to_pb(w: &CloudWorker) -> wpb::Worker {
 
 #[tonic::async_trait]
 impl CloudWorkerLifecycleService for WorkerRegistry {
-    async fn get_worker(
+    automesh_rpc::scoped_calls! {
+        get_worker(wpb::GetWorkerRequest) -> wpb::GetWorkerResponse => serve_get;
+        register_worker(wpb::RegisterWorkerRequest) -> wpb::RegisterWorkerResponse
+            => serve_register;
+    }
+}
+
+/// What each call does for its caller.
+impl WorkerRegistry {
+    async fn serve_get(
         &self,
-        request: Request<wpb::GetWorkerRequest>,
-    ) -> Result<Response<wpb::GetWorkerResponse>, Status> {
-        let (owner, _) = convert::scoped(request)?;
-        let worker = self
-            .store
-            .get_worker(&owner)
-            .await
-            .map_err(|e| status::of(&e, "cloud worker"))?
-            .ok_or_else(|| status::not_found("cloud worker"))?;
-        Ok(Response::new(wpb::GetWorkerResponse {
+        owner: Principal,
+        _: wpb::GetWorkerRequest,
+    ) -> Result<wpb::GetWorkerResponse, Status> {
+        let worker = self.store.get_worker(&owner).await;
+        let worker = worker.map_err(|e| status::of(&e, "cloud worker"))?;
+        let worker = worker.ok_or_else(|| status::not_found("cloud worker"))?;
+        Ok(wpb::GetWorkerResponse {
             worker: Some(worker_to_pb(&worker)),
-        }))
+        })
     }
 
-    async fn register_worker(
+    async fn serve_register(
         &self,
-        request: Request<wpb::RegisterWorkerRequest>,
-    ) -> Result<Response<wpb::RegisterWorkerResponse>, Status> {
-        let (owner, _) = convert::scoped(request)?;
-        let worker = self
-            .store
-            .register_worker(&owner, &self.driver, Utc::now())
+        owner: Principal,
+        _: wpb::RegisterWorkerRequest,
+    ) -> Result<wpb::RegisterWorkerResponse, Status> {
+        let registered = self.store.register_worker(&owner, &self.driver, Utc::now());
+        let worker = registered
             .await
             .map_err(|e| status::of(&e, "cloud worker"))?;
         tracing::info!(worker_id = %worker.id, driver = %worker.driver, "cloud worker registered");
-        Ok(Response::new(wpb::RegisterWorkerResponse {
-            worker: Some(worker_to_pb(&worker)),
-        }))
+        let worker = Some(worker_to_pb(&worker));
+        Ok(wpb::RegisterWorkerResponse { worker })
     }
 }
 
@@ -340,7 +340,7 @@ impl Service {
         ));
         server.add_service(
             automesh_proto::executor::v1::executor_service_server::ExecutorServiceServer::with_interceptor(
-                cloud.clone(),
+                automesh_rpc::executor::Contract(cloud.clone()),
                 RequireInternal(credential),
             ),
         );

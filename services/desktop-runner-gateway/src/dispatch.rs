@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use automesh_proto::executor::v1 as epb;
 use automesh_proto::runner::v1 as rpb;
-use automesh_store::desktop::DesktopAssignment;
+use automesh_store::desktop::{Claim, DesktopAssignment};
 use automesh_store::{Store, Topic};
 use chrono::Utc;
 use prost::Message as _;
@@ -122,7 +122,13 @@ impl Dispatch {
         };
         for (run_id, w) in due {
             if store
-                .expire_desktop_claim(&run_id, &w.runner_id, &w.stream_id, Utc::now())
+                .desktop_claim(
+                    Claim::Expire,
+                    &run_id,
+                    &w.runner_id,
+                    &w.stream_id,
+                    Utc::now(),
+                )
                 .await?
             {
                 tracing::warn!(
@@ -362,7 +368,13 @@ async fn offer_in_trace(
 ) -> Result<bool, automesh_store::StoreError> {
     let (runner_id, tx) = (session.runner_id.as_str(), &session.tx);
     if !store
-        .claim_desktop_run(&a.run_id, runner_id, &session.stream_id, Utc::now())
+        .desktop_claim(
+            Claim::Take,
+            &a.run_id,
+            runner_id,
+            &session.stream_id,
+            Utc::now(),
+        )
         .await?
     {
         return Ok(false);

@@ -14,14 +14,14 @@
 use std::sync::Arc;
 
 use automesh_proto::executor::v1 as epb;
-use automesh_proto::executor::v1::executor_service_server::ExecutorService;
 use automesh_proto::v1 as pb;
-use automesh_rpc::{executor, status};
+use automesh_rpc::executor::{self, Executor};
+use automesh_rpc::status;
 use automesh_store::Store;
 use automesh_store::desktop::{DesktopAssignment, DesktopPhase};
 use chrono::Utc;
 use prost::Message as _;
-use tonic::{Request, Response, Status};
+use tonic::Status;
 
 use crate::dispatch::{Dispatch, POLL};
 
@@ -60,64 +60,38 @@ impl DesktopExecutor {
         Self { store, dispatch }
     }
 
-    async fn status(&self, run_id: &str) -> Result<epb::ExecutionStatus, Status> {
-        let a = self
-            .store
-            .desktop_run(run_id)
-            .await
-            .map_err(|e| status::of(&e, "desktop dispatch"))?;
-        Ok(status_of(a.as_ref()))
+    /// A desktop run's assignment, if it has one.
+    async fn assignment(&self, run_id: &str) -> Result<Option<DesktopAssignment>, Status> {
+        let a = self.store.desktop_run(run_id).await;
+        a.map_err(|e| status::of(&e, "desktop dispatch"))
     }
 }
 
 #[tonic::async_trait]
-impl ExecutorService for DesktopExecutor {
-    async fn start_run(
-        &self,
-        request: Request<epb::StartRunRequest>,
-    ) -> Result<Response<epb::StartRunResponse>, Status> {
-        let spec = executor::run_spec(request.into_inner())?;
+impl Executor for DesktopExecutor {
+    async fn start(&self, spec: epb::RunSpec) -> Result<(bool, epb::ExecutionStatus), Status> {
+        let (org, owner, body) = (&spec.organization_id, &spec.owner_id, spec.encode_to_vec());
         let offered = self
             .store
-            .offer_desktop_run(
-                &spec.run_id,
-                &spec.organization_id,
-                &spec.owner_id,
-                &spec.encode_to_vec(),
-                Utc::now(),
-            )
+            .offer_desktop_run(&spec.run_id, org, owner, &body, Utc::now());
+        let offered = offered
             .await
             .map_err(|e| status::of(&e, "desktop dispatch"))?;
         if offered {
             tracing::info!(run_id = %spec.run_id, "desktop run offered to the owner's runners");
         }
-        Ok(Response::new(epb::StartRunResponse {
-            submitted: offered,
-            status: Some(self.status(&spec.run_id).await?),
-        }))
+        Ok((offered, self.status(&spec.run_id).await?))
     }
 
-    type ObserveRunStream = executor::ObserveStream;
-
-    async fn observe_run(
-        &self,
-        request: Request<epb::ObserveRunRequest>,
-    ) -> Result<Response<Self::ObserveRunStream>, Status> {
-        let req = request.into_inner();
-        if self
-            .store
-            .desktop_run(&req.run_id)
-            .await
-            .map_err(|e| status::of(&e, "desktop dispatch"))?
-            .is_none()
-        {
+    async fn observe(&self, run_id: String, after: i64) -> Result<executor::ObserveStream, Status> {
+        if self.assignment(&run_id).await?.is_none() {
             return Err(Status::not_found("no desktop assignment for this run"));
         }
         let store = self.store.clone();
         let dispatch = self.dispatch.clone();
         let (mut observer, stream) = executor::observe();
         tokio::spawn(async move {
-            let mut after = req.after_sequence;
+            let mut after = after;
             loop {
                 let changed = dispatch.changed.notified();
                 tokio::pin!(changed);
@@ -125,9 +99,9 @@ impl ExecutorService for DesktopExecutor {
                 // Status first, events after: a finished status read before
                 // its events would end the stream too early.
                 let read = async {
-                    let a = store.desktop_run(&req.run_id).await?;
+                    let a = store.desktop_run(&run_id).await?;
                     let events = store
-                        .desktop_events_after(&req.run_id, after, EVENTS_PAGE)
+                        .desktop_events_after(&run_id, after, EVENTS_PAGE)
                         .await?;
                     Ok::<_, automesh_store::StoreError>((a, events))
                 };
@@ -167,11 +141,11 @@ impl ExecutorService for DesktopExecutor {
                 for e in events {
                     after = e.sequence;
                     let Ok(mut event) = pb::RunEvent::decode(e.body.as_slice()) else {
-                        tracing::error!(run_id = %req.run_id, seq = e.sequence, "undecodable desktop event");
+                        tracing::error!(run_id = %run_id, seq = e.sequence, "undecodable desktop event");
                         continue;
                     };
                     event.sequence = e.sequence;
-                    event.run_id = req.run_id.clone();
+                    event.run_id = run_id.clone();
                     if !observer.event(event).await {
                         return;
                     }
@@ -191,35 +165,16 @@ impl ExecutorService for DesktopExecutor {
                 }
             }
         });
-        Ok(Response::new(stream))
+        Ok(stream)
     }
 
-    async fn cancel_run(
-        &self,
-        request: Request<epb::CancelRunRequest>,
-    ) -> Result<Response<epb::CancelRunResponse>, Status> {
-        let req = request.into_inner();
-        let reason = if req.reason.is_empty() {
-            "cancelled"
-        } else {
-            req.reason.as_str()
-        };
-        let a = self
-            .store
-            .cancel_desktop_run(&req.run_id, reason, Utc::now())
-            .await
-            .map_err(|e| status::of(&e, "desktop dispatch"))?;
-        Ok(Response::new(epb::CancelRunResponse {
-            status: Some(status_of(a.as_ref())),
-        }))
+    async fn cancel(&self, run_id: &str, reason: &str) -> Result<epb::ExecutionStatus, Status> {
+        let a = self.store.cancel_desktop_run(run_id, reason, Utc::now());
+        let a = a.await.map_err(|e| status::of(&e, "desktop dispatch"))?;
+        Ok(status_of(a.as_ref()))
     }
 
-    async fn get_run_status(
-        &self,
-        request: Request<epb::GetRunStatusRequest>,
-    ) -> Result<Response<epb::GetRunStatusResponse>, Status> {
-        Ok(Response::new(epb::GetRunStatusResponse {
-            status: Some(self.status(&request.into_inner().run_id).await?),
-        }))
+    async fn status(&self, run_id: &str) -> Result<epb::ExecutionStatus, Status> {
+        Ok(status_of(self.assignment(run_id).await?.as_ref()))
     }
 }

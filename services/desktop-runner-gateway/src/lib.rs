@@ -23,6 +23,7 @@ pub mod stream;
 use std::net::SocketAddr;
 
 use anyhow::Result;
+use automesh_domain::Principal;
 use automesh_domain::ids::new_runner_id;
 use automesh_proto::runner::v1 as rpb;
 use automesh_proto::runner::v1::runner_token_service_server::{
@@ -36,7 +37,7 @@ use chrono::Utc;
 use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status};
+use tonic::Status;
 
 automesh_rpc::service_config! {
     /// Settings of a desktop-runner-gateway process.
@@ -71,61 +72,51 @@ pub struct RunnerTokens {
 
 #[tonic::async_trait]
 impl RunnerTokenService for RunnerTokens {
-    async fn create_runner_token(
+    automesh_rpc::scoped_calls! {
+        create_runner_token(rpb::CreateRunnerTokenRequest) -> rpb::CreateRunnerTokenResponse
+            => serve_create;
+        revoke_runner_token(rpb::RevokeRunnerTokenRequest) -> rpb::RevokeRunnerTokenResponse
+            => serve_revoke;
+    }
+}
+
+/// What each call does for its caller.
+impl RunnerTokens {
+    async fn serve_create(
         &self,
-        request: Request<rpb::CreateRunnerTokenRequest>,
-    ) -> Result<Response<rpb::CreateRunnerTokenResponse>, Status> {
-        let (owner, req) = convert::scoped(request)?;
+        owner: Principal,
+        req: rpb::CreateRunnerTokenRequest,
+    ) -> Result<rpb::CreateRunnerTokenResponse, Status> {
         let mut v = automesh_domain::Violations::default();
-        automesh_domain::validation::check_text(
-            &mut v,
-            "runner_name",
-            &req.runner_name,
-            automesh_domain::automation::RUNNER_NAME_LIMIT,
-        );
-        if !v.is_empty() {
-            return Err(status::invalid_argument(&v));
-        }
+        let limit = automesh_domain::automation::RUNNER_NAME_LIMIT;
+        automesh_domain::validation::check_text(&mut v, "runner_name", &req.runner_name, limit);
+        v.into_result(())
+            .map_err(|v| status::invalid_argument(&v))?;
         let token = automesh_rpc::runtime::random_secret(TOKEN_PREFIX);
-        let runner = self
+        let (id, name, hash) = (new_runner_id(), req.runner_name.trim(), hash_token(&token));
+        let created = self
             .store
-            .create_runner(
-                &owner,
-                &new_runner_id(),
-                req.runner_name.trim(),
-                &hash_token(&token),
-                Utc::now(),
-            )
-            .await
-            .map_err(|e| status::of(&e, "runner"))?;
+            .create_runner(&owner, &id, name, &hash, Utc::now());
+        let runner = created.await.map_err(|e| status::of(&e, "runner"))?;
         tracing::info!(runner_id = %runner.id, "runner token created");
-        Ok(Response::new(rpb::CreateRunnerTokenResponse {
+        Ok(rpb::CreateRunnerTokenResponse {
             runner_id: runner.id,
             token,
             create_time: Some(convert::timestamp(runner.created_at)),
-        }))
+        })
     }
 
-    async fn revoke_runner_token(
+    async fn serve_revoke(
         &self,
-        request: Request<rpb::RevokeRunnerTokenRequest>,
-    ) -> Result<Response<rpb::RevokeRunnerTokenResponse>, Status> {
-        let (owner, req) = convert::scoped(request)?;
-        if req.runner_id.is_empty() {
-            return Err(status::invalid_field("runner_id", "required"));
-        }
-        if req.runner_id.contains('\0') {
-            return Err(status::invalid_field(
-                "runner_id",
-                "must not contain the NUL character (U+0000)",
-            ));
-        }
-        self.store
-            .revoke_runner(&owner, &req.runner_id, Utc::now())
-            .await
-            .map_err(|e| status::of(&e, "runner"))?;
+        owner: Principal,
+        req: rpb::RevokeRunnerTokenRequest,
+    ) -> Result<rpb::RevokeRunnerTokenResponse, Status> {
+        convert::require_id(&req.runner_id, "runner_id")
+            .map_err(|v| status::invalid_argument(&v))?;
+        let revoked = self.store.revoke_runner(&owner, &req.runner_id, Utc::now());
+        revoked.await.map_err(|e| status::of(&e, "runner"))?;
         tracing::info!(runner_id = %req.runner_id, "runner revoked");
-        Ok(Response::new(rpb::RevokeRunnerTokenResponse {}))
+        Ok(rpb::RevokeRunnerTokenResponse {})
     }
 }
 
@@ -195,7 +186,7 @@ impl Service {
         );
         internal.add_service(
             automesh_proto::executor::v1::executor_service_server::ExecutorServiceServer::with_interceptor(
-                desktop,
+                automesh_rpc::executor::Contract(desktop),
                 RequireInternal(credential.clone()),
             ),
         );

@@ -16,8 +16,8 @@ pub enum Error {
 impl From<Error> for Status {
     fn from(e: Error) -> Status {
         match e {
-            Error::Invalid(v) => status::invalid_argument(&v),
             Error::Store(e) => status::of(&e, "run"),
+            Error::Invalid(v) => status::invalid_argument(&v),
         }
     }
 }

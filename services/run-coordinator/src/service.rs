@@ -87,93 +87,12 @@ impl Coordinator {
 
 #[tonic::async_trait]
 impl RunCoordinatorService for Coordinator {
-    async fn get_run(
-        &self,
-        request: Request<cpb::GetRunRequest>,
-    ) -> Result<Response<cpb::GetRunResponse>, Status> {
-        let (owner, req) = convert::scoped(request)?;
-        convert::require_id(&req.id, "id").map_err(Error::from)?;
-        Ok(Response::new(cpb::GetRunResponse {
-            run: Some(self.run_pb(&owner, &req.id).await?),
-        }))
-    }
-
-    async fn list_runs(
-        &self,
-        request: Request<cpb::ListRunsRequest>,
-    ) -> Result<Response<cpb::ListRunsResponse>, Status> {
-        let (owner, req) = convert::scoped(request)?;
-        let list = req.request.unwrap_or_default();
-        let size = convert::page_size(list.page_size, 50, "page_size").map_err(Error::from)?;
-        let cursor = Cursor::decode(&list.page_token).map_err(Error::from)?;
-        let filter = (!list.automation_id.is_empty()).then_some(list.automation_id.as_str());
-        let page = self
-            .store
-            .list_runs(&owner, filter, &cursor, size)
-            .await
-            .map_err(Error::from)?;
-        let mut runs = Vec::with_capacity(page.items.len());
-        for run in &page.items {
-            runs.push(self.to_pb(run).await?);
-        }
-        let kept = automesh_proto::bounds::fitting(&runs);
-        runs.truncate(kept);
-        Ok(Response::new(cpb::ListRunsResponse {
-            response: Some(pb::ListRunsResponse {
-                runs,
-                next_page_token: page.next_token(kept),
-            }),
-        }))
-    }
-
-    async fn cancel_run(
-        &self,
-        request: Request<cpb::CancelRunRequest>,
-    ) -> Result<Response<cpb::CancelRunResponse>, Status> {
-        let (owner, req) = convert::scoped(request)?;
-        convert::require_id(&req.id, "id").map_err(Error::from)?;
-        let run = self.cancel(&owner, &req.id, Utc::now()).await?;
-        Ok(Response::new(cpb::CancelRunResponse {
-            run: Some(self.to_pb(&run).await?),
-        }))
-    }
-
-    async fn list_run_events(
-        &self,
-        request: Request<cpb::ListRunEventsRequest>,
-    ) -> Result<Response<cpb::ListRunEventsResponse>, Status> {
-        let (owner, req) = convert::scoped(request)?;
-        let list = req.request.unwrap_or_default();
-        convert::require_id(&list.run_id, "run_id").map_err(Error::from)?;
-        let size = convert::page_size(list.page_size, 100, "page_size").map_err(Error::from)?;
-        if list.after_sequence < 0 {
-            return Err(automesh_rpc::status::invalid_field(
-                "after_sequence",
-                "must not be negative",
-            ));
-        }
-        // Scope first: another tenant's run is not found.
-        self.store
-            .get_run(&owner, &list.run_id)
-            .await
-            .map_err(Error::from)?;
-        let events = self
-            .store
-            .internal()
-            .events(&list.run_id, list.after_sequence, size)
-            .await
-            .map_err(Error::from)?;
-        let mut events: Vec<pb::RunEvent> = events.iter().map(convert::event_to_pb).collect();
-        // Within the page byte budget; `last_sequence` says where the next
-        // page starts.
-        events.truncate(automesh_proto::bounds::fitting(&events));
-        let last_sequence = events.last().map_or(list.after_sequence, |e| e.sequence);
-        Ok(Response::new(cpb::ListRunEventsResponse {
-            response: Some(pb::ListRunEventsResponse {
-                events,
-                last_sequence,
-            }),
-        }))
+    automesh_rpc::scoped_calls! {
+        get_run(cpb::GetRunRequest) -> cpb::GetRunResponse => serve_get[id];
+        list_runs(cpb::ListRunsRequest) -> cpb::ListRunsResponse => serve_list[request];
+        cancel_run(cpb::CancelRunRequest) -> cpb::CancelRunResponse => serve_cancel[id];
+        list_run_events(cpb::ListRunEventsRequest) -> cpb::ListRunEventsResponse
+            => serve_events[request];
     }
 
     type WatchRunStream = ReceiverStream<Result<cpb::WatchRunResponse, Status>>;
@@ -185,12 +104,7 @@ impl RunCoordinatorService for Coordinator {
         let (owner, req) = convert::scoped(request)?;
         let watch_req = req.request.unwrap_or_default();
         convert::require_id(&watch_req.run_id, "run_id").map_err(Error::from)?;
-        if watch_req.after_sequence < 0 {
-            return Err(automesh_rpc::status::invalid_field(
-                "after_sequence",
-                "must not be negative",
-            ));
-        }
+        convert::not_negative(watch_req.after_sequence, "after_sequence").map_err(Error::from)?;
         let run = self
             .store
             .get_run(&owner, &watch_req.run_id)
@@ -212,5 +126,71 @@ impl Coordinator {
 
     pub(crate) async fn pb_of(&self, run: &Run) -> Result<pb::Run, Error> {
         self.to_pb(run).await
+    }
+}
+
+/// What a call answers, or why not.
+type Reply<T> = Result<T, Error>;
+
+/// What each call does for its caller.
+impl Coordinator {
+    async fn serve_get(&self, owner: Principal, id: String) -> Reply<cpb::GetRunResponse> {
+        Ok(cpb::GetRunResponse {
+            run: Some(self.run_pb(&owner, &id).await?),
+        })
+    }
+
+    async fn serve_list(
+        &self,
+        owner: Principal,
+        list: pb::ListRunsRequest,
+    ) -> Reply<cpb::ListRunsResponse> {
+        let filter = (!list.automation_id.is_empty()).then_some(list.automation_id.as_str());
+        let size = convert::page_size(list.page_size, 50, "page_size")?;
+        let cursor = Cursor::decode(&list.page_token)?;
+        let page = self.store.list_runs(&owner, filter, &cursor, size).await?;
+        let mut runs = Vec::with_capacity(page.items.len());
+        for run in &page.items {
+            runs.push(self.to_pb(run).await?);
+        }
+        let (runs, next_page_token) = page.cut(runs, automesh_proto::bounds::fitting);
+        let response = Some(pb::ListRunsResponse {
+            runs,
+            next_page_token,
+        });
+        Ok(cpb::ListRunsResponse { response })
+    }
+
+    async fn serve_cancel(&self, owner: Principal, id: String) -> Reply<cpb::CancelRunResponse> {
+        let run = self.cancel(&owner, &id, Utc::now()).await?;
+        Ok(cpb::CancelRunResponse {
+            run: Some(self.to_pb(&run).await?),
+        })
+    }
+
+    async fn serve_events(
+        &self,
+        owner: Principal,
+        list: pb::ListRunEventsRequest,
+    ) -> Reply<cpb::ListRunEventsResponse> {
+        convert::require_id(&list.run_id, "run_id")?;
+        let size = convert::page_size(list.page_size, 100, "page_size")?;
+        convert::not_negative(list.after_sequence, "after_sequence")?;
+        // Scope first: another tenant's run is not found.
+        self.store.get_run(&owner, &list.run_id).await?;
+        let internal = self.store.internal();
+        let events = internal
+            .events(&list.run_id, list.after_sequence, size)
+            .await?;
+        let mut events: Vec<pb::RunEvent> = events.iter().map(convert::event_to_pb).collect();
+        // Within the page byte budget; `last_sequence` says where the next
+        // page starts.
+        events.truncate(automesh_proto::bounds::fitting(&events));
+        let last_sequence = events.last().map_or(list.after_sequence, |e| e.sequence);
+        let response = Some(pb::ListRunEventsResponse {
+            events,
+            last_sequence,
+        });
+        Ok(cpb::ListRunEventsResponse { response })
     }
 }

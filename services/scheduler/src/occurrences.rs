@@ -236,29 +236,23 @@ async fn materialize(
     tx.advance(&a.id, plan.next, now).await
 }
 
-fn new_run(
-    a: &Automation,
+fn new_run<'a>(
+    a: &'a Automation,
     at: DateTime<Utc>,
     now: DateTime<Utc>,
     settings: &Settings,
     state: RunState,
     error: Option<(ErrorCode, &str)>,
     traceparent: Option<String>,
-) -> NewRun {
+) -> NewRun<'a> {
     NewRun {
         id: scheduled_run_id(&a.id, at),
-        automation_id: a.id.clone(),
-        org_id: a.org_id.clone(),
-        owner_id: a.owner_id.clone(),
-        placement: a.placement,
+        automation: a,
         trigger: RunTrigger::Schedule,
         scheduled_for: Some(at),
         idempotency_key: None,
-        prompt: a.prompt.clone(),
-        model: a.model.clone(),
         state,
-        error_code: error.map(|(c, _)| c),
-        error_message: error.map(|(_, m)| m.to_owned()),
+        error: error.map(|(c, m)| (c, m.to_owned())),
         deadline_at: now + chrono::Duration::from_std(settings.run_deadline).unwrap_or_default(),
         traceparent,
     }
@@ -313,12 +307,17 @@ mod tests {
         }
     }
 
+    /// The plan of a daily 09:00 UTC schedule first due at `first`, at
+    /// `now`, catching up within `window`.
+    fn daily_plan(first: &str, now: &str, window: Duration) -> Plan {
+        plan(&daily_utc(9), utc(first), utc(now), window)
+    }
+
     #[test]
     fn on_time_fires() {
-        let p = plan(
-            &daily_utc(9),
-            utc("2026-12-01T09:00:00Z"),
-            utc("2026-12-01T09:00:00.010Z"),
+        let p = daily_plan(
+            "2026-12-01T09:00:00Z",
+            "2026-12-01T09:00:00.010Z",
             Duration::ZERO,
         );
         assert_eq!(p.fire, Some(utc("2026-12-01T09:00:00Z")));
@@ -328,13 +327,8 @@ mod tests {
 
     #[test]
     fn three_days_down_catches_up_once_inside_the_window() {
-        let now = utc("2026-12-04T09:30:00Z");
-        let p = plan(
-            &daily_utc(9),
-            utc("2026-12-01T09:00:00Z"),
-            now,
-            Duration::from_secs(3600),
-        );
+        let hour = Duration::from_secs(3600);
+        let p = daily_plan("2026-12-01T09:00:00Z", "2026-12-04T09:30:00Z", hour);
         assert_eq!(p.fire, Some(utc("2026-12-04T09:00:00Z")));
         assert_eq!(
             p.missed,
@@ -349,13 +343,8 @@ mod tests {
 
     #[test]
     fn outside_the_window_everything_is_missed() {
-        let now = utc("2026-12-04T12:00:00Z");
-        let p = plan(
-            &daily_utc(9),
-            utc("2026-12-02T09:00:00Z"),
-            now,
-            Duration::from_secs(3600),
-        );
+        let hour = Duration::from_secs(3600);
+        let p = daily_plan("2026-12-02T09:00:00Z", "2026-12-04T12:00:00Z", hour);
         assert_eq!(p.fire, None);
         assert_eq!(p.missed.len(), 3);
     }

@@ -20,7 +20,6 @@ use automesh_rpc::propagation;
 use automesh_store::page::Cursor;
 use automesh_store::{Store, StoreError};
 use chrono::{DateTime, Utc};
-use tonic::{Request, Response, Status};
 
 use crate::error::Error;
 
@@ -55,8 +54,7 @@ impl Scheduler {
         let next = input.schedule.next_after(now);
         let new = NewAutomation {
             id: new_automation_id(),
-            org_id: owner.org_id.clone(),
-            owner_id: owner.user_id.clone(),
+            owner: owner.clone(),
             name: input.name,
             prompt: input.prompt,
             model: input.model,
@@ -133,8 +131,7 @@ impl Scheduler {
             let mut next = current.clone();
             next.state = state;
             if state == AutomationState::Active {
-                next.attention_reason = None;
-                next.attention_message = None;
+                next.attention = None;
                 next.next_run_at = next.schedule.next_after(now);
             } else {
                 next.next_run_at = None;
@@ -200,18 +197,12 @@ impl Scheduler {
         let deadline = now + chrono::Duration::from_std(self.run_deadline).unwrap_or_default();
         let run = NewRun {
             id,
-            automation_id: automation.id.clone(),
-            org_id: automation.org_id.clone(),
-            owner_id: automation.owner_id.clone(),
-            placement: automation.placement,
+            automation: &automation,
             trigger: RunTrigger::Manual,
             scheduled_for: None,
             idempotency_key: Some(key.to_owned()),
-            prompt: automation.prompt.clone(),
-            model: automation.model.clone(),
             state: RunState::Pending,
-            error_code: None,
-            error_message: None,
+            error: None,
             deadline_at: deadline,
             traceparent: propagation::current_traceparent(),
         };
@@ -244,115 +235,128 @@ fn state_change(change: i32) -> Result<StateChange, Error> {
 
 #[tonic::async_trait]
 impl SchedulerService for Scheduler {
-    async fn create_automation(
-        &self,
-        request: Request<spb::CreateAutomationRequest>,
-    ) -> Result<Response<spb::CreateAutomationResponse>, Status> {
-        let (owner, req) = convert::scoped(request)?;
-        let now = Utc::now();
-        let input = convert::parse_create(req.automation.as_ref(), req.surface, now)
-            .map_err(Error::from)?;
-        let automation = self.create(&owner, input, now).await?;
-        tracing::info!(automation_id = %automation.id, placement = %automation.placement, "automation created");
-        Ok(Response::new(spb::CreateAutomationResponse {
-            automation: Some(convert::automation_to_pb(&automation)),
-        }))
+    automesh_rpc::scoped_calls! {
+        create_automation(spb::CreateAutomationRequest) -> spb::CreateAutomationResponse
+            => serve_create as answer;
+        get_automation(spb::GetAutomationRequest) -> spb::GetAutomationResponse
+            => serve_get[id] as answer;
+        list_automations(spb::ListAutomationsRequest) -> spb::ListAutomationsResponse
+            => serve_list[request];
+        update_automation(spb::UpdateAutomationRequest) -> spb::UpdateAutomationResponse
+            => serve_update[request] as answer;
+        set_automation_state(spb::SetAutomationStateRequest) -> spb::SetAutomationStateResponse
+            => serve_set_state as answer;
+        run_automation_now(spb::RunAutomationNowRequest) -> spb::RunAutomationNowResponse
+            => serve_run_now[request];
     }
+}
 
-    async fn get_automation(
-        &self,
-        request: Request<spb::GetAutomationRequest>,
-    ) -> Result<Response<spb::GetAutomationResponse>, Status> {
-        let (owner, req) = convert::scoped(request)?;
-        convert::require_id(&req.id, "id").map_err(Error::from)?;
-        let automation = self
-            .store
-            .get_automation(&owner, &req.id)
-            .await
-            .map_err(Error::from)?;
-        Ok(Response::new(spb::GetAutomationResponse {
-            automation: Some(convert::automation_to_pb(&automation)),
-        }))
-    }
+/// What a call answers, or why not.
+type Reply<T> = Result<T, Error>;
 
-    async fn list_automations(
+/// An answer that carries the automation as a call left it.
+trait Carries {
+    fn carrying(automation: Option<pb::Automation>) -> Self;
+}
+
+macro_rules! carries {
+    ($($answer:ty),+ $(,)?) => {$(
+        impl Carries for $answer {
+            fn carrying(automation: Option<pb::Automation>) -> Self {
+                Self { automation }
+            }
+        }
+    )+};
+}
+
+carries!(
+    spb::CreateAutomationResponse,
+    spb::GetAutomationResponse,
+    spb::UpdateAutomationResponse,
+    spb::SetAutomationStateResponse,
+);
+
+/// The answer carrying `automation`.
+fn answer<T: Carries>(automation: Automation) -> T {
+    T::carrying(Some(convert::automation_to_pb(&automation)))
+}
+
+/// What each call does for its caller.
+impl Scheduler {
+    async fn serve_list(
         &self,
-        request: Request<spb::ListAutomationsRequest>,
-    ) -> Result<Response<spb::ListAutomationsResponse>, Status> {
-        let (owner, req) = convert::scoped(request)?;
-        let list = req.request.unwrap_or_default();
-        let size = convert::page_size(list.page_size, 50, "page_size").map_err(Error::from)?;
-        let cursor = Cursor::decode(&list.page_token).map_err(Error::from)?;
-        let page = self
-            .store
-            .list_automations(&owner, &cursor, size, list.show_archived)
-            .await
-            .map_err(Error::from)?;
-        let mut automations: Vec<pb::Automation> =
-            page.items.iter().map(convert::automation_to_pb).collect();
+        owner: Principal,
+        list: pb::ListAutomationsRequest,
+    ) -> Reply<spb::ListAutomationsResponse> {
+        let size = convert::page_size(list.page_size, 50, "page_size")?;
+        let cursor = Cursor::decode(&list.page_token)?;
+        let archived = list.show_archived;
+        let page = self.store.list_automations(&owner, &cursor, size, archived);
+        let page = page.await?;
+        let automations = page.items.iter().map(convert::automation_to_pb).collect();
         // Within the page byte budget: a cut page goes on after its last
         // automation.
-        let kept = automesh_proto::bounds::fitting(&automations);
-        automations.truncate(kept);
-        Ok(Response::new(spb::ListAutomationsResponse {
-            response: Some(pb::ListAutomationsResponse {
-                automations,
-                next_page_token: page.next_token(kept),
-            }),
-        }))
+        let (automations, next_page_token) = page.cut(automations, automesh_proto::bounds::fitting);
+        let response = pb::ListAutomationsResponse {
+            automations,
+            next_page_token,
+        };
+        Ok(spb::ListAutomationsResponse {
+            response: Some(response),
+        })
     }
 
-    async fn update_automation(
+    async fn serve_run_now(
         &self,
-        request: Request<spb::UpdateAutomationRequest>,
-    ) -> Result<Response<spb::UpdateAutomationResponse>, Status> {
-        let (owner, req) = convert::scoped(request)?;
+        owner: Principal,
+        run_now: pb::RunAutomationNowRequest,
+    ) -> Reply<spb::RunAutomationNowResponse> {
+        convert::parse_run_now(&run_now)?;
+        let key = &run_now.idempotency_key;
+        let run = self.run_now(&owner, &run_now.id, key, Utc::now()).await?;
+        let run = Some(convert::run_to_pb(&run, None));
+        Ok(spb::RunAutomationNowResponse { run })
+    }
+
+    async fn serve_get(&self, owner: Principal, id: String) -> Reply<Automation> {
+        Ok(self.store.get_automation(&owner, &id).await?)
+    }
+
+    async fn serve_create(
+        &self,
+        owner: Principal,
+        req: spb::CreateAutomationRequest,
+    ) -> Reply<Automation> {
         let now = Utc::now();
-        let update =
-            convert::parse_update(&req.request.unwrap_or_default(), now).map_err(Error::from)?;
-        let automation = self
-            .update(
-                &owner,
-                &update.id,
-                update.patch,
-                update.claimed_placement,
-                now,
-            )
-            .await?;
-        Ok(Response::new(spb::UpdateAutomationResponse {
-            automation: Some(convert::automation_to_pb(&automation)),
-        }))
+        let input = convert::parse_create(req.automation.as_ref(), req.surface, now)?;
+        let automation = self.create(&owner, input, now).await?;
+        tracing::info!(automation_id = %automation.id, placement = %automation.placement, "automation created");
+        Ok(automation)
     }
 
-    async fn set_automation_state(
+    async fn serve_update(
         &self,
-        request: Request<spb::SetAutomationStateRequest>,
-    ) -> Result<Response<spb::SetAutomationStateResponse>, Status> {
-        let (owner, req) = convert::scoped(request)?;
-        convert::require_id(&req.id, "id").map_err(Error::from)?;
-        let expected = convert::parse_optional_etag(&req.etag, "etag").map_err(Error::from)?;
+        owner: Principal,
+        edit: pb::UpdateAutomationRequest,
+    ) -> Reply<Automation> {
+        let update = convert::parse_update(&edit, Utc::now())?;
+        let (id, placement) = (&update.id, update.claimed_placement);
+        self.update(&owner, id, update.patch, placement, Utc::now())
+            .await
+    }
+
+    async fn serve_set_state(
+        &self,
+        owner: Principal,
+        req: spb::SetAutomationStateRequest,
+    ) -> Reply<Automation> {
         let change = state_change(req.change)?;
+        convert::require_id(&req.id, "id")?;
+        let expected = convert::parse_optional_etag(&req.etag, "etag")?;
         let automation = self
             .set_state(&owner, &req.id, change, expected, Utc::now())
             .await?;
         tracing::info!(automation_id = %automation.id, state = %automation.state, "automation state set");
-        Ok(Response::new(spb::SetAutomationStateResponse {
-            automation: Some(convert::automation_to_pb(&automation)),
-        }))
-    }
-
-    async fn run_automation_now(
-        &self,
-        request: Request<spb::RunAutomationNowRequest>,
-    ) -> Result<Response<spb::RunAutomationNowResponse>, Status> {
-        let (owner, req) = convert::scoped(request)?;
-        let run_now = req.request.unwrap_or_default();
-        convert::parse_run_now(&run_now).map_err(Error::from)?;
-        let run = self
-            .run_now(&owner, &run_now.id, &run_now.idempotency_key, Utc::now())
-            .await?;
-        Ok(Response::new(spb::RunAutomationNowResponse {
-            run: Some(convert::run_to_pb(&run, None)),
-        }))
+        Ok(automation)
     }
 }

@@ -318,8 +318,7 @@ async fn main() -> anyhow::Result<()> {
             .create_automation(
                 &NewAutomation {
                     id: id.clone(),
-                    org_id: owner.org_id.clone(),
-                    owner_id: owner.user_id.clone(),
+                    owner: owner.clone(),
                     name: format!("desk {i}"),
                     prompt: "p".into(),
                     model: "fake/echo".into(),

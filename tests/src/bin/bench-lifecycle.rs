@@ -71,8 +71,7 @@ async fn insert_due(
         let at = due(i);
         let new = NewAutomation {
             id: format!("{prefix}-{i:05}"),
-            org_id: owner.org_id.clone(),
-            owner_id: owner.user_id.clone(),
+            owner: owner.clone(),
             name: format!("bench {i}"),
             prompt: "p".into(),
             model: "fake/echo".into(),

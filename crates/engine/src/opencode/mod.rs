@@ -39,7 +39,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::adapter::{EngineEvent, EngineRequest, Outcome};
+use crate::adapter::{EngineEvent, EngineRequest, Events, Outcome, Running};
 
 pub use policy::{PermissionPolicy, PermissionRule, PolicyBook, glob};
 pub use server::{OpenCodeServer, isolated_env};
@@ -135,13 +135,8 @@ impl crate::adapter::EngineAdapter for OpenCodeEngine {
         "opencode-1.18"
     }
 
-    fn run<'a>(
-        &'a self,
-        request: EngineRequest,
-        events: mpsc::Sender<EngineEvent>,
-        cancel: CancellationToken,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Outcome> + Send + 'a>> {
+    fn run(&self, request: EngineRequest, events: Events, stop: CancellationToken) -> Running<'_> {
         let policy = self.policies.for_automation(&request.automation_id);
-        Box::pin(run(&self.config, policy, request, events, cancel))
+        Box::pin(run(&self.config, policy, request, events, stop))
     }
 }

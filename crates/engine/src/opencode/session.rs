@@ -27,6 +27,8 @@ pub(super) struct Drive<'a> {
     pub(super) policy: &'a PermissionPolicy,
     pub(super) cancel: CancellationToken,
     pub(super) root: String,
+    pub(super) root_idle: bool,
+    pub(super) busy_seen: bool,
     pub(super) sessions: HashSet<String>,
     pub(super) texts: HashSet<String>,
     pub(super) calls: HashSet<String>,
@@ -41,8 +43,6 @@ pub(super) struct Drive<'a> {
     /// The model's own error, reported by `session.error`.
     pub(super) model_error: Option<CodedError>,
     pub(super) aborted: Option<Instant>,
-    pub(super) root_idle: bool,
-    pub(super) busy_seen: bool,
     pub(super) last_answer: String,
 }
 
@@ -408,33 +408,30 @@ impl Drive<'_> {
         }
     }
 
+    /// What the server lists at `path` (pending permissions, questions)
+    /// for the run's sessions; nothing when it cannot say.
+    async fn pending(&self, path: &str) -> Vec<Value> {
+        let Ok((200, Value::Array(all))) = self.call(reqwest::Method::GET, path, None).await else {
+            return vec![];
+        };
+        all.into_iter()
+            .filter(|p| {
+                p["sessionID"]
+                    .as_str()
+                    .is_some_and(|s| self.sessions.contains(s))
+            })
+            .collect()
+    }
+
     /// After a dropped event stream, or to confirm an end: pending
     /// permissions, the root's status, and the messages (events missed are
     /// emitted from them).
     pub(super) async fn recover(&mut self) {
-        if let Ok((200, Value::Array(pending))) =
-            self.call(reqwest::Method::GET, "/permission", None).await
-        {
-            for p in pending {
-                if p["sessionID"]
-                    .as_str()
-                    .is_some_and(|s| self.sessions.contains(s))
-                {
-                    self.on_permission(&p, "permission.asked").await;
-                }
-            }
+        for p in self.pending("/permission").await {
+            self.on_permission(&p, "permission.asked").await;
         }
-        if let Ok((200, Value::Array(pending))) =
-            self.call(reqwest::Method::GET, "/question", None).await
-        {
-            for q in pending {
-                if q["sessionID"]
-                    .as_str()
-                    .is_some_and(|s| self.sessions.contains(s))
-                {
-                    self.on_question(&q).await;
-                }
-            }
+        for q in self.pending("/question").await {
+            self.on_question(&q).await;
         }
         self.read_messages().await;
         if let Ok((200, status)) = self

@@ -21,11 +21,12 @@ pub fn automation_to_pb(a: &Automation) -> pb::Automation {
         placement: placement_to_pb(a.placement) as i32,
         schedule: Some(schedule_to_pb(&a.schedule)),
         state: automation_state_to_pb(a.state) as i32,
-        attention_reason: a
-            .attention_reason
-            .map(|c| c.as_str().to_owned())
+        attention_reason: code_name(a.attention.as_ref().map(|x| x.reason)),
+        attention_message: a
+            .attention
+            .as_ref()
+            .map(|x| x.message.clone())
             .unwrap_or_default(),
-        attention_message: a.attention_message.clone().unwrap_or_default(),
         etag: a.etag(),
         next_run_time: a.next_run_at.map(timestamp),
         create_time: Some(timestamp(a.created_at)),
@@ -195,6 +196,16 @@ pub fn require_id(id: &str, field: &str) -> Result<(), Violations> {
         v.field(field, "must be at most 200 bytes");
     }
     automesh_domain::validation::check_no_nul(&mut v, field, id);
+    v.into_result(())
+}
+
+/// A sequence number a client sends back (where a read goes on): never
+/// negative.
+pub fn not_negative(sequence: i64, field: &str) -> Result<(), Violations> {
+    let mut v = Violations::default();
+    if sequence < 0 {
+        v.field(field, "must not be negative");
+    }
     v.into_result(())
 }
 

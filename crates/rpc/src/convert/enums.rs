@@ -103,3 +103,8 @@ pub(crate) fn weekday_to_pb(d: Weekday) -> pb::DayOfWeek {
         Weekday::Sun => pb::DayOfWeek::Sunday,
     }
 }
+
+/// An error code's wire name; empty for none.
+pub fn code_name(code: Option<automesh_domain::ErrorCode>) -> String {
+    code.map(|c| c.as_str().to_owned()).unwrap_or_default()
+}

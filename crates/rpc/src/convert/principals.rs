@@ -63,3 +63,46 @@ pub fn scoped<T: Scoped>(request: tonic::Request<T>) -> Result<(Principal, T), S
     let req = request.into_inner();
     Ok((principal(req.caller())?, req))
 }
+
+/// Methods of an internal service's trait that act for the caller each
+/// request names. Each row names the trait's method, its request and
+/// answer, and the service's own method that serves it, which gets the
+/// caller's principal (the call is UNAUTHENTICATED without one) and one of:
+/// the request (`=> own`), the checked `id` it names (`=> own[id]`), or the
+/// public request it wraps (`=> own[request]`); what it returns is the
+/// answer, or becomes it through `as wrap`. The own method's error becomes
+/// the call's status. The methods are written as
+/// `#[tonic::async_trait]` writes its methods, so they stand beside the
+/// service's own.
+#[macro_export]
+macro_rules! scoped_calls {
+    ($($method:ident($req:ty) -> $reply:ty => $own:ident $([$part:ident])? $(as $wrap:path)?;)+) => {$(
+        fn $method<'life0, 'async_trait>(
+            &'life0 self,
+            request: ::tonic::Request<$req>,
+        ) -> ::std::pin::Pin<Box<
+            dyn ::std::future::Future<
+                    Output = ::std::result::Result<::tonic::Response<$reply>, ::tonic::Status>,
+                > + Send
+                + 'async_trait,
+        >>
+        where
+            'life0: 'async_trait,
+            Self: 'async_trait,
+        {
+            Box::pin(async move {
+                let (owner, req) = $crate::convert::scoped(request)?;
+                let part = $crate::scoped_calls!(@part req $($part)?);
+                let reply = self.$own(owner, part).await.map_err(::tonic::Status::from)?;
+                Ok(::tonic::Response::new($($wrap)?(reply)))
+            })
+        }
+    )+};
+    (@part $req:ident) => { $req };
+    (@part $req:ident id) => {{
+        $crate::convert::require_id(&$req.id, "id")
+            .map_err(|v| $crate::status::invalid_argument(&v))?;
+        $req.id
+    }};
+    (@part $req:ident request) => { $req.request.unwrap_or_default() };
+}

@@ -19,10 +19,7 @@ pub fn run_to_pb(r: &Run, receipt: Option<&Receipt>) -> pb::Run {
         } as i32,
         scheduled_time: r.scheduled_for.map(timestamp),
         state: run_state_to_pb(r.state) as i32,
-        error_code: r
-            .error_code
-            .map(|c| c.as_str().to_owned())
-            .unwrap_or_default(),
+        error_code: code_name(r.error_code),
         error_message: r.error_message.clone().unwrap_or_default(),
         deadline_time: Some(timestamp(r.deadline_at)),
         create_time: Some(timestamp(r.created_at)),
@@ -61,10 +58,7 @@ pub fn receipt_to_pb(r: &Receipt) -> pb::Receipt {
         });
     pb::Receipt {
         outcome: run_state_to_pb(r.outcome) as i32,
-        error_code: r
-            .error_code
-            .map(|c| c.as_str().to_owned())
-            .unwrap_or_default(),
+        error_code: code_name(r.error_code),
         error_message: r.error_message.clone().unwrap_or_default(),
         placement: placement_to_pb(r.placement) as i32,
         engine: r.engine.clone().unwrap_or_default(),

@@ -5,7 +5,7 @@
 
 use chrono::{DateTime, Utc};
 
-use crate::rows::{from_hex, int, micros, text, to_hex};
+use crate::rows::{self, col, micros, to_hex};
 use crate::{Result, Store};
 
 /// One event a runner reported, in the run's order.
@@ -50,48 +50,28 @@ impl Store {
         now: DateTime<Utc>,
     ) -> Result<usize> {
         let mut tx = self.begin_write().await?;
-        let Some(mut seq): Option<i64> = sqlx::query_scalar(LOCK_EVENTS)
-            .bind(run_id)
-            .bind(runner_id)
-            .bind(stream_id)
-            .fetch_optional(&mut *tx)
-            .await?
-        else {
+        let holder = (run_id, runner_id, stream_id);
+        let count = rows::optional(&mut *tx, LOCK_EVENTS, holder, |r| col(r, "event_count"));
+        let Some(mut seq): Option<i64> = count.await? else {
             return Ok(0);
         };
         let mut appended = 0;
         for (event_id, body) in events {
-            let existing: Option<i64> = sqlx::query_scalar(FIND_EVENT)
-                .bind(run_id)
-                .bind(event_id)
-                .fetch_optional(&mut *tx)
-                .await?;
-            if existing.is_some() {
+            let known = rows::optional(&mut *tx, FIND_EVENT, (run_id, event_id), |_| Ok(()));
+            if known.await?.is_some() {
                 continue;
             }
             seq += 1;
-            sqlx::query(INSERT_EVENT)
-                .bind(run_id)
-                .bind(seq)
-                .bind(event_id)
-                .bind(to_hex(body))
-                .execute(&mut *tx)
-                .await?;
+            let params = (run_id, seq, event_id, to_hex(body));
+            rows::execute(&mut *tx, INSERT_EVENT, params).await?;
             appended += 1;
         }
         if appended > 0 {
-            sqlx::query(SET_EVENT_COUNT)
-                .bind(run_id)
-                .bind(seq)
-                .bind(micros(now))
-                .execute(&mut *tx)
-                .await?;
+            let params = (run_id, seq, micros(now));
+            rows::execute(&mut *tx, SET_EVENT_COUNT, params).await?;
         }
         tx.commit().await?;
-        if appended > 0 {
-            self.desktop_changed().await;
-        }
-        Ok(appended)
+        Ok(self.signal_if(appended).await)
     }
 
     /// Up to `limit` events of a run after sequence `after`.
@@ -101,36 +81,25 @@ impl Store {
         after: i64,
         limit: u32,
     ) -> Result<Vec<DesktopEvent>> {
-        let rows = sqlx::query(EVENTS_AFTER)
-            .bind(run_id)
-            .bind(after)
-            .bind(i64::from(limit))
-            .fetch_all(self.db())
-            .await?;
-        rows.iter()
-            .map(|row| {
-                Ok(DesktopEvent {
-                    sequence: int(row, "seq")?,
-                    event_id: text(row, "event_id")?,
-                    body: from_hex(&text(row, "body")?)?,
-                })
+        let params = (run_id, after, i64::from(limit));
+        rows::all(self.db(), EVENTS_AFTER, params, |row| {
+            Ok(DesktopEvent {
+                sequence: col(row, "seq")?,
+                event_id: col(row, "event_id")?,
+                body: col(row, "body")?,
             })
-            .collect()
+        })
+        .await
     }
 
     /// Forgets assignments finished before `before` (the coordinator has
     /// long recorded them in the run's receipt and event log).
     pub async fn purge_finished_desktop_runs(&self, before: DateTime<Utc>) -> Result<u64> {
+        let before = (micros(before),);
         let mut tx = self.begin_write().await?;
-        sqlx::query(DELETE_FINISHED_EVENTS_BEFORE)
-            .bind(micros(before))
-            .execute(&mut *tx)
-            .await?;
-        let done = sqlx::query(DELETE_FINISHED_BEFORE)
-            .bind(micros(before))
-            .execute(&mut *tx)
-            .await?;
+        rows::execute(&mut *tx, DELETE_FINISHED_EVENTS_BEFORE, before).await?;
+        let purged = rows::execute(&mut *tx, DELETE_FINISHED_BEFORE, before).await?;
         tx.commit().await?;
-        Ok(done.rows_affected())
+        Ok(purged)
     }
 }

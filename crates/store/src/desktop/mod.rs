@@ -12,42 +12,24 @@
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
-use crate::rows::{from_hex, instant, int, micros, opt_text, text, to_hex};
+use crate::rows::{self, micros, to_hex};
 use crate::signal::Topic;
-use crate::{Result, Store, StoreError};
+use crate::{Result, Store};
 
 mod events;
 mod streams;
 
 pub use events::DesktopEvent;
 
-/// Where an assignment is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DesktopPhase {
-    /// Offered; no runner has accepted it yet.
-    Admitted,
-    /// A runner accepted it.
-    Running,
-    /// The runner reported its result.
-    Finished,
-}
-
-impl DesktopPhase {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DesktopPhase::Admitted => "admitted",
-            DesktopPhase::Running => "running",
-            DesktopPhase::Finished => "finished",
-        }
-    }
-
-    fn parse(s: &str) -> Result<Self> {
-        match s {
-            "admitted" => Ok(DesktopPhase::Admitted),
-            "running" => Ok(DesktopPhase::Running),
-            "finished" => Ok(DesktopPhase::Finished),
-            other => Err(StoreError::Corrupt(format!("desktop phase {other:?}"))),
-        }
+automesh_domain::string_enum! {
+    /// Where an assignment is.
+    DesktopPhase {
+        /// Offered; no runner has accepted it yet.
+        Admitted => "admitted",
+        /// A runner accepted it.
+        Running => "running",
+        /// The runner reported its result.
+        Finished => "finished",
     }
 }
 
@@ -126,24 +108,22 @@ const CANCEL: &str = "UPDATE desktop_assignments SET cancel_requested = 1, \
      updated_at = $3 WHERE run_id = $1";
 
 fn decode(row: &AnyRow) -> Result<DesktopAssignment> {
-    Ok(DesktopAssignment {
-        run_id: text(row, "run_id")?,
-        org_id: text(row, "org_id")?,
-        owner_id: text(row, "owner_id")?,
-        spec: from_hex(&text(row, "spec")?)?,
-        runner_id: opt_text(row, "runner_id")?,
-        phase: DesktopPhase::parse(&text(row, "phase")?)?,
-        idle: int(row, "idle")? != 0,
-        outcome: opt_text(row, "outcome")?
-            .map(|h| from_hex(&h))
-            .transpose()?,
-        cancel_requested: int(row, "cancel_requested")? != 0,
-        cancel_reason: opt_text(row, "cancel_reason")?,
-        event_count: int(row, "event_count")?,
-        stream_id: opt_text(row, "stream_id")?,
-        claimed_at: instant(row, "claimed_at")?,
-        passed_over: opt_text(row, "passed_over")?,
-    })
+    rows::columns! { row => DesktopAssignment {
+        run_id, org_id, owner_id, spec, runner_id, phase, idle, outcome, cancel_requested,
+        cancel_reason, event_count, stream_id, claimed_at, passed_over,
+    } }
+}
+
+/// What a replica does with a runner stream's claim on an assignment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// Claims it for the stream: applies only when the stream is the
+    /// runner's newest, no other runner holds it, it was not accepted,
+    /// finished or cancelled, and the runner did not already sit on it.
+    Take,
+    /// Gives back a claim the stream did not accept in time; the runner is
+    /// passed over for it. Applies only while the claim is unaccepted.
+    Expire,
 }
 
 /// What a runner reports of a run it was assigned.
@@ -158,6 +138,15 @@ pub enum RunnerReport<'a> {
 }
 
 impl Store {
+    /// Signals the replicas when `changed` (rows, events) is not nothing;
+    /// returns it.
+    async fn signal_if<N: Default + PartialEq>(&self, changed: N) -> N {
+        if changed != N::default() {
+            self.desktop_changed().await;
+        }
+        changed
+    }
+
     async fn desktop_changed(&self) {
         if let Err(error) = self.signal(Topic::Desktop).await {
             // Only a hint: replicas poll as well.
@@ -243,23 +232,22 @@ impl Store {
         .await
     }
 
-    /// Claims an assignment for stream `stream_id` of `runner_id`: true when
-    /// it is now that stream's, false when the stream is not the runner's
-    /// newest, another runner holds it, it was accepted, finished or
-    /// cancelled, or this runner already sat on it.
-    pub async fn claim_desktop_run(
+    /// Takes or gives back the claim of stream `stream_id` of `runner_id`
+    /// on an assignment: see [`Claim`]. True when it applied.
+    pub async fn desktop_claim(
         &self,
+        claim: Claim,
         run_id: &str,
         runner_id: &str,
         stream_id: &str,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        crate::rows::changed_one(
-            self.db(),
-            CLAIM,
-            (run_id, runner_id, stream_id, micros(now)),
-        )
-        .await
+        let params = (run_id, runner_id, stream_id, micros(now));
+        Ok(match claim {
+            // A claim is only this replica's business until it is accepted.
+            Claim::Take => rows::changed_one(self.db(), CLAIM, params).await?,
+            Claim::Expire => self.desktop_write(EXPIRE_CLAIM, params).await? == 1,
+        })
     }
 
     /// Gives back the assignments stream `stream_id` was offered but never
@@ -270,21 +258,8 @@ impl Store {
         stream_id: &str,
         now: DateTime<Utc>,
     ) -> Result<u64> {
-        let args = (runner_id, stream_id, micros(now));
-        self.desktop_write(RELEASE_UNACCEPTED, args).await
-    }
-
-    /// Gives back a claim its stream did not accept in time; the runner is
-    /// passed over for it. True when the claim was still unaccepted.
-    pub async fn expire_desktop_claim(
-        &self,
-        run_id: &str,
-        runner_id: &str,
-        stream_id: &str,
-        now: DateTime<Utc>,
-    ) -> Result<bool> {
-        let args = (run_id, runner_id, stream_id, micros(now));
-        Ok(self.desktop_write(EXPIRE_CLAIM, args).await? == 1)
+        self.desktop_write(RELEASE_UNACCEPTED, (runner_id, stream_id, micros(now)))
+            .await
     }
 
     /// Gives back every unaccepted claim made before `before` (claims whose
@@ -332,14 +307,10 @@ impl Store {
     async fn desktop_write<'q>(
         &self,
         sql: &'static str,
-        params: impl crate::rows::Params<'q>,
+        params: impl rows::Params<'q>,
     ) -> Result<u64> {
-        let query = params.bind_to(sqlx::query(sql));
-        let changed = query.execute(self.db()).await?.rows_affected();
-        if changed > 0 {
-            self.desktop_changed().await;
-        }
-        Ok(changed)
+        let changed = rows::execute(self.db(), sql, params).await?;
+        Ok(self.signal_if(changed).await)
     }
 
     /// Asks for the run to be cancelled; returns the assignment as it now is
@@ -350,15 +321,8 @@ impl Store {
         reason: &str,
         now: DateTime<Utc>,
     ) -> Result<Option<DesktopAssignment>> {
-        let done = sqlx::query(CANCEL)
-            .bind(run_id)
-            .bind(reason)
-            .bind(micros(now))
-            .execute(self.db())
+        self.desktop_write(CANCEL, (run_id, reason, micros(now)))
             .await?;
-        if done.rows_affected() == 1 {
-            self.desktop_changed().await;
-        }
         self.desktop_run(run_id).await
     }
 }

@@ -5,7 +5,7 @@
 
 use chrono::{DateTime, Utc};
 
-use crate::rows::{micros, text};
+use crate::rows::{self, col, micros};
 use crate::{Result, Store};
 
 const OPEN_STREAM: &str = "INSERT INTO runner_streams (runner_id, stream_id, opened_at) \
@@ -33,23 +33,11 @@ impl Store {
         stream_id: &str,
         now: DateTime<Utc>,
     ) -> Result<()> {
+        let stream = (runner_id, stream_id, micros(now));
         let mut tx = self.begin_write().await?;
-        sqlx::query(OPEN_STREAM)
-            .bind(runner_id)
-            .bind(stream_id)
-            .bind(micros(now))
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(TAKE_OVER_CLAIMS)
-            .bind(runner_id)
-            .bind(stream_id)
-            .bind(micros(now))
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(FORGIVE)
-            .bind(runner_id)
-            .execute(&mut *tx)
-            .await?;
+        rows::execute(&mut *tx, OPEN_STREAM, stream).await?;
+        rows::execute(&mut *tx, TAKE_OVER_CLAIMS, stream).await?;
+        rows::execute(&mut *tx, FORGIVE, (runner_id,)).await?;
         tx.commit().await?;
         self.desktop_changed().await;
         Ok(())
@@ -60,12 +48,9 @@ impl Store {
         &self,
         since: DateTime<Utc>,
     ) -> Result<Vec<(String, String)>> {
-        let rows = sqlx::query(STREAMS_OPENED_SINCE)
-            .bind(micros(since))
-            .fetch_all(self.db())
-            .await?;
-        rows.iter()
-            .map(|row| Ok((text(row, "runner_id")?, text(row, "stream_id")?)))
-            .collect()
+        rows::all(self.db(), STREAMS_OPENED_SINCE, (micros(since),), |row| {
+            Ok((col(row, "runner_id")?, col(row, "stream_id")?))
+        })
+        .await
     }
 }

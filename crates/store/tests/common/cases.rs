@@ -8,7 +8,8 @@ use automesh_domain::{
 };
 use automesh_store::Store;
 use automesh_store::StoreError;
-use automesh_store::desktop::RunnerReport;
+use automesh_store::cloud::WorkerMove;
+use automesh_store::desktop::{Claim, RunnerReport};
 use automesh_store::events::NewEvent;
 use automesh_store::page::Cursor;
 use chrono::{DateTime, Duration, Utc};
@@ -28,8 +29,7 @@ fn mallory() -> Principal {
 fn new_automation(owner: &Principal, id: &str, surface: Surface) -> NewAutomation {
     NewAutomation {
         id: id.to_owned(),
-        org_id: owner.org_id.clone(),
-        owner_id: owner.user_id.clone(),
+        owner: owner.clone(),
         name: format!("automation {id}"),
         prompt: "summarise my inbox".to_owned(),
         model: "openai/gpt-4.1-mini".to_owned(),
@@ -52,21 +52,15 @@ async fn create(store: &Store, owner: &Principal, id: &str, at: DateTime<Utc>) -
         .expect("create automation")
 }
 
-fn new_run(a: &Automation, id: &str) -> NewRun {
+fn new_run<'a>(a: &'a Automation, id: &str) -> NewRun<'a> {
     NewRun {
         id: id.to_owned(),
-        automation_id: a.id.clone(),
-        org_id: a.org_id.clone(),
-        owner_id: a.owner_id.clone(),
-        placement: a.placement,
+        automation: a,
         trigger: RunTrigger::Manual,
         scheduled_for: None,
         idempotency_key: Some(format!("key-{id}")),
-        prompt: a.prompt.clone(),
-        model: a.model.clone(),
         state: RunState::Pending,
-        error_code: None,
-        error_message: None,
+        error: None,
         deadline_at: t(3600),
         traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
     }
@@ -266,10 +260,11 @@ pub async fn run_creation_is_idempotent_by_id(store: &Store) {
         .await
         .expect("create");
     assert!(created);
-    let again = NewRun {
+    let edited = Automation {
         prompt: "a different prompt must not overwrite".into(),
-        ..new_run(&a, "r1")
+        ..a.clone()
     };
+    let again = new_run(&edited, "r1");
     let (second, created) = store.create_run(&again, t(2)).await.expect("create again");
     assert!(!created);
     assert_eq!(first, second);
@@ -703,8 +698,8 @@ pub async fn desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_
     );
     // Two replicas race to claim for two runners: one wins.
     let (a, b) = tokio::join!(
-        store.claim_desktop_run("run-d1", "runner-a", "sa", now),
-        store.claim_desktop_run("run-d1", "runner-b", "sb", now)
+        store.desktop_claim(Claim::Take, "run-d1", "runner-a", "sa", now),
+        store.desktop_claim(Claim::Take, "run-d1", "runner-b", "sb", now)
     );
     assert!(a.expect("a") ^ b.expect("b"), "exactly one claim wins");
     let held = store
@@ -854,7 +849,7 @@ pub async fn desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_
     assert!(cancelled.cancel_requested && cancelled.idle);
     assert!(
         !store
-            .claim_desktop_run("run-d2", "runner-a", "sa", now)
+            .desktop_claim(Claim::Take, "run-d2", "runner-a", "sa", now)
             .await
             .expect("claim")
     );
@@ -867,7 +862,7 @@ pub async fn desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_
     );
     assert!(
         store
-            .claim_desktop_run("run-d3", "runner-a", "sa", now)
+            .desktop_claim(Claim::Take, "run-d3", "runner-a", "sa", now)
             .await
             .expect("claim")
     );
@@ -975,7 +970,7 @@ pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
     }
     assert!(
         store
-            .claim_desktop_run("r1", "rx", "s1", now)
+            .desktop_claim(Claim::Take, "r1", "rx", "s1", now)
             .await
             .expect("claim")
     );
@@ -998,39 +993,39 @@ pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
     // The older stream cannot claim; the newest can.
     assert!(
         !store
-            .claim_desktop_run("r2", "rx", "s1", now)
+            .desktop_claim(Claim::Take, "r2", "rx", "s1", now)
             .await
             .expect("old")
     );
     assert!(
         store
-            .claim_desktop_run("r2", "rx", "s2", now)
+            .desktop_claim(Claim::Take, "r2", "rx", "s2", now)
             .await
             .expect("new")
     );
     // Accepted runs are never claimed again, not even by their runner.
     assert!(
         !store
-            .claim_desktop_run("r1", "rx", "s2", now)
+            .desktop_claim(Claim::Take, "r1", "rx", "s2", now)
             .await
             .expect("accepted")
     );
     // Not accepted in time: given back, and rx is passed over for it.
     assert!(
         store
-            .claim_desktop_run("r3", "rx", "s2", now)
+            .desktop_claim(Claim::Take, "r3", "rx", "s2", now)
             .await
             .expect("claim")
     );
     assert!(
         store
-            .expire_desktop_claim("r3", "rx", "s2", now)
+            .desktop_claim(Claim::Expire, "r3", "rx", "s2", now)
             .await
             .expect("expire")
     );
     assert!(
         !store
-            .expire_desktop_claim("r3", "rx", "s2", now)
+            .desktop_claim(Claim::Expire, "r3", "rx", "s2", now)
             .await
             .expect("once")
     );
@@ -1041,20 +1036,20 @@ pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
     );
     assert!(
         !store
-            .claim_desktop_run("r3", "rx", "s2", now)
+            .desktop_claim(Claim::Take, "r3", "rx", "s2", now)
             .await
             .expect("passed over")
     );
     assert!(
         store
-            .claim_desktop_run("r3", "ry", "y1", now)
+            .desktop_claim(Claim::Take, "r3", "ry", "y1", now)
             .await
             .expect("another runner")
     );
     // An expired claim that was accepted meanwhile stays.
     assert!(
         !store
-            .expire_desktop_claim("r1", "rx", "s2", now)
+            .desktop_claim(Claim::Expire, "r1", "rx", "s2", now)
             .await
             .expect("accepted")
     );
@@ -1065,13 +1060,13 @@ pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
         .expect("offer");
     assert!(
         store
-            .claim_desktop_run("r5", "rx", "s2", now)
+            .desktop_claim(Claim::Take, "r5", "rx", "s2", now)
             .await
             .expect("claim")
     );
     assert!(
         store
-            .expire_desktop_claim("r5", "rx", "s2", now)
+            .desktop_claim(Claim::Expire, "r5", "rx", "s2", now)
             .await
             .expect("expire")
     );
@@ -1081,7 +1076,7 @@ pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
         .expect("s3");
     assert!(
         store
-            .claim_desktop_run("r5", "rx", "s3", t(5))
+            .desktop_claim(Claim::Take, "r5", "rx", "s3", t(5))
             .await
             .expect("forgiven")
     );
@@ -1093,7 +1088,7 @@ pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
     // Claims older than the orphan bound are given back, newer ones stay.
     assert!(
         store
-            .claim_desktop_run("r4", "ry", "y1", t(1))
+            .desktop_claim(Claim::Take, "r4", "ry", "y1", t(1))
             .await
             .expect("claim")
     );
@@ -1241,7 +1236,14 @@ pub async fn concurrent_wakes_start_a_worker_once(store: &Store) {
         .expect("one start");
     assert!(
         store
-            .renew_worker_start(&worker.id, &holder, t(60))
+            .move_worker(
+                &worker.id,
+                WorkerMove::RenewStart {
+                    starter: &holder,
+                    until: t(60)
+                },
+                t(0)
+            )
             .await
             .expect("renew")
     );
@@ -1255,19 +1257,42 @@ pub async fn concurrent_wakes_start_a_worker_once(store: &Store) {
     ));
     assert!(
         !store
-            .renew_worker_start(&worker.id, &holder, t(200))
+            .move_worker(
+                &worker.id,
+                WorkerMove::RenewStart {
+                    starter: &holder,
+                    until: t(200)
+                },
+                t(0)
+            )
             .await
             .expect("renew")
     );
     assert!(
         !store
-            .worker_ready(&worker.id, &holder, "http://old", "agent-old", t(62))
+            .move_worker(
+                &worker.id,
+                WorkerMove::Ready {
+                    starter: &holder,
+                    endpoint: "http://old",
+                    agent_id: "agent-old"
+                },
+                t(62)
+            )
             .await
             .expect("ready")
     );
     assert!(
         store
-            .worker_ready(&worker.id, "late", "http://new", "agent-new", t(63))
+            .move_worker(
+                &worker.id,
+                WorkerMove::Ready {
+                    starter: "late",
+                    endpoint: "http://new",
+                    agent_id: "agent-new"
+                },
+                t(63)
+            )
             .await
             .expect("ready")
     );
@@ -1305,7 +1330,15 @@ pub async fn a_worker_with_a_live_run_is_never_stopped(store: &Store) {
     ));
     assert!(
         store
-            .worker_ready(&worker.id, "s", "http://w", "agent-1", t(2))
+            .move_worker(
+                &worker.id,
+                WorkerMove::Ready {
+                    starter: "s",
+                    endpoint: "http://w",
+                    agent_id: "agent-1"
+                },
+                t(2)
+            )
             .await
             .expect("ready")
     );
@@ -1343,7 +1376,7 @@ pub async fn a_worker_with_a_live_run_is_never_stopped(store: &Store) {
     );
     assert!(
         !store
-            .begin_worker_stop(&worker.id, later, later)
+            .move_worker(&worker.id, WorkerMove::BeginStop { cutoff: later }, later)
             .await
             .expect("stop")
     );
@@ -1362,7 +1395,7 @@ pub async fn a_worker_with_a_live_run_is_never_stopped(store: &Store) {
     );
     assert!(
         store
-            .begin_worker_stop(&worker.id, later, later)
+            .move_worker(&worker.id, WorkerMove::BeginStop { cutoff: later }, later)
             .await
             .expect("stop")
     );
@@ -1375,7 +1408,7 @@ pub async fn a_worker_with_a_live_run_is_never_stopped(store: &Store) {
     ));
     assert!(
         store
-            .worker_stopped(&worker.id, later)
+            .move_worker(&worker.id, WorkerMove::Stopped, later)
             .await
             .expect("stopped")
     );

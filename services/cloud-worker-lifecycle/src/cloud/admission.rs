@@ -38,14 +38,15 @@ fn guidance() -> String {
 /// Whether an error from the agent may mean the agent itself is gone
 /// (rather than an answer of the agent's).
 fn maybe_gone(s: &tonic::Status) -> bool {
-    matches!(
-        s.code(),
-        tonic::Code::Unavailable
-            | tonic::Code::DeadlineExceeded
-            | tonic::Code::Cancelled
-            | tonic::Code::Unknown
-            | tonic::Code::Unauthenticated
-    )
+    use tonic::Code;
+    const GONE: [Code; 5] = [
+        Code::Unavailable,
+        Code::DeadlineExceeded,
+        Code::Cancelled,
+        Code::Unknown,
+        Code::Unauthenticated,
+    ];
+    GONE.contains(&s.code())
 }
 
 impl Cloud {
@@ -80,10 +81,7 @@ impl Cloud {
             worker_id = %d.worker_id,
             replica = %self.replica,
         );
-        automesh_rpc::propagation::continue_trace(
-            &span,
-            Some(spec.traceparent.as_str()).filter(|t| !t.is_empty()),
-        );
+        automesh_rpc::propagation::continue_trace(&span, Some(spec.traceparent.as_str()));
         self.admit_attempts(run_id, &spec).instrument(span).await
     }
 

@@ -10,13 +10,13 @@ use std::time::Duration;
 use automesh_domain::ErrorCode;
 use automesh_proto::agent::v1 as apb;
 use automesh_proto::executor::v1 as epb;
-use automesh_proto::executor::v1::executor_service_server::ExecutorService;
 use automesh_proto::v1 as pb;
-use automesh_rpc::{executor, status};
-use automesh_store::cloud::{CloudPhase, Reservation};
+use automesh_rpc::executor::{self, Executor};
+use automesh_rpc::status;
+use automesh_store::cloud::{CloudDispatch, CloudPhase, Reservation};
 use chrono::Utc;
 use prost::Message as _;
-use tonic::{Request, Response, Status};
+use tonic::Status;
 
 use super::{Cloud, WATCH, status_of};
 
@@ -31,26 +31,29 @@ fn store_err(e: automesh_store::StoreError) -> Status {
 }
 
 impl Cloud {
+    /// A cloud run's dispatch row, if it has one.
+    async fn dispatch(&self, run_id: &str) -> Result<Option<CloudDispatch>, Status> {
+        self.store.cloud_run(run_id).await.map_err(store_err)
+    }
+
     /// Forwards the thread's events after `after` until its stream ends,
     /// falls silent, or the observer leaves (`false`).
     async fn pump_events(
         &self,
-        run_id: &str,
-        worker_id: &str,
-        thread_id: &str,
+        d: &CloudDispatch,
         after: &mut i64,
         observer: &executor::Observer,
     ) -> bool {
-        let Ok(Some(ready)) = self.store.worker_endpoint(worker_id).await else {
+        let Ok(Some(ready)) = self.store.worker_endpoint(&d.worker_id).await else {
             return true;
         };
-        let Ok(mut agent) = self.agent(&ready.endpoint, worker_id) else {
+        let Ok(mut agent) = self.agent(&ready.endpoint, &d.worker_id) else {
             return true;
         };
         let opened = tokio::time::timeout(
             EVENT_SILENCE,
             agent.observe_thread(apb::ObserveThreadRequest {
-                thread_id: thread_id.to_owned(),
+                thread_id: d.thread_id.clone(),
                 after_sequence: *after,
             }),
         )
@@ -62,7 +65,7 @@ impl Cloud {
         while let Ok(Ok(Some(m))) = tokio::time::timeout(EVENT_SILENCE, stream.message()).await {
             if let Some(apb::observe_thread_response::Update::Event(mut e)) = m.update {
                 *after = (*after).max(e.sequence);
-                e.run_id = run_id.to_owned();
+                e.run_id = d.run_id.clone();
                 if !observer.event(e).await {
                     return false;
                 }
@@ -73,107 +76,70 @@ impl Cloud {
 }
 
 #[tonic::async_trait]
-impl ExecutorService for Cloud {
-    async fn start_run(
-        &self,
-        request: Request<epb::StartRunRequest>,
-    ) -> Result<Response<epb::StartRunResponse>, Status> {
-        let spec = executor::run_spec(request.into_inner())?;
-        if let Some(existing) = self
-            .store
-            .cloud_run(&spec.run_id)
-            .await
-            .map_err(store_err)?
-        {
+impl Executor for Cloud {
+    async fn start(&self, spec: epb::RunSpec) -> Result<(bool, epb::ExecutionStatus), Status> {
+        if let Some(existing) = self.dispatch(&spec.run_id).await? {
             if existing.phase != CloudPhase::Finished {
                 self.drive(&spec.run_id);
             }
-            return Ok(Response::new(epb::StartRunResponse {
-                submitted: false,
-                status: Some(status_of(Some(&existing))),
-            }));
+            return Ok((false, status_of(Some(&existing))));
         }
         let owner =
             automesh_domain::Principal::new(spec.organization_id.clone(), spec.owner_id.clone());
         let Some(worker) = self.store.get_worker(&owner).await.map_err(store_err)? else {
             // A durable failure of the user's setup: needs attention.
-            return Ok(Response::new(epb::StartRunResponse {
-                submitted: false,
-                status: Some(epb::ExecutionStatus {
-                    phase: epb::ExecutionPhase::Finished as i32,
-                    idle: true,
-                    outcome: Some(epb::Outcome {
-                        state: pb::RunState::Failed as i32,
-                        error_code: ErrorCode::RuntimeMissing.as_str().into(),
-                        error_message: "the owner has no cloud worker".into(),
-                        ..Default::default()
-                    }),
-                    unaccepted: false,
-                }),
-            }));
+            let outcome = epb::Outcome {
+                state: pb::RunState::Failed as i32,
+                error_code: ErrorCode::RuntimeMissing.as_str().into(),
+                error_message: "the owner has no cloud worker".into(),
+                ..Default::default()
+            };
+            return Ok((false, executor::finished(outcome)));
         };
         let thread_id = format!("thr-{}", spec.run_id);
         let workspace_id = format!("ws-{}", worker.id);
-        let reserved = self
-            .store
-            .reserve_cloud_run(
-                &Reservation {
-                    run_id: &spec.run_id,
-                    org_id: &spec.organization_id,
-                    owner_id: &spec.owner_id,
-                    worker_id: &worker.id,
-                    workspace_id: &workspace_id,
-                    thread_id: &thread_id,
-                    message_id: &spec.message_id,
-                    spec: &spec.encode_to_vec(),
-                },
-                Utc::now(),
-            )
-            .await
-            .map_err(store_err)?;
+        let reservation = Reservation {
+            run_id: &spec.run_id,
+            org_id: &spec.organization_id,
+            owner_id: &spec.owner_id,
+            worker_id: &worker.id,
+            workspace_id: &workspace_id,
+            thread_id: &thread_id,
+            message_id: &spec.message_id,
+            spec: &spec.encode_to_vec(),
+        };
+        let reserved = self.store.reserve_cloud_run(&reservation, Utc::now());
+        let reserved = reserved.await.map_err(store_err)?;
         if reserved {
             tracing::info!(run_id = %spec.run_id, worker_id = %worker.id, "cloud run reserved");
         }
         self.drive(&spec.run_id);
-        let d = self
-            .store
-            .cloud_run(&spec.run_id)
-            .await
-            .map_err(store_err)?;
-        Ok(Response::new(epb::StartRunResponse {
-            submitted: reserved,
-            status: Some(status_of(d.as_ref())),
-        }))
+        let d = self.dispatch(&spec.run_id).await?;
+        Ok((reserved, status_of(d.as_ref())))
     }
 
-    type ObserveRunStream = executor::ObserveStream;
-
-    async fn observe_run(
-        &self,
-        request: Request<epb::ObserveRunRequest>,
-    ) -> Result<Response<Self::ObserveRunStream>, Status> {
-        let req = request.into_inner();
-        let Some(first) = self.store.cloud_run(&req.run_id).await.map_err(store_err)? else {
+    async fn observe(&self, run_id: String, after: i64) -> Result<executor::ObserveStream, Status> {
+        let Some(first) = self.dispatch(&run_id).await? else {
             return Err(Status::not_found("no cloud dispatch for this run"));
         };
         if first.phase != CloudPhase::Finished {
             // A coordinator that reattaches also revives a drive whose
             // replica died.
-            self.drive(&req.run_id);
+            self.drive(&run_id);
         }
         let cloud = self.clone();
         let (mut observer, stream) = executor::observe();
         tokio::spawn(async move {
-            let mut after = req.after_sequence;
+            let mut after = after;
             loop {
-                let Ok(Some(d)) = cloud.store.cloud_run(&req.run_id).await else {
+                let Ok(Some(d)) = cloud.store.cloud_run(&run_id).await else {
                     return;
                 };
                 let finished = d.phase == CloudPhase::Finished;
                 if !finished {
                     // Revives a drive that stopped (a store error, a dead
                     // replica); a live one elsewhere keeps its lease.
-                    cloud.drive(&req.run_id);
+                    cloud.drive(&run_id);
                     // A phase change goes out before the events after it:
                     // `running` precedes the thread's first event.
                     if !observer.status(status_of(Some(&d))).await {
@@ -181,15 +147,7 @@ impl ExecutorService for Cloud {
                     }
                 }
                 if matches!(d.phase, CloudPhase::Running | CloudPhase::Finished)
-                    && !cloud
-                        .pump_events(
-                            &req.run_id,
-                            &d.worker_id,
-                            &d.thread_id,
-                            &mut after,
-                            &observer,
-                        )
-                        .await
+                    && !cloud.pump_events(&d, &mut after, &observer).await
                 {
                     return;
                 }
@@ -203,40 +161,22 @@ impl ExecutorService for Cloud {
                 }
             }
         });
-        Ok(Response::new(stream))
+        Ok(stream)
     }
 
-    async fn cancel_run(
-        &self,
-        request: Request<epb::CancelRunRequest>,
-    ) -> Result<Response<epb::CancelRunResponse>, Status> {
-        let req = request.into_inner();
-        self.store
-            .cancel_cloud_run(&req.run_id, Utc::now())
-            .await
-            .map_err(store_err)?;
-        let d = self.store.cloud_run(&req.run_id).await.map_err(store_err)?;
+    async fn cancel(&self, run_id: &str, _reason: &str) -> Result<epb::ExecutionStatus, Status> {
+        let cancelled = self.store.cancel_cloud_run(run_id, Utc::now());
+        cancelled.await.map_err(store_err)?;
+        let d = self.dispatch(run_id).await?;
         if let Some(d) = &d
             && d.phase != CloudPhase::Finished
         {
-            self.drive(&req.run_id);
+            self.drive(run_id);
         }
-        Ok(Response::new(epb::CancelRunResponse {
-            status: Some(status_of(d.as_ref())),
-        }))
+        Ok(status_of(d.as_ref()))
     }
 
-    async fn get_run_status(
-        &self,
-        request: Request<epb::GetRunStatusRequest>,
-    ) -> Result<Response<epb::GetRunStatusResponse>, Status> {
-        let d = self
-            .store
-            .cloud_run(&request.into_inner().run_id)
-            .await
-            .map_err(store_err)?;
-        Ok(Response::new(epb::GetRunStatusResponse {
-            status: Some(status_of(d.as_ref())),
-        }))
+    async fn status(&self, run_id: &str) -> Result<epb::ExecutionStatus, Status> {
+        Ok(status_of(self.dispatch(run_id).await?.as_ref()))
     }
 }

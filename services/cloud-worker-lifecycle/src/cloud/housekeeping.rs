@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use automesh_proto::agent::v1 as apb;
+use automesh_store::cloud::WorkerMove;
 use chrono::Utc;
 use tokio_util::sync::CancellationToken;
 
@@ -109,7 +110,7 @@ impl Cloud {
             let ready = self.store.worker_endpoint(&worker_id).await?;
             if !self
                 .store
-                .begin_worker_stop(&worker_id, cutoff, Utc::now())
+                .move_worker(&worker_id, WorkerMove::BeginStop { cutoff }, Utc::now())
                 .await?
             {
                 continue;
@@ -129,10 +130,15 @@ impl Cloud {
             }
             if let Err(e) = self.driver.stop(&worker_id).await {
                 tracing::warn!(worker_id, error = %e, "stopping the worker failed");
-                let _ = self.store.worker_failed(&worker_id, Utc::now()).await;
+                let _ = self
+                    .store
+                    .move_worker(&worker_id, WorkerMove::Failed, Utc::now())
+                    .await;
                 continue;
             }
-            self.store.worker_stopped(&worker_id, Utc::now()).await?;
+            self.store
+                .move_worker(&worker_id, WorkerMove::Stopped, Utc::now())
+                .await?;
             crate::metrics::metrics().idle_stopped();
             stopped.push(worker_id);
         }

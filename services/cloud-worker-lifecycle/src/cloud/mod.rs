@@ -143,7 +143,7 @@ fn outcome(
 ) -> epb::Outcome {
     epb::Outcome {
         state: state as i32,
-        error_code: code.map(|c| c.as_str().to_owned()).unwrap_or_default(),
+        error_code: automesh_rpc::convert::code_name(code),
         error_message: message.into(),
         engine: "native-v1".into(),
         usage,

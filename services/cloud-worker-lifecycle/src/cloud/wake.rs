@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use automesh_domain::ErrorCode;
 use automesh_proto::agent::v1 as apb;
-use automesh_store::cloud::{ReadyWorker, Wake};
+use automesh_store::cloud::{ReadyWorker, Wake, WorkerMove};
 use chrono::{DateTime, Utc};
 use tracing::Instrument;
 
@@ -27,7 +27,10 @@ impl Cloud {
         let mut backoff = Duration::from_millis(50);
         loop {
             let now = Utc::now();
-            let _ = self.store.touch_worker(worker_id, now).await;
+            let _ = self
+                .store
+                .move_worker(worker_id, WorkerMove::Touch, now)
+                .await;
             let wake = self
                 .store
                 .wake_worker(worker_id, &self.replica, self.lease_until(), now)
@@ -91,11 +94,11 @@ impl Cloud {
             AbortOnDrop(tokio::spawn(async move {
                 loop {
                     tokio::time::sleep(cloud.settings.lease / 3).await;
-                    match cloud
-                        .store
-                        .renew_worker_start(&worker, &cloud.replica, cloud.lease_until())
-                        .await
-                    {
+                    let renew = WorkerMove::RenewStart {
+                        starter: &cloud.replica,
+                        until: cloud.lease_until(),
+                    };
+                    match cloud.store.move_worker(&worker, renew, Utc::now()).await {
                         Ok(true) => {}
                         Ok(false) => return,
                         Err(error) => {
@@ -136,14 +139,28 @@ impl Cloud {
                 let _ = self.driver.stop(worker_id).await;
                 let _ = self
                     .store
-                    .worker_start_failed(worker_id, &self.replica, Utc::now())
+                    .move_worker(
+                        worker_id,
+                        WorkerMove::StartFailed {
+                            starter: &self.replica,
+                        },
+                        Utc::now(),
+                    )
                     .await;
                 return Err(e);
             }
         };
         let ready = self
             .store
-            .worker_ready(worker_id, &self.replica, &endpoint, &agent_id, Utc::now())
+            .move_worker(
+                worker_id,
+                WorkerMove::Ready {
+                    starter: &self.replica,
+                    endpoint: &endpoint,
+                    agent_id: &agent_id,
+                },
+                Utc::now(),
+            )
             .await
             .map_err(|e| CodedError::new(ErrorCode::RuntimeFailed, e.to_string()))?;
         if !ready {
@@ -214,7 +231,13 @@ impl Cloud {
     pub(super) async fn agent_lost(&self, ready: &ReadyWorker, why: &str) {
         match self
             .store
-            .worker_lost(&ready.id, &ready.agent_id, Utc::now())
+            .move_worker(
+                &ready.id,
+                WorkerMove::Lost {
+                    agent_id: &ready.agent_id,
+                },
+                Utc::now(),
+            )
             .await
         {
             Ok(true) => {

@@ -7,7 +7,7 @@ use automesh_domain::ErrorCode;
 use automesh_proto::agent::v1 as apb;
 use automesh_proto::v1 as pb;
 use automesh_store::StoreError;
-use automesh_store::cloud::{CloudPhase, ReadyWorker};
+use automesh_store::cloud::{CloudPhase, ReadyWorker, WorkerMove};
 use chrono::Utc;
 
 use super::admission::Step;
@@ -32,7 +32,10 @@ impl Cloud {
                 return Ok(Step::Done);
             }
             if touched.is_none_or(|at| at.elapsed() >= self.settings.lease / 3) {
-                let _ = self.store.touch_worker(&d.worker_id, Utc::now()).await;
+                let _ = self
+                    .store
+                    .move_worker(&d.worker_id, WorkerMove::Touch, Utc::now())
+                    .await;
                 touched = Some(tokio::time::Instant::now());
             }
             if d.cancel_requested && !cancel_sent {
@@ -54,7 +57,10 @@ impl Cloud {
                     let code = t.error_code.parse::<ErrorCode>().ok();
                     self.finish(&d, state, code, t.error_message.clone(), t.usage)
                         .await?;
-                    let _ = self.store.touch_worker(&d.worker_id, Utc::now()).await;
+                    let _ = self
+                        .store
+                        .move_worker(&d.worker_id, WorkerMove::Touch, Utc::now())
+                        .await;
                     tracing::info!(run_id, outcome = ?state, "cloud run finished on its worker");
                     return Ok(Step::Done);
                 }

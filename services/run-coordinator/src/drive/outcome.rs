@@ -2,7 +2,9 @@
 //! run's price) and the terminal event in one transaction, then what the
 //! outcome means for the automation (needs attention, or healthy again).
 
-use automesh_domain::{AutomationState, ErrorCode, Price, Receipt, Run, RunState, Usage};
+use automesh_domain::{
+    Attention, AutomationState, ErrorCode, Price, Receipt, Run, RunState, Usage,
+};
 use automesh_store::StoreError;
 use chrono::{DateTime, Utc};
 
@@ -112,13 +114,14 @@ pub(super) async fn update_attention(
         let version = a.version;
         if needs_attention && a.state == AutomationState::Active {
             a.state = AutomationState::NeedsAttention;
-            a.attention_reason = ending.code;
-            a.attention_message = ending.message.clone();
+            a.attention = ending.code.map(|reason| Attention {
+                reason,
+                message: ending.message.clone().unwrap_or_default(),
+            });
             a.next_run_at = None;
         } else if succeeded && a.state == AutomationState::NeedsAttention {
             a.state = AutomationState::Active;
-            a.attention_reason = None;
-            a.attention_message = None;
+            a.attention = None;
             a.next_run_at = a.schedule.next_after(now);
         } else {
             return Ok(());
