@@ -6,7 +6,8 @@ use std::collections::HashSet;
 use automesh_domain::{ErrorCode, RunEvent, RunEventPayload, RunState};
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
-use sqlx::{Any, Transaction};
+use futures_util::future::BoxFuture;
+use sqlx::AnyConnection;
 
 use crate::rows::{self, col, micros};
 use crate::{Result, Store, StoreError};
@@ -46,10 +47,12 @@ impl Store {
         events: &[NewEvent],
         now: DateTime<Utc>,
     ) -> Result<Vec<RunEvent>> {
-        let mut tx = self.begin_write().await?;
-        let appended = append_in(&mut tx, run_id, events, now).await?;
-        tx.commit().await?;
-        Ok(appended)
+        let append = Append {
+            run_id: run_id.to_owned(),
+            events: events.to_vec(),
+            now,
+        };
+        self.writer().write(append).await
     }
 }
 
@@ -73,13 +76,32 @@ pub fn status_event(state: RunState, code: Option<ErrorCode>, message: Option<&s
 
 /// [`Store::append_events`] inside the caller's transaction, so events can
 /// commit with the state change they describe.
+/// Events appended to one run's log, committed with others.
+struct Append {
+    run_id: String,
+    events: Vec<NewEvent>,
+    now: DateTime<Utc>,
+}
+
+impl crate::writer::Job for Append {
+    type Output = Vec<RunEvent>;
+
+    fn key(&self) -> &str {
+        &self.run_id
+    }
+
+    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<Vec<RunEvent>>> {
+        Box::pin(append_in(db, &self.run_id, &self.events, self.now))
+    }
+}
+
 pub(crate) async fn append_in(
-    tx: &mut Transaction<'static, Any>,
+    tx: &mut AnyConnection,
     run_id: &str,
     events: &[NewEvent],
     now: DateTime<Utc>,
 ) -> Result<Vec<RunEvent>> {
-    let mut seq: i64 = rows::optional(&mut **tx, LOCK_RUN, (run_id,), |r| col(r, "last_event_seq"))
+    let mut seq: i64 = rows::optional(&mut *tx, LOCK_RUN, (run_id,), |r| col(r, "last_event_seq"))
         .await?
         .ok_or(StoreError::NotFound)?;
     let mut seen = HashSet::new();
@@ -89,7 +111,7 @@ pub(crate) async fn append_in(
             continue;
         }
         let known = (run_id, &event.event_id);
-        if rows::optional(&mut **tx, FIND_BY_EVENT_ID, known, |_| Ok(()))
+        if rows::optional(&mut *tx, FIND_BY_EVENT_ID, known, |_| Ok(()))
             .await?
             .is_some()
         {
@@ -100,7 +122,7 @@ pub(crate) async fn append_in(
             .map_err(|e| StoreError::Corrupt(format!("event payload: {e}")))?;
         let kind = event.payload.kind();
         let params = (run_id, seq, &event.event_id, kind, payload, micros(now));
-        rows::execute(&mut **tx, INSERT, params).await?;
+        rows::execute(&mut *tx, INSERT, params).await?;
         appended.push(RunEvent {
             run_id: run_id.to_owned(),
             sequence: seq,
@@ -110,7 +132,7 @@ pub(crate) async fn append_in(
         });
     }
     if !appended.is_empty() {
-        rows::execute(&mut **tx, SET_LAST_SEQ, (run_id, seq)).await?;
+        rows::execute(&mut *tx, SET_LAST_SEQ, (run_id, seq)).await?;
     }
     Ok(appended)
 }

@@ -6,19 +6,26 @@
 use automesh_domain::{Placement, Run};
 use chrono::{DateTime, Utc};
 
+use futures_util::future::BoxFuture;
+use sqlx::AnyConnection;
+
 use crate::rows::{self, col, micros};
 use crate::runs::live_states;
 use crate::runs::run_columns;
-use crate::{Backend, Result, Store, StoreError};
+use crate::{Backend, Result, Store};
 
 /// The claim of up to `$4` runs: live, unleased or with a lapsed lease, of
 /// a placement this coordinator executes (or past what any coordinator
 /// must end), oldest first; `$lock` is how the backend keeps two claims
-/// apart.
+/// apart. A run of a placement this coordinator executes gets its message
+/// identity (`msg_<run id>`) with its first such claim, before any
+/// `StartRun`, and keeps it.
 macro_rules! claim_sql {
     ($lock:literal) => {
         concat!(
-            "UPDATE runs SET lease_owner = $1, lease_expires_at = $2, claims = claims + 1 \
+            "UPDATE runs SET lease_owner = $1, lease_expires_at = $2, claims = claims + 1, \
+               message_id = CASE WHEN $5 LIKE '%,' || placement || ',%' \
+                 THEN COALESCE(message_id, 'msg_' || id) ELSE message_id END \
              WHERE id IN (SELECT id FROM runs \
                 WHERE state IN ",
             live_states!(),
@@ -49,9 +56,6 @@ const RENEW: &str = concat!(
      RETURNING cancel_requested_at"
 );
 
-const ENSURE_MESSAGE_ID: &str =
-    "UPDATE runs SET message_id = COALESCE(message_id, $2) WHERE id = $1 RETURNING message_id";
-
 const SET_EXECUTOR_SEQ: &str =
     "UPDATE runs SET executor_seq = $2 WHERE id = $1 AND executor_seq < $2";
 
@@ -74,18 +78,26 @@ pub enum Renewal {
 /// A run this coordinator holds the lease of.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClaimedRun {
+    /// The run, with its message identity when this coordinator executes
+    /// its placement.
     pub run: Run,
     /// How far the executor's event stream has been consumed.
     pub executor_seq: i64,
     /// How many times the run has been claimed (1 = first claim).
     pub claims: i64,
+    /// Whether a previous drive may have submitted the run (this is not its
+    /// first claim). On its first claim, no executor was ever asked to
+    /// start it.
+    pub maybe_submitted: bool,
 }
 
 fn decode_claimed(row: &sqlx::any::AnyRow) -> Result<ClaimedRun> {
+    let claims = col(row, "claims")?;
     Ok(ClaimedRun {
         run: crate::runs::decode(row)?,
         executor_seq: col(row, "executor_seq")?,
-        claims: col(row, "claims")?,
+        claims,
+        maybe_submitted: claims > 1,
     })
 }
 
@@ -137,32 +149,68 @@ impl Store {
         owner: &str,
         until: DateTime<Utc>,
     ) -> Result<Renewal> {
-        let params = (id, owner, micros(until));
-        let row: Option<Option<i64>> =
-            rows::optional(self.db(), RENEW, params, |r| col(r, "cancel_requested_at")).await?;
-        Ok(match row {
-            None => Renewal::Lost,
-            Some(cancel) => Renewal::Held {
-                cancel_requested: cancel.is_some(),
-            },
-        })
-    }
-
-    /// Persists the run's message identity unless it has one, and returns
-    /// the stored one: a run submits under one message id, forever.
-    pub async fn ensure_message_id(&self, id: &str, candidate: &str) -> Result<String> {
-        let stored: Option<Option<String>> =
-            rows::optional(self.db(), ENSURE_MESSAGE_ID, (id, candidate), |r| {
-                col(r, "message_id")
-            })
-            .await?;
-        stored.flatten().ok_or(StoreError::NotFound)
+        let renew = Renew {
+            id: id.to_owned(),
+            owner: owner.to_owned(),
+            until,
+        };
+        self.writer().write(renew).await
     }
 
     /// Records how far the executor's event stream has been consumed.
     pub async fn set_executor_seq(&self, id: &str, seq: i64) -> Result<()> {
-        rows::execute(self.db(), SET_EXECUTOR_SEQ, (id, seq)).await?;
-        Ok(())
+        let id = id.to_owned();
+        self.writer().write(ExecutorSeq { id, seq }).await
+    }
+}
+
+/// A lease renewed, committed with other writes.
+struct Renew {
+    id: String,
+    owner: String,
+    until: DateTime<Utc>,
+}
+
+impl crate::writer::Job for Renew {
+    type Output = Renewal;
+
+    fn key(&self) -> &str {
+        &self.id
+    }
+
+    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<Renewal>> {
+        Box::pin(async move {
+            let params = (&self.id, &self.owner, micros(self.until));
+            let row = rows::optional(db, RENEW, params, |r| col::<Option<i64>>(r, "cancel_requested_at"));
+            Ok(match row.await? {
+                None => Renewal::Lost,
+                Some(cancel) => Renewal::Held {
+                    cancel_requested: cancel.is_some(),
+                },
+            })
+        })
+    }
+}
+
+/// How far the executor's event stream was read, committed with other
+/// writes.
+struct ExecutorSeq {
+    id: String,
+    seq: i64,
+}
+
+impl crate::writer::Job for ExecutorSeq {
+    type Output = ();
+
+    fn key(&self) -> &str {
+        &self.id
+    }
+
+    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<()>> {
+        Box::pin(async move {
+            rows::execute(db, SET_EXECUTOR_SEQ, (&self.id, self.seq)).await?;
+            Ok(())
+        })
     }
 }
 

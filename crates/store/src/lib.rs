@@ -27,6 +27,7 @@ mod signal;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod workers;
+mod writer;
 
 use std::time::Duration;
 
@@ -35,6 +36,7 @@ use sqlx::{Any, AnyPool, Executor, Transaction};
 
 pub use error::{Result, StoreError};
 pub use signal::{RunWatcher, Topic, Watcher};
+pub use writer::written;
 
 /// Which database a store talks to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,6 +98,9 @@ pub struct Store {
     pool: AnyPool,
     backend: Backend,
     url: std::sync::Arc<str>,
+    /// The group-commit writer of this store's hot-path writes, started on
+    /// first use (`writer.rs`).
+    writer: std::sync::Arc<std::sync::OnceLock<writer::Writer>>,
 }
 
 impl std::fmt::Debug for Store {
@@ -146,6 +151,7 @@ impl Store {
             pool,
             backend,
             url: url.into(),
+            writer: Default::default(),
         })
     }
 
@@ -210,6 +216,12 @@ impl Store {
     /// The pool, for this crate's queries.
     pub(crate) fn db(&self) -> &AnyPool {
         &self.pool
+    }
+
+    /// The writer that commits hot-path writes in batches.
+    pub(crate) fn writer(&self) -> &writer::Writer {
+        self.writer
+            .get_or_init(|| writer::Writer::start(self.pool.clone(), self.backend))
     }
 
     /// The id-only reads and writes, for internal callers that act for no

@@ -3,11 +3,14 @@
 //! transaction: a process that dies after the commit leaves nothing to
 //! finish, and one that dies before it leaves the run live, to be taken over.
 
-use automesh_domain::{Price, Receipt, Run, RunState, Usage};
+use automesh_domain::{Price, Receipt, RunState, Usage};
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
 use crate::events::{append_in, status_event};
+use futures_util::future::BoxFuture;
+use sqlx::AnyConnection;
+
 use crate::rows::{self, col, micros};
 use crate::{Result, Store, StoreError};
 
@@ -50,7 +53,7 @@ impl Store {
     /// Moves a live run to the receipt's terminal outcome and stores the
     /// receipt, atomically. A run already terminal is left as it is
     /// (`IllegalTransition`), so a run has exactly one receipt.
-    pub async fn finish_run(&self, receipt: &Receipt, now: DateTime<Utc>) -> Result<Run> {
+    pub async fn finish_run(&self, receipt: &Receipt, now: DateTime<Utc>) -> Result<()> {
         self.finish(receipt, None, now).await
     }
 
@@ -61,7 +64,7 @@ impl Store {
         receipt: &Receipt,
         lease_owner: &str,
         now: DateTime<Utc>,
-    ) -> Result<Run> {
+    ) -> Result<()> {
         self.finish(receipt, Some(lease_owner), now).await
     }
 
@@ -70,40 +73,16 @@ impl Store {
         receipt: &Receipt,
         lease_owner: Option<&str>,
         now: DateTime<Utc>,
-    ) -> Result<Run> {
+    ) -> Result<()> {
         if !receipt.outcome.is_terminal() {
             return Err(StoreError::IllegalTransition {
                 from: "live".into(),
                 to: receipt.outcome.to_string(),
             });
         }
-        let mut tx = self.begin_write().await?;
-        let end = (
-            &receipt.run_id,
-            receipt.outcome.as_str(),
-            receipt.error_code.map(|c| c.as_str()),
-            receipt.error_message.as_deref(),
-            micros(now),
-            lease_owner.unwrap_or(""),
-        );
-        if !crate::rows::changed_one(&mut *tx, crate::runs::END, end).await? {
-            let state: Option<String> =
-                crate::rows::optional(&mut *tx, CURRENT_STATE, (&receipt.run_id,), |row| {
-                    col(row, "state")
-                })
-                .await?;
-            tx.rollback().await?;
-            return Err(match state {
-                None => StoreError::NotFound,
-                Some(from) => StoreError::IllegalTransition {
-                    from,
-                    to: receipt.outcome.to_string(),
-                },
-            });
-        }
-        insert(&mut tx, receipt).await?;
-        tx.commit().await?;
-        self.internal().get_run(&receipt.run_id).await
+        let lease_owner = lease_owner.unwrap_or("").to_owned();
+        let receipt = receipt.clone();
+        self.writer().write(Finish { receipt, lease_owner, now }).await
     }
 
     /// Stores the receipt of a run that was created terminal (skipped or
@@ -116,10 +95,50 @@ impl Store {
     }
 }
 
-pub(crate) async fn insert(
-    tx: &mut sqlx::Transaction<'static, sqlx::Any>,
-    r: &Receipt,
-) -> Result<()> {
+/// A run's end: its terminal state, its receipt and its terminal event, in
+/// one transaction, fenced by the lease owner (none when empty).
+struct Finish {
+    receipt: Receipt,
+    lease_owner: String,
+    now: DateTime<Utc>,
+}
+
+impl crate::writer::Job for Finish {
+    type Output = ();
+
+    fn key(&self) -> &str {
+        &self.receipt.run_id
+    }
+
+    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<()>> {
+        Box::pin(async move {
+            let r = &self.receipt;
+            let end = (
+                &r.run_id,
+                r.outcome.as_str(),
+                r.error_code.map(|c| c.as_str()),
+                r.error_message.as_deref(),
+                micros(self.now),
+                self.lease_owner.as_str(),
+            );
+            if !rows::changed_one(&mut *db, crate::runs::END, end).await? {
+                let state = rows::optional(&mut *db, CURRENT_STATE, (&r.run_id,), |row| {
+                    col::<String>(row, "state")
+                });
+                return Err(match state.await? {
+                    None => StoreError::NotFound,
+                    Some(from) => StoreError::IllegalTransition {
+                        from,
+                        to: r.outcome.to_string(),
+                    },
+                });
+            }
+            insert(db, r).await
+        })
+    }
+}
+
+pub(crate) async fn insert(tx: &mut AnyConnection, r: &Receipt) -> Result<()> {
     let terminal: RunState = r.outcome;
     let params = (
         &r.run_id,
@@ -145,7 +164,7 @@ pub(crate) async fn insert(
         r.price.map(|p| p.input_micros_per_million_tokens),
         r.price.map(|p| p.output_micros_per_million_tokens),
     );
-    if crate::rows::changed_one(&mut **tx, INSERT, params).await? {
+    if rows::changed_one(&mut *tx, INSERT, params).await? {
         // The run's end, in its event log, commits with its receipt.
         let event = status_event(terminal, r.error_code, r.error_message.as_deref());
         append_in(tx, &r.run_id, &[event], r.created_at).await?;

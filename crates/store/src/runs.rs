@@ -7,6 +7,9 @@ use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
 use crate::page::{Cursor, Page};
+use futures_util::future::BoxFuture;
+use sqlx::AnyConnection;
+
 use crate::rows::{self, micros, opt_micros};
 use crate::{Result, Store, StoreError};
 
@@ -119,6 +122,20 @@ impl Store {
         rows::page(self.db(), LIST, params, limit, decode).await
     }
 
+    /// Moves a live run forward through `targets` in order, each move
+    /// guarded by the states it may come from and recorded with its status
+    /// event; a move the run's state does not allow is skipped (the run is
+    /// there already, or past it). The states it moved to.
+    pub async fn advance_run(
+        &self,
+        id: &str,
+        targets: &[RunState],
+        now: DateTime<Utc>,
+    ) -> Result<Vec<RunState>> {
+        let (id, targets) = (id.to_owned(), targets.to_vec());
+        self.writer().write(Advance { id, targets, now }).await
+    }
+
     /// Moves a run to `to` if its current state allows it; otherwise
     /// `IllegalTransition` (a terminal run never changes).
     pub async fn transition_run(
@@ -128,9 +145,7 @@ impl Store {
         error: Option<(ErrorCode, &str)>,
         now: DateTime<Utc>,
     ) -> Result<Run> {
-        let from: String = RunState::predecessors(to)
-            .iter()
-            .fold(String::from(","), |acc, s| format!("{acc}{s},"));
+        let from = predecessors(to);
         let (code, message) = (error.map(|(c, _)| c.as_str()), error.map(|(_, m)| m));
         let params = (id, to.as_str(), code, message, from, micros(now));
         let moved = rows::changed_one(self.db(), TRANSITION, params).await?;
@@ -146,9 +161,47 @@ impl Store {
     }
 }
 
+/// A run's moves forward, committed with other writes.
+struct Advance {
+    id: String,
+    targets: Vec<RunState>,
+    now: DateTime<Utc>,
+}
+
+impl crate::writer::Job for Advance {
+    type Output = Vec<RunState>;
+
+    fn key(&self) -> &str {
+        &self.id
+    }
+
+    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<Vec<RunState>>> {
+        Box::pin(async move {
+            let mut moved = vec![];
+            for to in &self.targets {
+                let (from, at) = (predecessors(*to), micros(self.now));
+                let params = (&self.id, to.as_str(), None::<&str>, None::<&str>, from, at);
+                if rows::changed_one(&mut *db, TRANSITION, params).await? {
+                    let event = crate::events::status_event(*to, None, None);
+                    crate::events::append_in(&mut *db, &self.id, &[event], self.now).await?;
+                    moved.push(*to);
+                }
+            }
+            Ok(moved)
+        })
+    }
+}
+
+/// The states a run may move to `to` from, as [`TRANSITION`] takes them.
+fn predecessors(to: RunState) -> String {
+    RunState::predecessors(to)
+        .iter()
+        .fold(String::from(","), |acc, s| format!("{acc}{s},"))
+}
+
 /// Inserts a run unless its id exists; `true` when this call created it.
 pub(crate) async fn insert(
-    tx: &mut sqlx::Transaction<'static, sqlx::Any>,
+    tx: &mut AnyConnection,
     new: &NewRun<'_>,
     now: DateTime<Utc>,
 ) -> Result<bool> {
@@ -171,7 +224,7 @@ pub(crate) async fn insert(
         new.traceparent.as_deref(),
         micros(now),
     );
-    rows::changed_one(&mut **tx, INSERT, params).await
+    rows::changed_one(&mut *tx, INSERT, params).await
 }
 
 impl crate::Internal<'_> {

@@ -15,7 +15,7 @@ use tokio::sync::Notify;
 use crate::{Backend, Result, Store};
 
 /// What a watcher waits for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Topic {
     /// Runs were created.
     Runs,

@@ -1,63 +1,31 @@
 //! Benchmark of scheduling and the run lifecycle on PostgreSQL.
 //!
-//!   cargo run --release -p automesh-e2e-tests --bin bench-lifecycle [-- --runs 1000 --latency-runs 200 --repeats 3]
+//!   cargo run --release -p automesh-e2e-tests --bin bench-lifecycle [-- --runs 1000 --latency-runs 200 --repeats 3 --idle 1000000]
+//!   cargo run -p automesh-e2e-tests --bin bench-lifecycle -- --quick
 //!
 //! Prints, from one run on this machine:
-//! - PostgreSQL's own single-row UPDATE transaction rate (1 and 8 clients),
-//!   measured through the same driver, as the baseline;
+//! - the yardstick L: a third of PostgreSQL's own single-row commit rate
+//!   with 32 clients, measured through the same driver;
 //! - the latency from an occurrence's due instant to the executor receiving
 //!   its StartRun (p50, p99), with occurrences due one at a time;
 //! - sustained runs per second through scheduler and coordinator (a burst
-//!   all due at once, driven to receipts), and its ratio to the baseline.
+//!   all due at once, driven to receipts), as a ratio to L, and the
+//!   database's commits and writing transactions per run;
+//! - the scheduler's cost per wake-up before and after adding `--idle`
+//!   inactive and far-future automations.
 //!
 //! Medians over `--repeats`; the machine is shared, so read ratios.
+//! `--quick` is the short form CI runs once (figures printed, not checked).
 
 use std::time::{Duration, Instant};
 
 use automesh_domain::automation::NewAutomation;
 use automesh_domain::{Principal, Schedule, Surface};
-use automesh_e2e_tests::bench::{arg, median, percentile};
+use automesh_e2e_tests::bench::{DbCounters, median, percentile, quick, sized, yardstick};
 use automesh_e2e_tests::executor::{Behavior, TestExecutor};
 use automesh_e2e_tests::{Mesh, MeshOptions};
 use automesh_store::{Backend, Store};
 use chrono::Utc;
-
-/// Single-row UPDATE transactions per second with `clients` connections,
-/// each on its own row, for `secs`.
-async fn pg_tps(store: &Store, clients: usize, secs: u64) -> anyhow::Result<f64> {
-    sqlx::query(
-        "CREATE TABLE IF NOT EXISTS bench_counter (id BIGINT PRIMARY KEY, n BIGINT NOT NULL)",
-    )
-    .execute(store.pool())
-    .await?;
-    for id in 0..clients as i64 {
-        sqlx::query("INSERT INTO bench_counter (id, n) VALUES ($1, 0) ON CONFLICT (id) DO NOTHING")
-            .bind(id)
-            .execute(store.pool())
-            .await?;
-    }
-    let stop = Instant::now() + Duration::from_secs(secs);
-    let mut tasks = vec![];
-    for id in 0..clients as i64 {
-        let store = store.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut n = 0u64;
-            while Instant::now() < stop {
-                sqlx::query("UPDATE bench_counter SET n = n + 1 WHERE id = $1")
-                    .bind(id)
-                    .execute(store.pool())
-                    .await?;
-                n += 1;
-            }
-            anyhow::Ok(n)
-        }));
-    }
-    let mut total = 0;
-    for t in tasks {
-        total += t.await??;
-    }
-    Ok(total as f64 / secs as f64)
-}
 
 async fn insert_due(
     store: &Store,
@@ -94,9 +62,10 @@ async fn count_terminal(store: &Store, prefix: &str) -> anyhow::Result<i64> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let runs = arg("--runs", 1000);
-    let latency_runs = arg("--latency-runs", 200);
-    let repeats = arg("--repeats", 3).max(1);
+    let runs = sized("--runs", 1000, 50);
+    let latency_runs = sized("--latency-runs", 200, 10);
+    let repeats = sized("--repeats", 3, 1).max(1);
+    let idle = sized("--idle", 1_000_000, 1000);
     let (executor, addr) = TestExecutor::start(Behavior::Complete {
         after: Duration::ZERO,
         events: 0,
@@ -118,16 +87,17 @@ async fn main() -> anyhow::Result<()> {
             .unwrap_or(1)
     );
 
-    // Baseline.
-    let mut tps1 = vec![];
-    let mut tps8 = vec![];
+    // The yardstick, measured now.
+    let url = mesh.db.url.clone();
+    let secs = if quick() { 0.5 } else { 3.0 };
+    let mut ls = vec![];
     for _ in 0..repeats {
-        tps1.push(pg_tps(&store, 1, 2).await?);
-        tps8.push(pg_tps(&store, 8, 2).await?);
+        ls.push(yardstick(&url, secs).await?);
     }
-    let (tps1, tps8) = (median(tps1), median(tps8));
+    let l = median(ls);
     println!(
-        "baseline  PostgreSQL single-row UPDATE tx/s   1 client: {tps1:>9.0}   8 clients: {tps8:>9.0}"
+        "baseline  L = PostgreSQL single-row commits/s with 32 clients ÷ 3: {l:>9.0}   ({:.0} commits/s)",
+        3.0 * l
     );
 
     // Latency: occurrences due one at a time, 25 ms apart.
@@ -164,10 +134,13 @@ async fn main() -> anyhow::Result<()> {
 
     // Throughput: a burst all due at once, driven to receipts.
     let mut rates = vec![];
+    let mut per_run = vec![];
     for r in 0..repeats {
         let prefix = format!("burst{r}");
         let due = Utc::now() + chrono::Duration::seconds(1);
         insert_due(&store, &prefix, runs, |_| due).await?;
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let before = DbCounters::read(&url).await?;
         while Utc::now() < due {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
@@ -180,17 +153,23 @@ async fn main() -> anyhow::Result<()> {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         rates.push(runs as f64 / t0.elapsed().as_secs_f64());
+        // The statistics of idle sessions settle within a second.
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        per_run.push(DbCounters::read(&url).await?.per_run(before, runs));
     }
     let rate = median(rates);
+    let commits = median(per_run.iter().map(|p| p.0).collect());
+    let writes = median(per_run.iter().map(|p| p.1).collect());
     println!(
-        "throughput runs/s (due → receipt, {runs} at once)   {rate:>9.0}   = {:.3} × the 1-client tx/s, {:.3} × the 8-client tx/s",
-        rate / tps1,
-        rate / tps8
+        "throughput runs/s (due → receipt, {runs} at once)   {rate:>9.0}   = {:.3} × L",
+        rate / l
+    );
+    println!(
+        "database  per run: {commits:>5.2} commits (read-only included), {writes:>5.2} writing transactions"
     );
 
     // Scheduler cost per wake-up with nothing due, before and after adding
     // `--idle` inactive and far-future automations: an index probe, not a scan.
-    let idle = arg("--idle", 100_000);
     let settings = automesh_scheduler::occurrences::Settings::new(
         Duration::from_secs(60),
         Duration::from_secs(3600),

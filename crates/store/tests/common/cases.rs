@@ -357,7 +357,8 @@ pub async fn finish_run_writes_exactly_one_receipt(store: &Store) {
     let mut failed = receipt("r1", RunState::TimedOut);
     failed.error_code = Some(ErrorCode::DeadlineExceeded);
     failed.error_message = Some("deadline reached".into());
-    let run = store.finish_run(&failed, t(2)).await.expect("finish");
+    store.finish_run(&failed, t(2)).await.expect("finish");
+    let run = store.internal().get_run("r1").await.expect("run");
     assert_eq!(run.state, RunState::TimedOut);
     assert_eq!(run.error_code, Some(ErrorCode::DeadlineExceeded));
     assert!(matches!(
@@ -1107,8 +1108,10 @@ pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
 /// A live run is leased to one coordinator at a time; its lease is renewed
 /// only by its holder (fencing: once another coordinator took an expired
 /// lease, the old holder's renewals fail); a run is claimed only by a
-/// coordinator of its placement until it is orphaned; and a run submits
-/// under one message id, whoever asks first.
+/// coordinator of its placement until it is orphaned; and a run gets one
+/// message identity, with the first claim of a coordinator of its
+/// placement, which every later claim keeps and reports as possibly
+/// submitted.
 pub async fn runs_are_leased_to_one_coordinator_and_fenced(store: &Store) {
     use automesh_store::leases::Renewal;
     let a = create(store, &alice(), "a1", t(0)).await;
@@ -1130,6 +1133,8 @@ pub async fn runs_are_leased_to_one_coordinator_and_fenced(store: &Store) {
         .expect("claim");
     assert_eq!(first.len(), 1);
     assert_eq!((first[0].run.id.as_str(), first[0].claims), ("r1", 1));
+    assert_eq!(first[0].run.message_id.as_deref(), Some("msg_r1"));
+    assert!(!first[0].maybe_submitted, "nobody had it before");
     // Held: nobody else claims it, and only its holder renews it.
     let second = store
         .claim_runs("c2", &[Placement::Cloud], t(40), t(10), long_ago, 10)
@@ -1153,6 +1158,8 @@ pub async fn runs_are_leased_to_one_coordinator_and_fenced(store: &Store) {
         .expect("claim");
     assert_eq!(taken.len(), 1);
     assert_eq!(taken[0].claims, 2, "a takeover counts as a second claim");
+    assert_eq!(taken[0].run.message_id.as_deref(), Some("msg_r1"));
+    assert!(taken[0].maybe_submitted, "the first holder may have submitted it");
     assert_eq!(
         store.renew_lease("r1", "c1", t(120)).await.expect("renew"),
         Renewal::Lost
@@ -1171,32 +1178,6 @@ pub async fn runs_are_leased_to_one_coordinator_and_fenced(store: &Store) {
             cancel_requested: true
         }
     );
-
-    // One message id per run, forever: the first candidate wins, however
-    // many ask at once.
-    let mut asks = tokio::task::JoinSet::new();
-    for i in 0..8 {
-        let store = store.clone();
-        asks.spawn(async move {
-            store
-                .ensure_message_id("r1", &format!("msg-{i}"))
-                .await
-                .expect("ensure")
-        });
-    }
-    let ids = asks.join_all().await;
-    assert!(ids.iter().all(|id| id == &ids[0]), "{ids:?}");
-    assert_eq!(
-        store
-            .ensure_message_id("r1", "msg-late")
-            .await
-            .expect("again"),
-        ids[0]
-    );
-    assert!(matches!(
-        store.ensure_message_id("no-such-run", "msg").await,
-        Err(StoreError::NotFound)
-    ));
 }
 
 /// Concurrent wakes of a stopped worker start it once; a start whose holder

@@ -37,11 +37,6 @@ pub(super) fn spec(ctx: &Context, run: &Run, message_id: &str) -> epb::RunSpec {
     }
 }
 
-/// The message identity a run submits under.
-pub(super) fn message_id_for(run: &Run) -> String {
-    format!("msg_{}", run.id)
-}
-
 pub(super) async fn execute(
     ctx: &Context,
     claimed: &ClaimedRun,
@@ -50,7 +45,7 @@ pub(super) async fn execute(
 ) -> Result<Ending, Stop> {
     let run = &claimed.run;
     let deadline = run.deadline_at;
-    let never_submitted = run.message_id.is_none();
+    let never_submitted = !claimed.maybe_submitted;
     if Utc::now() >= deadline && never_submitted {
         return Ok(Ending::new(
             RunState::TimedOut,
@@ -75,10 +70,10 @@ pub(super) async fn execute(
         return cancel_and_wait(ctx, &mut executor, run, lost, CancelCause::Deadline).await;
     }
     if cancel_seen.is_cancelled() {
-        // The message identity is persisted before the first StartRun: a
-        // run without one was never offered to any executor, so there is
-        // nothing to stop and it is cancelled at once.
-        if run.message_id.is_none() {
+        // The message identity is persisted with the first claim, before
+        // any StartRun: a run that had none was never offered to any
+        // executor, so there is nothing to stop and it is cancelled at once.
+        if never_submitted {
             return Ok(Ending::new(
                 RunState::Cancelled,
                 None,
@@ -87,11 +82,12 @@ pub(super) async fn execute(
         }
         return cancel_and_wait(ctx, &mut executor, run, lost, CancelCause::User).await;
     }
-    // Identity first: a takeover must find it and observe, never resubmit.
-    let message_id = ctx
-        .store
-        .ensure_message_id(&run.id, &message_id_for(run))
-        .await?;
+    // The identity the claim persisted: a takeover finds it and observes,
+    // never resubmits under another.
+    let Some(message_id) = run.message_id.clone() else {
+        let missing = "a run of an executed placement was claimed without its message identity";
+        return Err(Stop::Store(StoreError::Corrupt(missing.into())));
+    };
     let spec = spec(ctx, run, &message_id);
 
     // Start (or observe) the message, retrying until the deadline. Neither
@@ -357,16 +353,8 @@ pub(super) async fn apply_status(
         }
         _ => &[],
     };
-    let now = Utc::now();
-    for target in targets {
-        let current = ctx.store.internal().get_run(&run.id).await?;
-        if current.state.can_move_to(*target) {
-            match ctx.store.transition_run(&run.id, *target, None, now).await {
-                Ok(_) => record_status(ctx, run, *target, None, None).await?,
-                Err(StoreError::IllegalTransition { .. }) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
+    if !targets.is_empty() {
+        ctx.store.advance_run(&run.id, targets, Utc::now()).await?;
     }
     Ok(())
 }
@@ -398,22 +386,6 @@ pub(super) async fn record_event(
         )
         .await?;
     Ok(())
-}
-
-/// A status event of the coordinator's own, with an id that makes it
-/// appear once however often it is recorded.
-pub(super) async fn record_status(
-    ctx: &Context,
-    run: &Run,
-    state: RunState,
-    code: Option<ErrorCode>,
-    message: Option<&str>,
-) -> Result<(), StoreError> {
-    let event = automesh_store::events::status_event(state, code, message);
-    ctx.store
-        .append_events(&run.id, &[event], Utc::now())
-        .await
-        .map(|_| ())
 }
 
 /// One unary executor call for `run`: bounded by the call timeout, its

@@ -1,0 +1,247 @@
+//! Group commit: the hot-path writes of many runs — state moves, events,
+//! receipts, desktop reports — committed together, one transaction per
+//! batch instead of one per write.
+//!
+//! Each process's store has one writer task. A write is a [`Job`]: its own
+//! guarded statements, exactly as it would run alone. The writer takes
+//! every job waiting when it is free (nothing waits on a timer: under no
+//! load a job commits at once, under load jobs pile up while the previous
+//! batch commits, and the batches grow), runs them in one transaction in
+//! the order of their keys (a run's id: transactions of different
+//! processes lock rows in one order, so they cannot deadlock), and
+//! answers each job only after the commit. A batch is exactly as safe as
+//! its jobs one by one: each job's guards and fencing are its own
+//! statements, and a job that fails (having written part of what it
+//! writes, perhaps) poisons only its batch, which is then rolled back and
+//! run again one job per transaction: a job commits all of its writes or
+//! none, and one bad write never fails another.
+//!
+//! Signals (NOTIFY) a batch's jobs ask for are sent once per topic, inside
+//! the batch's transaction, so they are delivered at its commit.
+
+use std::any::Any;
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use futures_util::future::BoxFuture;
+use sqlx::{Any as AnyDb, AnyConnection, AnyPool, Transaction};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::signal::Topic;
+use crate::{Backend, Result, StoreError};
+
+/// Jobs one transaction takes at most.
+const MAX_BATCH: usize = 256;
+
+/// Jobs that may wait for the writer before a new one waits to be queued.
+const QUEUE: usize = 4096;
+
+/// One write committed with others: its statements, run on the batch's
+/// connection inside its transaction. It may run twice (once in a batch
+/// that is rolled back, then alone), so it must not act outside the
+/// database.
+pub(crate) trait Job: Send + Sync + 'static {
+    type Output: Send + 'static;
+
+    /// What orders the batch's jobs (the row the job locks first).
+    fn key(&self) -> &str;
+
+    /// The signal to send once the job's writes commit, given what it did
+    /// (none, unless a job says so).
+    fn signal(&self, _done: &Self::Output) -> Option<Topic> {
+        None
+    }
+
+    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<Self::Output>>;
+}
+
+type Answer = Result<Box<dyn Any + Send>>;
+
+/// A job's answer and the signal it asks for.
+type Done = Result<(Box<dyn Any + Send>, Option<Topic>)>;
+
+/// A job with its type erased, and where its answer goes.
+struct Pending {
+    job: Arc<dyn Erased>,
+    answer: oneshot::Sender<Answer>,
+}
+
+trait Erased: Send + Sync {
+    fn key(&self) -> &str;
+    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Done>;
+}
+
+impl<J: Job> Erased for J {
+    fn key(&self) -> &str {
+        Job::key(self)
+    }
+
+    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Done> {
+        Box::pin(async move {
+            let out = Job::run(self, db).await?;
+            let signal = self.signal(&out);
+            Ok((Box::new(out) as Box<dyn Any + Send>, signal))
+        })
+    }
+}
+
+/// The queue of one store's writer task.
+#[derive(Debug, Clone)]
+pub(crate) struct Writer {
+    queue: mpsc::Sender<Pending>,
+}
+
+impl std::fmt::Debug for Pending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pending").field("key", &self.job.key()).finish()
+    }
+}
+
+impl Writer {
+    /// A writer over `pool`; its task ends once every handle is dropped.
+    pub(crate) fn start(pool: AnyPool, backend: Backend) -> Writer {
+        let (queue, jobs) = mpsc::channel(QUEUE);
+        tokio::spawn(write_loop(Db { pool, backend }, jobs));
+        Writer { queue }
+    }
+
+    /// Commits `job` with whatever else is waiting, and answers what it
+    /// returned once its transaction committed.
+    pub(crate) async fn write<J: Job>(&self, job: J) -> Result<J::Output> {
+        let (answer, answered) = oneshot::channel();
+        let pending = Pending {
+            job: Arc::new(job),
+            answer,
+        };
+        self.queue.send(pending).await.map_err(|_| gone())?;
+        let out = answered.await.map_err(|_| gone())??;
+        out.downcast::<J::Output>()
+            .map(|out| *out)
+            .map_err(|_| StoreError::Corrupt("a write answered with the wrong type".into()))
+    }
+}
+
+fn gone() -> StoreError {
+    StoreError::Database(sqlx::Error::PoolClosed)
+}
+
+/// What the writer task holds of its store: the pool, never a `Store`
+/// (whose handles keep the task's queue open).
+struct Db {
+    pool: AnyPool,
+    backend: Backend,
+}
+
+impl Db {
+    async fn begin(&self) -> Result<Transaction<'static, AnyDb>> {
+        Ok(match self.backend {
+            Backend::Postgres => self.pool.begin().await?,
+            Backend::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await?,
+        })
+    }
+}
+
+/// How many batches the writers of this process committed, and how many
+/// jobs they held: the batching an operator sees in the metrics.
+pub fn written() -> (u64, u64) {
+    (BATCHES.load(Ordering::Relaxed), JOBS.load(Ordering::Relaxed))
+}
+
+static BATCHES: AtomicU64 = AtomicU64::new(0);
+static JOBS: AtomicU64 = AtomicU64::new(0);
+
+async fn write_loop(store: Db, mut jobs: mpsc::Receiver<Pending>) {
+    while let Some(first) = jobs.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH {
+            match jobs.try_recv() {
+                Ok(next) => batch.push(next),
+                Err(_) => break,
+            }
+        }
+        // One lock order for every transaction: no deadlocks between
+        // batches of different processes.
+        batch.sort_by(|a, b| a.job.key().cmp(b.job.key()));
+        BATCHES.fetch_add(1, Ordering::Relaxed);
+        JOBS.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        match commit(&store, &batch).await {
+            Ok(answers) => {
+                for (pending, answer) in batch.into_iter().zip(answers) {
+                    let _ = pending.answer.send(answer);
+                }
+            }
+            Err(Poisoned(_)) => {
+                // One job failed: every job again, alone, so only that one
+                // fails.
+                for pending in batch {
+                    let answer = match commit(&store, std::slice::from_ref(&pending)).await {
+                        Ok(mut answers) => answers.pop().unwrap_or_else(|| Err(gone())),
+                        Err(Poisoned(error)) => Err(error),
+                    };
+                    let _ = pending.answer.send(answer);
+                }
+            }
+        }
+    }
+}
+
+/// A batch one of whose jobs failed, with its error; nothing of the batch
+/// was committed.
+struct Poisoned(StoreError);
+
+/// Runs `batch` in one transaction: each job's answer once it committed,
+/// an error for every job when the transaction could not commit, or
+/// `Poisoned` when a job's statement failed.
+async fn commit(store: &Db, batch: &[Pending]) -> std::result::Result<Vec<Answer>, Poisoned> {
+    let failed_all = |e: &StoreError| -> Vec<Answer> {
+        batch
+            .iter()
+            .map(|_| Err(StoreError::Database(copy_error(e))))
+            .collect()
+    };
+    let mut tx = match store.begin().await {
+        Ok(tx) => tx,
+        Err(e) => return Ok(failed_all(&e)),
+    };
+    let mut answers = Vec::with_capacity(batch.len());
+    let mut topics = BTreeSet::new();
+    for pending in batch {
+        // A job that fails may have written part of what it writes: the
+        // batch goes back, and every job runs alone.
+        let (out, signal) = match pending.job.run(&mut *tx).await {
+            Ok(done) => done,
+            Err(error) => {
+                let _ = tx.rollback().await;
+                return Err(Poisoned(error));
+            }
+        };
+        topics.extend(signal);
+        answers.push(Ok(out));
+    }
+    if store.backend == Backend::Postgres {
+        for channel in topics.iter().map(|t| t.pg_channel()) {
+            let notified = sqlx::query("SELECT pg_notify($1, '')")
+                .bind(channel)
+                .execute(&mut *tx)
+                .await;
+            if let Err(error) = notified {
+                let _ = tx.rollback().await;
+                return Err(Poisoned(error.into()));
+            }
+        }
+    }
+    if let Err(e) = tx.commit().await {
+        return Ok(failed_all(&StoreError::Database(e)));
+    }
+    for topic in topics {
+        topic.signal_local();
+    }
+    Ok(answers)
+}
+
+/// A database error again, for every job of a batch that failed as one
+/// (sqlx errors are not `Clone`).
+fn copy_error(e: &StoreError) -> sqlx::Error {
+    sqlx::Error::Protocol(format!("the batch's transaction failed: {e}"))
+}
