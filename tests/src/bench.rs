@@ -40,9 +40,11 @@ pub fn sized(name: &str, full: usize, short: usize) -> usize {
 pub async fn pg_commits_per_sec(url: &str, clients: usize, secs: f64) -> anyhow::Result<f64> {
     use sqlx::Connection;
     let mut setup = sqlx::PgConnection::connect(url).await?;
-    sqlx::query("CREATE TABLE IF NOT EXISTS bench_counter (id BIGINT PRIMARY KEY, n BIGINT NOT NULL)")
-        .execute(&mut setup)
-        .await?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS bench_counter (id BIGINT PRIMARY KEY, n BIGINT NOT NULL)",
+    )
+    .execute(&mut setup)
+    .await?;
     sqlx::query("INSERT INTO bench_counter (id, n) SELECT g, 0 FROM generate_series(0, $1) g ON CONFLICT (id) DO NOTHING")
         .bind(clients as i64)
         .execute(&mut setup)

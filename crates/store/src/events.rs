@@ -1,13 +1,11 @@
 //! Queries of a run's event log: ordered by a per-run sequence number and
 //! deduplicated by the producer's event id.
 
-use std::collections::HashSet;
-
 use automesh_domain::{ErrorCode, RunEvent, RunEventPayload, RunState};
 use chrono::{DateTime, Utc};
-use sqlx::any::AnyRow;
 use futures_util::future::BoxFuture;
 use sqlx::AnyConnection;
+use sqlx::any::AnyRow;
 
 use crate::rows::{self, col, micros};
 use crate::{Result, Store, StoreError};
@@ -17,10 +15,9 @@ use crate::{Result, Store, StoreError};
 const LOCK_RUN: &str =
     "UPDATE runs SET last_event_seq = last_event_seq WHERE id = $1 RETURNING last_event_seq";
 
-const FIND_BY_EVENT_ID: &str = "SELECT seq FROM run_events WHERE run_id = $1 AND event_id = $2";
-
+/// An event, unless the log holds its id already.
 const INSERT: &str = "INSERT INTO run_events (run_id, seq, event_id, kind, payload, created_at) \
-     VALUES ($1, $2, $3, $4, $5, $6)";
+     VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (run_id, event_id) DO NOTHING";
 
 const SET_LAST_SEQ: &str = "UPDATE runs SET last_event_seq = $2 WHERE id = $1";
 
@@ -74,8 +71,6 @@ pub fn status_event(state: RunState, code: Option<ErrorCode>, message: Option<&s
     }
 }
 
-/// [`Store::append_events`] inside the caller's transaction, so events can
-/// commit with the state change they describe.
 /// Events appended to one run's log, committed with others.
 struct Append {
     run_id: String,
@@ -95,46 +90,55 @@ impl crate::writer::Job for Append {
     }
 }
 
+/// [`Store::append_events`] inside the caller's transaction, so events can
+/// commit with the state change they describe.
 pub(crate) async fn append_in(
     tx: &mut AnyConnection,
     run_id: &str,
     events: &[NewEvent],
     now: DateTime<Utc>,
 ) -> Result<Vec<RunEvent>> {
-    let mut seq: i64 = rows::optional(&mut *tx, LOCK_RUN, (run_id,), |r| col(r, "last_event_seq"))
-        .await?
-        .ok_or(StoreError::NotFound)?;
-    let mut seen = HashSet::new();
+    let last = rows::optional(&mut *tx, LOCK_RUN, (run_id,), |r| col(r, "last_event_seq"));
+    let mut seq: i64 = last.await?.ok_or(StoreError::NotFound)?;
     let mut appended = Vec::new();
     for event in events {
-        if !seen.insert(event.event_id.as_str()) {
-            continue;
+        // An id the log holds (or this call appended) adds nothing.
+        if insert(&mut *tx, run_id, seq + 1, event, now).await? {
+            seq += 1;
+            appended.push(RunEvent {
+                run_id: run_id.to_owned(),
+                sequence: seq,
+                event_id: event.event_id.clone(),
+                created_at: now,
+                payload: event.payload.clone(),
+            });
         }
-        let known = (run_id, &event.event_id);
-        if rows::optional(&mut *tx, FIND_BY_EVENT_ID, known, |_| Ok(()))
-            .await?
-            .is_some()
-        {
-            continue;
-        }
-        seq += 1;
-        let payload = serde_json::to_string(&event.payload)
-            .map_err(|e| StoreError::Corrupt(format!("event payload: {e}")))?;
-        let kind = event.payload.kind();
-        let params = (run_id, seq, &event.event_id, kind, payload, micros(now));
-        rows::execute(&mut *tx, INSERT, params).await?;
-        appended.push(RunEvent {
-            run_id: run_id.to_owned(),
-            sequence: seq,
-            event_id: event.event_id.clone(),
-            created_at: now,
-            payload: event.payload.clone(),
-        });
     }
     if !appended.is_empty() {
         rows::execute(&mut *tx, SET_LAST_SEQ, (run_id, seq)).await?;
     }
     Ok(appended)
+}
+
+/// An event's id, kind and stored payload, as `run_events` keeps them.
+pub(crate) fn columns(event: &NewEvent) -> Result<(&str, &'static str, String)> {
+    let payload = serde_json::to_string(&event.payload)
+        .map_err(|e| StoreError::Corrupt(format!("event payload: {e}")))?;
+    Ok((&event.event_id, event.payload.kind(), payload))
+}
+
+/// Inserts `event` at `seq`, the run's row locked and its sequence taken by
+/// the caller; false when the log holds the event's id already.
+pub(crate) async fn insert(
+    tx: &mut AnyConnection,
+    run_id: &str,
+    seq: i64,
+    event: &NewEvent,
+    now: DateTime<Utc>,
+) -> Result<bool> {
+    let (id, kind, payload) = columns(event)?;
+    let params = (run_id, seq, id, kind, payload, micros(now));
+    rows::changed_one(&mut *tx, INSERT, params).await
 }
 
 impl crate::Internal<'_> {

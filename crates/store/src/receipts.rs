@@ -3,7 +3,7 @@
 //! transaction: a process that dies after the commit leaves nothing to
 //! finish, and one that dies before it leaves the run live, to be taken over.
 
-use automesh_domain::{Price, Receipt, RunState, Usage};
+use automesh_domain::{AutomationState, Price, Receipt, RunState, Usage};
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
@@ -29,6 +29,8 @@ const GET: &str = "SELECT run_id, outcome, error_code, error_message, placement,
 
 const CURRENT_STATE: &str = "SELECT state FROM runs WHERE id = $1";
 
+const AUTOMATION_STATE: &str = "SELECT state FROM automations WHERE id = $1";
+
 fn decode(row: &AnyRow) -> Result<Receipt> {
     let usage: Result<Usage> = rows::columns! { row => Usage {
         input_tokens, output_tokens, cost_micros,
@@ -51,9 +53,15 @@ fn decode(row: &AnyRow) -> Result<Receipt> {
 
 impl Store {
     /// Moves a live run to the receipt's terminal outcome and stores the
-    /// receipt, atomically. A run already terminal is left as it is
-    /// (`IllegalTransition`), so a run has exactly one receipt.
-    pub async fn finish_run(&self, receipt: &Receipt, now: DateTime<Utc>) -> Result<()> {
+    /// receipt, atomically; answers with the state of the run's automation
+    /// (what the outcome means for it is the caller's). A run already
+    /// terminal is left as it is (`IllegalTransition`), so a run has
+    /// exactly one receipt.
+    pub async fn finish_run(
+        &self,
+        receipt: &Receipt,
+        now: DateTime<Utc>,
+    ) -> Result<AutomationState> {
         self.finish(receipt, None, now).await
     }
 
@@ -64,7 +72,7 @@ impl Store {
         receipt: &Receipt,
         lease_owner: &str,
         now: DateTime<Utc>,
-    ) -> Result<()> {
+    ) -> Result<AutomationState> {
         self.finish(receipt, Some(lease_owner), now).await
     }
 
@@ -73,7 +81,7 @@ impl Store {
         receipt: &Receipt,
         lease_owner: Option<&str>,
         now: DateTime<Utc>,
-    ) -> Result<()> {
+    ) -> Result<AutomationState> {
         if !receipt.outcome.is_terminal() {
             return Err(StoreError::IllegalTransition {
                 from: "live".into(),
@@ -82,14 +90,20 @@ impl Store {
         }
         let lease_owner = lease_owner.unwrap_or("").to_owned();
         let receipt = receipt.clone();
-        self.writer().write(Finish { receipt, lease_owner, now }).await
+        self.writer()
+            .write(Finish {
+                receipt,
+                lease_owner,
+                now,
+            })
+            .await
     }
 
     /// Stores the receipt of a run that was created terminal (skipped or
     /// missed occurrences).
     pub async fn insert_receipt(&self, receipt: &Receipt) -> Result<()> {
         let mut tx = self.begin_write().await?;
-        insert(&mut tx, receipt).await?;
+        created_terminal(&mut tx, receipt).await?;
         tx.commit().await?;
         Ok(())
     }
@@ -104,41 +118,135 @@ struct Finish {
 }
 
 impl crate::writer::Job for Finish {
-    type Output = ();
+    type Output = AutomationState;
 
     fn key(&self) -> &str {
         &self.receipt.run_id
     }
 
-    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<()>> {
+    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<AutomationState>> {
         Box::pin(async move {
             let r = &self.receipt;
-            let end = (
-                &r.run_id,
-                r.outcome.as_str(),
-                r.error_code.map(|c| c.as_str()),
-                r.error_message.as_deref(),
-                micros(self.now),
-                self.lease_owner.as_str(),
-            );
-            if !rows::changed_one(&mut *db, crate::runs::END, end).await? {
-                let state = rows::optional(&mut *db, CURRENT_STATE, (&r.run_id,), |row| {
-                    col::<String>(row, "state")
+            let event = status_event(r.outcome, r.error_code, r.error_message.as_deref());
+            let automation = if rows::is_postgres(db) {
+                let (id, kind, payload) = crate::events::columns(&event)?;
+                let params = self.end_params();
+                let params = (
+                    params.0,
+                    params.1,
+                    params.2,
+                    params.3,
+                    params.4,
+                    params.5,
+                    r.placement.as_str(),
+                    r.engine.as_deref(),
+                    r.queued_micros,
+                    r.wake_micros,
+                    r.admission_micros,
+                    r.execution_micros,
+                    r.usage.input_tokens,
+                    r.usage.output_tokens,
+                    r.usage.cost_micros,
+                    r.worker_id.as_deref(),
+                    r.workspace_id.as_deref(),
+                    r.thread_id.as_deref(),
+                    r.message_id.as_deref(),
+                    micros(r.created_at),
+                    r.model.as_deref(),
+                    r.provider_model.as_deref(),
+                    r.price.map(|p| p.input_micros_per_million_tokens),
+                    r.price.map(|p| p.output_micros_per_million_tokens),
+                    id,
+                    kind,
+                    payload,
+                );
+                let ended = rows::optional(&mut *db, crate::runs::END_PG, params, |row| {
+                    col::<AutomationState>(row, "automation_state")
                 });
-                return Err(match state.await? {
-                    None => StoreError::NotFound,
-                    Some(from) => StoreError::IllegalTransition {
-                        from,
-                        to: r.outcome.to_string(),
-                    },
+                ended.await?
+            } else {
+                let ended = rows::optional(&mut *db, crate::runs::END, self.end_params(), |row| {
+                    Ok((
+                        col::<i64>(row, "last_event_seq")?,
+                        col::<String>(row, "automation_id")?,
+                    ))
                 });
+                match ended.await? {
+                    Some((seq, automation_id)) => {
+                        // The run's end, in its event log, commits with its
+                        // receipt.
+                        insert(&mut *db, r).await?;
+                        crate::events::insert(&mut *db, &r.run_id, seq, &event, r.created_at)
+                            .await?;
+                        let state =
+                            rows::optional(&mut *db, AUTOMATION_STATE, (automation_id,), |row| {
+                                col::<AutomationState>(row, "state")
+                            });
+                        state.await?
+                    }
+                    None => None,
+                }
+            };
+            match automation {
+                Some(state) => Ok(state),
+                None => Err(self.refusal(db).await),
             }
-            insert(db, r).await
         })
     }
 }
 
-pub(crate) async fn insert(tx: &mut AnyConnection, r: &Receipt) -> Result<()> {
+impl Finish {
+    /// The parameters of [`crate::runs::END`].
+    fn end_params(
+        &self,
+    ) -> (
+        &str,
+        &'static str,
+        Option<&'static str>,
+        Option<&str>,
+        i64,
+        &str,
+    ) {
+        let r = &self.receipt;
+        (
+            &r.run_id,
+            r.outcome.as_str(),
+            r.error_code.map(|c| c.as_str()),
+            r.error_message.as_deref(),
+            micros(self.now),
+            self.lease_owner.as_str(),
+        )
+    }
+
+    /// Why the run did not end: it is missing, or no longer live (or no
+    /// longer this lease's).
+    async fn refusal(&self, db: &mut AnyConnection) -> StoreError {
+        let run_id = &self.receipt.run_id;
+        let state = rows::optional(db, CURRENT_STATE, (run_id,), |row| {
+            col::<String>(row, "state")
+        });
+        match state.await {
+            Ok(None) => StoreError::NotFound,
+            Ok(Some(from)) => StoreError::IllegalTransition {
+                from,
+                to: self.receipt.outcome.to_string(),
+            },
+            Err(e) => e,
+        }
+    }
+}
+
+/// The receipt of a run created terminal, and its terminal event.
+pub(crate) async fn created_terminal(tx: &mut AnyConnection, r: &Receipt) -> Result<()> {
+    if insert(&mut *tx, r).await? {
+        let event = status_event(r.outcome, r.error_code, r.error_message.as_deref());
+        append_in(tx, &r.run_id, &[event], r.created_at).await?;
+    }
+    Ok(())
+}
+
+/// Inserts the receipt unless the run has one; true when it did.
+async fn insert(tx: &mut AnyConnection, r: &Receipt) -> Result<bool> {
     let terminal: RunState = r.outcome;
     let params = (
         &r.run_id,
@@ -164,12 +272,7 @@ pub(crate) async fn insert(tx: &mut AnyConnection, r: &Receipt) -> Result<()> {
         r.price.map(|p| p.input_micros_per_million_tokens),
         r.price.map(|p| p.output_micros_per_million_tokens),
     );
-    if rows::changed_one(&mut *tx, INSERT, params).await? {
-        // The run's end, in its event log, commits with its receipt.
-        let event = status_event(terminal, r.error_code, r.error_message.as_deref());
-        append_in(tx, &r.run_id, &[event], r.created_at).await?;
-    }
-    Ok(())
+    rows::changed_one(&mut *tx, INSERT, params).await
 }
 
 impl crate::Internal<'_> {

@@ -10,7 +10,7 @@ use crate::page::{Cursor, Page};
 use futures_util::future::BoxFuture;
 use sqlx::AnyConnection;
 
-use crate::rows::{self, micros, opt_micros};
+use crate::rows::{self, col, micros, opt_micros};
 use crate::{Result, Store, StoreError};
 
 /// The columns every run query reads, in `decode`'s terms.
@@ -56,13 +56,35 @@ const LIST: &str = rows::select!(
 
 /// A live run's end (its receipt is written in the same transaction,
 /// `receipts.rs`); `$6` is the lease owner the end is fenced by, or empty
-/// for an end no lease fences. Every write of a run's state is in this
-/// module: this, [`TRANSITION`] and the creation.
+/// for an end no lease fences. It takes the sequence number of the run's
+/// terminal event. Every write of a run's state is in this module: this,
+/// [`TRANSITION`], [`ADVANCE`] and the creation.
 pub(crate) const END: &str = concat!(
     "UPDATE runs SET state = $2, error_code = $3, error_message = $4, \
-     updated_at = $5 WHERE id = $1 AND state IN ",
+     updated_at = $5, last_event_seq = last_event_seq + 1 WHERE id = $1 AND state IN ",
     live_states!(),
-    " AND ($6 = '' OR lease_owner = $6)"
+    " AND ($6 = '' OR lease_owner = $6) RETURNING last_event_seq, automation_id"
+);
+
+/// [`END`], the run's receipt and its terminal event in one statement
+/// (PostgreSQL), answering with the state of the run's automation: `$7`
+/// .. `$24` the receipt's columns after its outcome and error, `$25`..`$27`
+/// the event's id, kind and payload.
+pub(crate) const END_PG: &str = concat!(
+    "WITH ended AS (UPDATE runs SET state = $2, error_code = $3, error_message = $4, \
+     updated_at = $5, last_event_seq = last_event_seq + 1 WHERE id = $1 AND state IN ",
+    live_states!(),
+    " AND ($6 = '' OR lease_owner = $6) RETURNING id, last_event_seq, automation_id), \
+     receipt AS (INSERT INTO receipts (run_id, outcome, error_code, error_message, placement, \
+       engine, queued_us, wake_us, admission_us, execution_us, input_tokens, output_tokens, \
+       cost_micros, worker_id, workspace_id, thread_id, message_id, created_at, model, \
+       provider_model, price_input_micros_per_mtok, price_output_micros_per_mtok) \
+       SELECT id, $2, $3, $4, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, \
+       $20, $21, $22, $23, $24 FROM ended ON CONFLICT (run_id) DO NOTHING) \
+     INSERT INTO run_events (run_id, seq, event_id, kind, payload, created_at) \
+     SELECT id, last_event_seq, $25, $26, $27, $20 FROM ended \
+     RETURNING (SELECT a.state FROM automations a, ended e WHERE a.id = e.automation_id) \
+       AS automation_state"
 );
 
 /// `$5` is a comma-framed list of the states the run may move from, such as
@@ -72,6 +94,23 @@ const TRANSITION: &str = "UPDATE runs SET state = $2, error_code = $3, error_mes
      admitted_at = CASE WHEN $2 = 'admitted' THEN $6 ELSE admitted_at END, \
      started_at = CASE WHEN $2 = 'running' THEN $6 ELSE started_at END \
      WHERE id = $1 AND $5 LIKE '%,' || state || ',%'";
+
+/// [`ADVANCE`] and the status event it takes the number of, in one
+/// statement (PostgreSQL): `$5`..`$7` the event's id, kind and payload.
+const ADVANCE_PG: &str = "WITH moved AS (UPDATE runs SET state = $2, updated_at = $4, \
+     admitted_at = CASE WHEN $2 = 'admitted' THEN $4 ELSE admitted_at END, \
+     started_at = CASE WHEN $2 = 'running' THEN $4 ELSE started_at END, \
+     last_event_seq = last_event_seq + 1 \
+     WHERE id = $1 AND $3 LIKE '%,' || state || ',%' RETURNING id, last_event_seq) \
+     INSERT INTO run_events (run_id, seq, event_id, kind, payload, created_at) \
+     SELECT id, last_event_seq, $5, $6, $7, $4 FROM moved RETURNING seq";
+
+/// [`TRANSITION`] forward, taking the sequence number of its status event.
+const ADVANCE: &str = "UPDATE runs SET state = $2, updated_at = $4, \
+     admitted_at = CASE WHEN $2 = 'admitted' THEN $4 ELSE admitted_at END, \
+     started_at = CASE WHEN $2 = 'running' THEN $4 ELSE started_at END, \
+     last_event_seq = last_event_seq + 1 \
+     WHERE id = $1 AND $3 LIKE '%,' || state || ',%' RETURNING last_event_seq";
 
 pub(crate) fn decode(row: &AnyRow) -> Result<Run> {
     rows::columns! { row => Run {
@@ -180,10 +219,26 @@ impl crate::writer::Job for Advance {
             let mut moved = vec![];
             for to in &self.targets {
                 let (from, at) = (predecessors(*to), micros(self.now));
-                let params = (&self.id, to.as_str(), None::<&str>, None::<&str>, from, at);
-                if rows::changed_one(&mut *db, TRANSITION, params).await? {
-                    let event = crate::events::status_event(*to, None, None);
-                    crate::events::append_in(&mut *db, &self.id, &[event], self.now).await?;
+                // A move made writes its status event, which cannot exist
+                // yet: the state was not reached before.
+                let event = crate::events::status_event(*to, None, None);
+                let made = if rows::is_postgres(db) {
+                    let (id, kind, payload) = crate::events::columns(&event)?;
+                    let params = (&self.id, to.as_str(), from, at, id, kind, payload);
+                    let made = rows::optional(&mut *db, ADVANCE_PG, params, |_| Ok(()));
+                    made.await?.is_some()
+                } else {
+                    let params = (&self.id, to.as_str(), from, at);
+                    let seq =
+                        rows::optional(&mut *db, ADVANCE, params, |r| col(r, "last_event_seq"));
+                    match seq.await? {
+                        Some(seq) => {
+                            crate::events::insert(&mut *db, &self.id, seq, &event, self.now).await?
+                        }
+                        None => false,
+                    }
+                };
+                if made {
                     moved.push(*to);
                 }
             }

@@ -13,13 +13,18 @@ use crate::rows::{self, col, micros, opt_micros};
 use crate::runs::live_states;
 use crate::{Backend, Result, Store};
 
-/// Up to `$2` active automations due at `$1`, soonest first; `$lock` is how
-/// the backend keeps two schedulers' claims apart.
+/// Up to `$2` active automations due at `$1`, soonest first, each with
+/// whether a run of it is still live; `$lock` is how the backend keeps two
+/// schedulers' claims apart.
 macro_rules! due_sql {
     ($lock:literal) => {
-        rows::select!(
-            automation_columns,
-            "FROM automations WHERE state = 'active' AND next_run_at IS NOT NULL \
+        concat!(
+            "SELECT ",
+            automation_columns!(),
+            ", CASE WHEN EXISTS (SELECT 1 FROM runs r WHERE r.automation_id = automations.id \
+               AND r.state IN ",
+            live_states!(),
+            ") THEN 1 ELSE 0 END AS live_run FROM automations WHERE state = 'active' AND next_run_at IS NOT NULL \
              AND next_run_at <= $1 ORDER BY next_run_at LIMIT $2",
             $lock
         )
@@ -33,14 +38,22 @@ const DUE_SQLITE: &str = due_sql!("");
 
 const NEXT_DUE: &str = "SELECT MIN(next_run_at) AS next_due FROM automations WHERE state = 'active' AND next_run_at IS NOT NULL";
 
-const HAS_LIVE_RUN: &str = concat!(
-    "SELECT 1 AS live FROM runs WHERE automation_id = $1 AND state IN ",
-    live_states!(),
-    " LIMIT 1"
-);
-
 const ADVANCE: &str = "UPDATE automations SET next_run_at = $2, updated_at = $3, \
      version = version + 1 WHERE id = $1";
+
+/// An automation due now, and whether a run of it is still live.
+#[derive(Debug, Clone)]
+pub struct Due {
+    pub automation: Automation,
+    pub live_run: bool,
+}
+
+fn decode_due(row: &sqlx::any::AnyRow) -> Result<Due> {
+    Ok(Due {
+        automation: crate::automations::decode(row)?,
+        live_run: col(row, "live_run")?,
+    })
+}
 
 /// An open scheduling transaction; dropped without `commit`, it rolls back.
 pub struct SchedulingTx {
@@ -73,24 +86,19 @@ impl Store {
 
 impl SchedulingTx {
     /// Up to `limit` active automations due at `now`, locked for this
-    /// transaction; rows another scheduler holds are skipped.
-    pub async fn claim_due(&mut self, now: DateTime<Utc>, limit: u32) -> Result<Vec<Automation>> {
+    /// transaction (rows another scheduler holds are skipped), each with
+    /// whether a run of it is still live.
+    pub async fn claim_due(&mut self, now: DateTime<Utc>, limit: u32) -> Result<Vec<Due>> {
         let sql = match self.backend {
             Backend::Postgres => DUE_PG,
             Backend::Sqlite => DUE_SQLITE,
         };
         // A row that does not decode is skipped, not allowed to stop every
         // other automation from firing.
-        let decode = rows::skipping("due automation", crate::automations::decode);
+        let decode = rows::skipping("due automation", decode_due);
         let params = (micros(now), i64::from(limit));
         let due = rows::all(&mut *self.tx, sql, params, decode).await?;
         Ok(due.into_iter().flatten().collect())
-    }
-
-    /// Whether a run of the automation is still live.
-    pub async fn has_live_run(&mut self, automation_id: &str) -> Result<bool> {
-        let live = rows::optional(&mut *self.tx, HAS_LIVE_RUN, (automation_id,), |_| Ok(()));
-        Ok(live.await?.is_some())
     }
 
     /// Creates a run unless its (derived) id exists; `true` when created.
@@ -104,7 +112,7 @@ impl SchedulingTx {
 
     /// Stores the receipt of a run created terminal (skipped, missed).
     pub async fn insert_receipt(&mut self, receipt: &Receipt) -> Result<()> {
-        crate::receipts::insert(&mut self.tx, receipt).await
+        crate::receipts::created_terminal(&mut self.tx, receipt).await
     }
 
     /// Moves an automation's next occurrence (and its version: the

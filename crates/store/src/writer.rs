@@ -2,11 +2,11 @@
 //! receipts, desktop reports — committed together, one transaction per
 //! batch instead of one per write.
 //!
-//! Each process's store has one writer task. A write is a [`Job`]: its own
-//! guarded statements, exactly as it would run alone. The writer takes
-//! every job waiting when it is free (nothing waits on a timer: under no
-//! load a job commits at once, under load jobs pile up while the previous
-//! batch commits, and the batches grow), runs them in one transaction in
+//! Each process's store has a few writer tasks (one on SQLite). A write is
+//! a [`Job`]: its own guarded statements, exactly as it would run alone. A
+//! writer takes every job waiting when it is free (nothing waits on a
+//! timer: under no load a job commits at once, under load jobs pile up
+//! while the batches before commit, and the batches grow), runs them in one transaction in
 //! the order of their keys (a run's id: transactions of different
 //! processes lock rows in one order, so they cannot deadlock), and
 //! answers each job only after the commit. A batch is exactly as safe as
@@ -33,6 +33,12 @@ use crate::{Backend, Result, StoreError};
 
 /// Jobs one transaction takes at most.
 const MAX_BATCH: usize = 256;
+
+/// Writer tasks of a PostgreSQL store, each committing its own batches on
+/// its own connection (a batch's statements are round trips in a row: one
+/// writer alone would be bound by their latency). SQLite has one writer
+/// at a time anyway.
+const PG_WRITERS: usize = 4;
 
 /// Jobs that may wait for the writer before a new one waits to be queued.
 const QUEUE: usize = 4096;
@@ -94,15 +100,29 @@ pub(crate) struct Writer {
 
 impl std::fmt::Debug for Pending {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pending").field("key", &self.job.key()).finish()
+        f.debug_struct("Pending")
+            .field("key", &self.job.key())
+            .finish()
     }
 }
 
 impl Writer {
-    /// A writer over `pool`; its task ends once every handle is dropped.
+    /// The writers over `pool`; their tasks end once every handle is
+    /// dropped.
     pub(crate) fn start(pool: AnyPool, backend: Backend) -> Writer {
         let (queue, jobs) = mpsc::channel(QUEUE);
-        tokio::spawn(write_loop(Db { pool, backend }, jobs));
+        let jobs = Arc::new(tokio::sync::Mutex::new(jobs));
+        let writers = match backend {
+            Backend::Postgres => PG_WRITERS,
+            Backend::Sqlite => 1,
+        };
+        for _ in 0..writers {
+            let db = Db {
+                pool: pool.clone(),
+                backend,
+            };
+            tokio::spawn(write_loop(db, jobs.clone()));
+        }
         Writer { queue }
     }
 
@@ -145,21 +165,33 @@ impl Db {
 /// How many batches the writers of this process committed, and how many
 /// jobs they held: the batching an operator sees in the metrics.
 pub fn written() -> (u64, u64) {
-    (BATCHES.load(Ordering::Relaxed), JOBS.load(Ordering::Relaxed))
+    (
+        BATCHES.load(Ordering::Relaxed),
+        JOBS.load(Ordering::Relaxed),
+    )
 }
 
 static BATCHES: AtomicU64 = AtomicU64::new(0);
 static JOBS: AtomicU64 = AtomicU64::new(0);
 
-async fn write_loop(store: Db, mut jobs: mpsc::Receiver<Pending>) {
-    while let Some(first) = jobs.recv().await {
-        let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
-            match jobs.try_recv() {
-                Ok(next) => batch.push(next),
-                Err(_) => break,
+async fn write_loop(store: Db, jobs: Arc<tokio::sync::Mutex<mpsc::Receiver<Pending>>>) {
+    loop {
+        // One writer takes what waits; the others wait their turn.
+        let batch = {
+            let mut jobs = jobs.lock().await;
+            let Some(first) = jobs.recv().await else {
+                return;
+            };
+            let mut batch = vec![first];
+            while batch.len() < MAX_BATCH {
+                match jobs.try_recv() {
+                    Ok(next) => batch.push(next),
+                    Err(_) => break,
+                }
             }
-        }
+            batch
+        };
+        let mut batch = batch;
         // One lock order for every transaction: no deadlocks between
         // batches of different processes.
         batch.sort_by(|a, b| a.job.key().cmp(b.job.key()));

@@ -20,7 +20,7 @@ use automesh_domain::ids::scheduled_run_id;
 use automesh_domain::run::NewRun;
 use automesh_domain::{Automation, ErrorCode, Receipt, RunState, RunTrigger, Schedule};
 use automesh_rpc::propagation;
-use automesh_store::scheduling::SchedulingTx;
+use automesh_store::scheduling::{Due, SchedulingTx};
 use automesh_store::{Store, StoreError};
 use chrono::{DateTime, Utc};
 use tokio::sync::Notify;
@@ -30,6 +30,9 @@ use crate::metrics::Created;
 
 /// Automations claimed per transaction.
 const BATCH: u32 = 200;
+
+/// Batches one pass claims and commits at once (PostgreSQL).
+const PASS_WORKERS: usize = 4;
 /// Occurrences considered per automation per pass (a longer backlog is
 /// worked through over several passes, all recorded missed).
 const OCCURRENCE_LIMIT: usize = 1000;
@@ -147,32 +150,63 @@ pub async fn run_loop(
 }
 
 /// One pass over everything due now; returns how many automations fired.
+/// On PostgreSQL several batches are claimed and committed at once (the
+/// claims skip each other's rows); SQLite has one writer.
 pub async fn pass(store: &Store, settings: &Settings) -> Result<usize, StoreError> {
+    // One batch first: most passes find a few automations due, and one
+    // transaction is all they need.
+    let first = batch(store, settings).await?;
+    if first < BATCH as usize {
+        return Ok(first);
+    }
+    let workers = match store.backend() {
+        automesh_store::Backend::Postgres => PASS_WORKERS,
+        automesh_store::Backend::Sqlite => 1,
+    };
+    let batches = (0..workers).map(|_| batches(store, settings));
+    let mut total = first;
+    for fired in futures_util::future::join_all(batches).await {
+        total += fired?;
+    }
+    Ok(total)
+}
+
+/// Claims and materializes batches of due automations until a batch comes
+/// back short; how many fired.
+async fn batches(store: &Store, settings: &Settings) -> Result<usize, StoreError> {
     let mut total = 0;
     loop {
-        let now = Utc::now();
-        let mut tx = store.begin_scheduling().await?;
-        let due = tx.claim_due(now, BATCH).await?;
-        let mut created = vec![];
-        for automation in &due {
-            materialize(&mut tx, automation, now, settings, &mut created).await?;
-        }
-        tx.commit().await?;
-        crate::metrics::count(&created);
-        total += due.len();
-        if due.len() < BATCH as usize {
+        let fired = batch(store, settings).await?;
+        total += fired;
+        if fired < BATCH as usize {
             return Ok(total);
         }
     }
 }
 
+/// Claims and materializes one batch of due automations, in one
+/// transaction; how many fired.
+async fn batch(store: &Store, settings: &Settings) -> Result<usize, StoreError> {
+    let now = Utc::now();
+    let mut tx = store.begin_scheduling().await?;
+    let due = tx.claim_due(now, BATCH).await?;
+    let mut created = vec![];
+    for d in &due {
+        materialize(&mut tx, d, now, settings, &mut created).await?;
+    }
+    tx.commit().await?;
+    crate::metrics::count(&created);
+    Ok(due.len())
+}
+
 async fn materialize(
     tx: &mut SchedulingTx,
-    a: &Automation,
+    due: &Due,
     now: DateTime<Utc>,
     settings: &Settings,
     created: &mut Vec<Created>,
 ) -> Result<(), StoreError> {
+    let a = &due.automation;
     let Some(first_due) = a.next_run_at else {
         return Ok(());
     };
@@ -196,7 +230,7 @@ async fn materialize(
         tracing::warn!(automation_id = %a.id, missed = plan.missed.len(), "occurrences missed");
     }
     if let Some(at) = plan.fire {
-        if tx.has_live_run(&a.id).await? {
+        if due.live_run {
             record_terminal(
                 tx,
                 a,

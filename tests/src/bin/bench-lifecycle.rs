@@ -27,16 +27,20 @@ use automesh_e2e_tests::{Mesh, MeshOptions};
 use automesh_store::{Backend, Store};
 use chrono::Utc;
 
+/// Creates `count` once-automations of `prefix`, far in the future, then
+/// makes them due at `due(i)` — instants it asks for only once they all
+/// exist, so that creating them never eats into the measured time.
 async fn insert_due(
     store: &Store,
     prefix: &str,
     count: usize,
-    due: impl Fn(usize) -> chrono::DateTime<Utc>,
-) -> anyhow::Result<()> {
+    due: impl Fn(usize, chrono::DateTime<Utc>) -> chrono::DateTime<Utc>,
+) -> anyhow::Result<Vec<chrono::DateTime<Utc>>> {
     let now = Utc::now();
+    let far = now + chrono::Duration::days(3650);
     for i in 0..count {
         let owner = Principal::new("bench", format!("user-{}", i % 16));
-        let at = due(i);
+        let at = far;
         let new = NewAutomation {
             id: format!("{prefix}-{i:05}"),
             owner: owner.clone(),
@@ -48,7 +52,35 @@ async fn insert_due(
         };
         store.create_automation(&new, Some(at), now).await?;
     }
-    Ok(())
+    // Due from a second after the last one is due-dated.
+    let base = Utc::now() + chrono::Duration::milliseconds(1000 + 2 * count as i64);
+    let mut dues = vec![];
+    for i in 0..count {
+        let at = due(i, base);
+        let record = automesh_domain::schedule::ScheduleRecord::from(&Schedule::Once { at });
+        sqlx::query("UPDATE automations SET next_run_at = $1, schedule = $2 WHERE id = $3")
+            .bind(at.timestamp_micros())
+            .bind(serde_json::to_string(&record)?)
+            .bind(format!("{prefix}-{i:05}"))
+            .execute(store.pool())
+            .await?;
+        dues.push(at);
+    }
+    Ok(dues)
+}
+
+/// How many of the runs of `prefix` are in each state (`--progress`).
+async fn states(store: &Store, prefix: &str) -> anyhow::Result<String> {
+    let rows: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT state, COUNT(*) FROM runs WHERE automation_id LIKE '{prefix}-%' GROUP BY state ORDER BY state"
+    )))
+    .fetch_all(store.pool())
+    .await?;
+    Ok(rows
+        .iter()
+        .map(|(s, n)| format!("{s}={n}"))
+        .collect::<Vec<_>>()
+        .join(" "))
 }
 
 async fn count_terminal(store: &Store, prefix: &str) -> anyhow::Result<i64> {
@@ -101,9 +133,8 @@ async fn main() -> anyhow::Result<()> {
     );
 
     // Latency: occurrences due one at a time, 25 ms apart.
-    let start = Utc::now() + chrono::Duration::seconds(2);
-    insert_due(&store, "lat", latency_runs, |i| {
-        start + chrono::Duration::milliseconds(25 * i as i64)
+    let dues = insert_due(&store, "lat", latency_runs, |i, base| {
+        base + chrono::Duration::milliseconds(25 * i as i64)
     })
     .await?;
     let t0 = Instant::now();
@@ -115,21 +146,34 @@ async fn main() -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let starts = executor.first_starts();
-    let mut latencies: Vec<f64> = vec![];
-    for i in 0..latency_runs {
+    let ms = |d: chrono::Duration| d.num_microseconds().unwrap_or(0) as f64 / 1000.0;
+    let (mut latencies, mut created, mut claimed) = (vec![], vec![], vec![]);
+    for (i, due) in dues.into_iter().enumerate() {
         let id = format!("lat-{i:05}");
-        let due = start + chrono::Duration::milliseconds(25 * i as i64);
         let run_id = automesh_domain::ids::scheduled_run_id(&id, due);
         if let Some(at) = starts.get(&run_id) {
-            latencies.push((*at - due).num_microseconds().unwrap_or(0) as f64 / 1000.0);
+            latencies.push(ms(*at - due));
+            // Where the time goes: the run's creation, then its dispatch.
+            let run = store.internal().get_run(&run_id).await?;
+            created.push(ms(run.created_at - due));
+            claimed.push(ms(*at - run.created_at));
         }
     }
-    latencies.sort_by(|a, b| a.total_cmp(b));
+    for v in [&mut latencies, &mut created, &mut claimed] {
+        v.sort_by(|a, b| a.total_cmp(b));
+    }
     println!(
         "latency   due instant → executor StartRun     p50: {:>7.1} ms   p99: {:>7.1} ms   ({} runs)",
         percentile(&latencies, 0.5),
         percentile(&latencies, 0.99),
         latencies.len()
+    );
+    println!(
+        "          of which due → run created         p50: {:>7.1} ms   p99: {:>7.1} ms; created → StartRun p50: {:>5.1} ms   p99: {:>5.1} ms",
+        percentile(&created, 0.5),
+        percentile(&created, 0.99),
+        percentile(&claimed, 0.5),
+        percentile(&claimed, 0.99),
     );
 
     // Throughput: a burst all due at once, driven to receipts.
@@ -137,20 +181,32 @@ async fn main() -> anyhow::Result<()> {
     let mut per_run = vec![];
     for r in 0..repeats {
         let prefix = format!("burst{r}");
-        let due = Utc::now() + chrono::Duration::seconds(1);
-        insert_due(&store, &prefix, runs, |_| due).await?;
+        let dues = insert_due(&store, &prefix, runs, |_, base| {
+            base + chrono::Duration::milliseconds(1500)
+        })
+        .await?;
+        let due = dues[0];
+        // The statistics of idle sessions settle within a second.
         tokio::time::sleep(Duration::from_millis(1100)).await;
         let before = DbCounters::read(&url).await?;
         while Utc::now() < due {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let t0 = Instant::now();
+        let progress = std::env::args().any(|a| a == "--progress");
+        let mut shown = Instant::now();
         while count_terminal(&store, &prefix).await? < runs as i64 {
             anyhow::ensure!(
                 t0.elapsed() < Duration::from_secs(300),
                 "burst did not finish within 300 s"
             );
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            if progress && shown.elapsed() >= Duration::from_millis(500) {
+                shown = Instant::now();
+                let at = t0.elapsed().as_secs_f64();
+                println!("  {at:>5.1}s  {}", states(&store, &prefix).await?);
+            }
+            // Each look is a query of its own: not so often that it weighs.
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
         rates.push(runs as f64 / t0.elapsed().as_secs_f64());
         // The statistics of idle sessions settle within a second.

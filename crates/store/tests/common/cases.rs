@@ -1159,7 +1159,10 @@ pub async fn runs_are_leased_to_one_coordinator_and_fenced(store: &Store) {
     assert_eq!(taken.len(), 1);
     assert_eq!(taken[0].claims, 2, "a takeover counts as a second claim");
     assert_eq!(taken[0].run.message_id.as_deref(), Some("msg_r1"));
-    assert!(taken[0].maybe_submitted, "the first holder may have submitted it");
+    assert!(
+        taken[0].maybe_submitted,
+        "the first holder may have submitted it"
+    );
     assert_eq!(
         store.renew_lease("r1", "c1", t(120)).await.expect("renew"),
         Renewal::Lost

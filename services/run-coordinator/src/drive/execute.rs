@@ -40,6 +40,7 @@ pub(super) fn spec(ctx: &Context, run: &Run, message_id: &str) -> epb::RunSpec {
 pub(super) async fn execute(
     ctx: &Context,
     claimed: &ClaimedRun,
+    progress: &mut Progress,
     lost: &CancellationToken,
     cancel_seen: &CancellationToken,
 ) -> Result<Ending, Stop> {
@@ -97,6 +98,7 @@ pub(super) async fn execute(
     // bound. Once the call has answered, the cancellation goes to an
     // executor that has the run.
     let mut backoff = Duration::from_millis(100);
+    progress.submitted = true;
     let started = loop {
         let start = epb::StartRunRequest {
             run: Some(spec.clone()),
@@ -125,7 +127,7 @@ pub(super) async fn execute(
         crate::metrics::metrics().dispatched(run);
     }
     let mut first_event = claimed.claims > 1;
-    apply_status(ctx, run, started.status.as_ref()).await?;
+    apply_status(ctx, run, progress, started.status.as_ref()).await?;
     // A previous drive may have cancelled it for its deadline, then died.
     let inferred = (Utc::now() >= deadline).then_some(CancelCause::Deadline);
     // Finished already (a fast run, or one that ended while no coordinator
@@ -182,7 +184,7 @@ pub(super) async fn execute(
                                 Some(epb::observe_run_response::Update::Status(s)) => {
                                     ran |= ran_on_executor(Some(&s));
                                     unaccepted |= s.unaccepted;
-                                    apply_status(ctx, run, Some(&s)).await?;
+                                    apply_status(ctx, run, progress, Some(&s)).await?;
                                     if let Some(ending) = finished(Some(&s), cancel.map(|c| c.0).or(inferred)) {
                                         return Ok(ending);
                                     }
@@ -339,10 +341,31 @@ pub(super) async fn status_of(
     result.ok()?.status
 }
 
+/// When the run was admitted and started, as far as its drive knows: from
+/// its claim, and from the moves its drive made since.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Progress {
+    pub(super) admitted_at: Option<chrono::DateTime<Utc>>,
+    pub(super) started_at: Option<chrono::DateTime<Utc>>,
+    /// Whether an executor may have the run's message.
+    pub(super) submitted: bool,
+}
+
+impl Progress {
+    pub(super) fn of(claimed: &ClaimedRun) -> Self {
+        Self {
+            admitted_at: claimed.run.admitted_at,
+            started_at: claimed.run.started_at,
+            submitted: claimed.maybe_submitted,
+        }
+    }
+}
+
 /// Moves the stored state forward to what the executor reports.
 pub(super) async fn apply_status(
     ctx: &Context,
     run: &Run,
+    progress: &mut Progress,
     status: Option<&epb::ExecutionStatus>,
 ) -> Result<(), Stop> {
     let Some(status) = status else { return Ok(()) };
@@ -354,7 +377,14 @@ pub(super) async fn apply_status(
         _ => &[],
     };
     if !targets.is_empty() {
-        ctx.store.advance_run(&run.id, targets, Utc::now()).await?;
+        let now = Utc::now();
+        for moved in ctx.store.advance_run(&run.id, targets, now).await? {
+            match moved {
+                RunState::Admitted => progress.admitted_at = Some(now),
+                RunState::Running => progress.started_at = Some(now),
+                _ => {}
+            }
+        }
     }
     Ok(())
 }

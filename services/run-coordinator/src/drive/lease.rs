@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::claim::Registration;
-use super::execute::execute;
+use super::execute::{Progress, execute};
 use super::outcome::finish;
 use super::{Context, Stop};
 
@@ -50,7 +50,8 @@ pub(super) async fn drive(ctx: Arc<Context>, claimed: ClaimedRun) {
     let heartbeat = AbortOnDrop(tokio::spawn(
         heartbeat(ctx.clone(), run.clone(), lost.clone(), cancel_seen.clone()).in_current_span(),
     ));
-    let result = execute(&ctx, &claimed, &lost, &cancel_seen)
+    let mut progress = Progress::of(&claimed);
+    let result = execute(&ctx, &claimed, &mut progress, &lost, &cancel_seen)
         .instrument(span.clone())
         .await;
     drop(heartbeat);
@@ -60,7 +61,7 @@ pub(super) async fn drive(ctx: Arc<Context>, claimed: ClaimedRun) {
     async {
         match result {
             Ok(ending) => {
-                if let Err(error) = finish(&ctx, &run, ending).await {
+                if let Err(error) = finish(&ctx, &run, ending, progress).await {
                     tracing::warn!(%error, "cannot record the run's end; it will be retried after the lease");
                 }
             }

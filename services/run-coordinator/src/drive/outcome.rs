@@ -10,6 +10,7 @@ use chrono::{DateTime, Utc};
 
 use super::Context;
 use super::ending::Ending;
+use super::execute::Progress;
 
 /// `usage` as the mesh charges it: the executor's tokens at the run's
 /// price (0 for an unpriced model), whatever cost the engine reported.
@@ -28,9 +29,13 @@ pub(super) fn micros_between(from: Option<DateTime<Utc>>, to: DateTime<Utc>) -> 
 
 /// Records the end: the terminal state, the receipt and the terminal status
 /// event in one transaction, then what the outcome means for the automation.
-pub(super) async fn finish(ctx: &Context, run: &Run, ending: Ending) -> Result<(), StoreError> {
+pub(super) async fn finish(
+    ctx: &Context,
+    run: &Run,
+    ending: Ending,
+    progress: Progress,
+) -> Result<(), StoreError> {
     let now = Utc::now();
-    let current = ctx.store.internal().get_run(&run.id).await?;
     let thread = ending.thread.clone().unwrap_or_default();
     let some = |s: String| (!s.is_empty()).then_some(s);
     let price = ctx.price(run);
@@ -45,29 +50,31 @@ pub(super) async fn finish(ctx: &Context, run: &Run, ending: Ending) -> Result<(
         error_message: ending.message.clone(),
         placement: run.placement,
         engine: ending.engine.clone(),
-        queued_micros: micros_between(Some(run.created_at), current.admitted_at.unwrap_or(now)),
+        queued_micros: micros_between(Some(run.created_at), progress.admitted_at.unwrap_or(now)),
         wake_micros: ending.wake_micros,
         admission_micros: ending.admission_micros,
-        execution_micros: micros_between(current.started_at.or(current.admitted_at), now),
+        execution_micros: micros_between(progress.started_at.or(progress.admitted_at), now),
         usage: ending.usage,
         worker_id: some(thread.worker_id),
         workspace_id: some(thread.workspace_id),
         thread_id: some(thread.thread_id),
-        message_id: some(thread.message_id).or(current.message_id.clone()),
+        message_id: some(thread.message_id)
+            .or_else(|| progress.submitted.then(|| run.message_id.clone()).flatten()),
         created_at: now,
         model: some(run.model.clone()),
         provider_model: ctx.model(run).map(|m| m.provider_model().to_owned()),
         price,
     };
-    match ctx.store.finish_run_as(&receipt, &ctx.owner, now).await {
-        Ok(_) => {
+    let automation = match ctx.store.finish_run_as(&receipt, &ctx.owner, now).await {
+        Ok(automation) => {
             automesh_rpc::process::failpoint("coordinator.after_finish");
             crate::metrics::metrics().ended(run, ending.state, ending.code, &ending.usage);
+            automation
         }
         // Already terminal (another path ended it): nothing more to do.
         Err(StoreError::IllegalTransition { .. }) => return Ok(()),
         Err(e) => return Err(e),
-    }
+    };
     let code = ending.code.map(|c| c.as_str()).unwrap_or_default();
     // The run's span says how it ended; a failed run marks it ERROR with
     // its error code as `error.type` (OpenTelemetry's convention).
@@ -88,21 +95,26 @@ pub(super) async fn finish(ctx: &Context, run: &Run, ending: Ending) -> Result<(
         }
     }
     tracing::info!(state = %ending.state, error_code = code, "run ended");
-    update_attention(ctx, run, &ending, now).await
+    update_attention(ctx, run, &ending, automation, now).await
 }
 
 /// A durable failure the user must fix pauses the automation
-/// (needs-attention); a successful run clears it.
+/// (needs-attention); a successful run clears it. `state` is the
+/// automation's as the run ended: most endings change nothing, and read
+/// nothing more.
 pub(super) async fn update_attention(
     ctx: &Context,
     run: &Run,
     ending: &Ending,
+    state: AutomationState,
     now: DateTime<Utc>,
 ) -> Result<(), StoreError> {
     let needs_attention =
         ending.code.is_some_and(ErrorCode::needs_attention) && ending.state == RunState::Failed;
     let succeeded = ending.state == RunState::Succeeded;
-    if !needs_attention && !succeeded {
+    let pausing = needs_attention && state == AutomationState::Active;
+    let clearing = succeeded && state == AutomationState::NeedsAttention;
+    if !pausing && !clearing {
         return Ok(());
     }
     for _ in 0..5 {
