@@ -241,7 +241,7 @@ async fn commit(store: &Db, batch: &[Pending]) -> std::result::Result<Vec<Answer
     for pending in batch {
         // A job that fails may have written part of what it writes: the
         // batch goes back, and every job runs alone.
-        let (out, signal) = match pending.job.run(&mut *tx).await {
+        let (out, signal) = match pending.job.run(&mut tx).await {
             Ok(done) => done,
             Err(error) => {
                 let _ = tx.rollback().await;
