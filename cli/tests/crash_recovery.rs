@@ -425,3 +425,100 @@ async fn a_coordinator_killed_right_after_a_run_ends_leaves_its_terminal_event()
     }
     w.stop().await;
 }
+
+/// The runner streams of every runner-gateway replica kept alive by
+/// `liveness` (`ping` or `heartbeat`), and how many ended `lost`.
+async fn runner_streams(cluster: &Cluster, liveness: &str) -> (f64, f64) {
+    let (mut streams, mut broken) = (0.0, 0.0);
+    for replica in 0..cluster.replicas(Kind::RunnerGateway) {
+        let text = cluster
+            .scrape(Kind::RunnerGateway, replica)
+            .await
+            .expect("scrape");
+        let held = [("liveness", liveness)];
+        streams += automesh_e2e_tests::metric(&text, "automesh_runner_streams", &held);
+        let ended = [("reason", "lost")];
+        broken += automesh_e2e_tests::metric(&text, "automesh_runner_streams_ended_total", &ended);
+    }
+    (streams, broken)
+}
+
+/// Waits (bounded by `within`) until `liveness` streams number `want`.
+async fn until_runner_streams(cluster: &Cluster, liveness: &str, want: f64, within: Duration) {
+    let give_up = tokio::time::Instant::now() + within;
+    loop {
+        let (streams, _) = runner_streams(cluster, liveness).await;
+        if streams == want {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "{streams} {liveness} streams, not {want}, after {within:?}; runner gateway logs:\n{}\n{}",
+            tail(&cluster.log(Kind::RunnerGateway, 0), 20),
+            tail(&cluster.log(Kind::RunnerGateway, 1), 20),
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A desktop runner that stalls (SIGSTOP) on a stream kept alive by HTTP/2
+/// PING — it sends no heartbeats, so no silence gives it away — is declared
+/// dead by the runner gateway within the dead-after bound: its connection
+/// stops answering PINGs. The owner's runs go to the owner's other runner
+/// meanwhile, and the stalled one reconnects once it goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_runner_kept_alive_by_ping_is_declared_dead_and_its_owner_served_by_another() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut w = world(|_, _| Reply::Json(text_completion("done")), |s, _| s).await;
+    let o = owner();
+    let stalled = w
+        .cluster
+        .add_runner(&o.org_id, &o.user_id)
+        .await
+        .expect("runner");
+    w.cluster
+        .add_runner(&o.org_id, &o.user_id)
+        .await
+        .expect("runner");
+    // The reference runner asks for PING liveness, and it is granted.
+    until_runner_streams(&w.cluster, "ping", 2.0, Duration::from_secs(30)).await;
+    assert_eq!(runner_streams(&w.cluster, "heartbeat").await.0, 0.0);
+    let (_, broken_before) = runner_streams(&w.cluster, "ping").await;
+
+    let pid = w.cluster.runner_pid(stalled).expect("runner pid");
+    automesh_rpc::process::signal(pid, automesh_rpc::process::Signal::STOP);
+    // Dead-after is 4 s in the cluster: PINGs after 2 s of quiet, answered
+    // within 1.6 s. Bounded generously for a loaded machine.
+    until_runner_streams(&w.cluster, "ping", 1.0, Duration::from_secs(20)).await;
+    let (_, broken) = runner_streams(&w.cluster, "ping").await;
+    let mut ended = String::new();
+    for replica in 0..2 {
+        let text = w
+            .cluster
+            .scrape(Kind::RunnerGateway, replica)
+            .await
+            .expect("scrape");
+        ended.extend(
+            text.lines()
+                .filter(|l| l.starts_with("automesh_runner_streams_ended"))
+                .map(|l| format!("{l}\n")),
+        );
+    }
+    assert!(
+        broken > broken_before,
+        "the stalled stream ended as a lost connection: {ended}"
+    );
+
+    // The owner is served by the runner that is still there.
+    let request = automesh_e2e_tests::daily_automation("desk", "tidy up", pb::Surface::Desktop);
+    let id = w.cluster.automations(&w.token).create(request).await.id;
+    let run_id = w.run_now(&id, "after-stall").await;
+    let run = w.until_terminal(&run_id).await;
+    assert_eq!(run.state, RunState::Succeeded, "{run:?}");
+
+    // Going on, the stalled runner finds its connection closed and
+    // reconnects.
+    automesh_rpc::process::signal(pid, automesh_rpc::process::Signal::CONT);
+    until_runner_streams(&w.cluster, "ping", 2.0, Duration::from_secs(30)).await;
+    w.stop().await;
+}

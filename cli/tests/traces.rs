@@ -7,9 +7,9 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use automesh_domain::{Principal, RunState};
-use automesh_e2e_tests::Api;
 use automesh_e2e_tests::otlp::{Receiver, Span};
 use automesh_e2e_tests::processes::{Cluster, ClusterSpec, Kind};
+use automesh_e2e_tests::{Api, metric};
 use automesh_proto::v1 as pb;
 use automesh_testkit::{Reply, provider, text_completion, tool_call_completion};
 use chrono::Utc;
@@ -61,23 +61,6 @@ fn assert_one_whole_trace(spans: &[Span]) {
         "orphan spans {orphans:?} in:\n{}",
         summary(spans)
     );
-}
-
-/// The sum of the samples of `name` whose labels include `labels`.
-fn value(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
-            let (series, v) = l.rsplit_once(' ')?;
-            let (metric, rest) = series.split_once('{').unwrap_or((series, ""));
-            (metric == name
-                && labels
-                    .iter()
-                    .all(|(k, want)| rest.contains(&format!("{k}=\"{want}\""))))
-            .then(|| v.parse::<f64>().ok())
-            .flatten()
-        })
-        .sum()
 }
 
 /// Whether `service` sent a span named `prefix…`.
@@ -374,7 +357,7 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
     }
     let coordinators = &scraped[&Kind::Coordinator];
     assert!(
-        value(
+        metric(
             coordinators,
             "automesh_runs_ended_total",
             &[("placement", "desktop"), ("outcome", "succeeded")]
@@ -382,7 +365,7 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
         "{coordinators}"
     );
     assert!(
-        value(
+        metric(
             coordinators,
             "automesh_runs_ended_total",
             &[("placement", "cloud"), ("outcome", "succeeded")]
@@ -390,7 +373,7 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
         "{coordinators}"
     );
     assert!(
-        value(
+        metric(
             coordinators,
             "automesh_runs_ended_total",
             &[
@@ -406,12 +389,12 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
         "automesh_executor_call_duration_seconds_count",
     ] {
         assert!(
-            value(coordinators, histogram, &[]) >= 3.0,
+            metric(coordinators, histogram, &[]) >= 3.0,
             "{histogram}:\n{coordinators}"
         );
     }
     assert!(
-        value(
+        metric(
             coordinators,
             "automesh_run_tokens_total",
             &[("type", "input")]
@@ -427,7 +410,7 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
     );
     let scheduler = &scraped[&Kind::Scheduler];
     assert!(
-        value(
+        metric(
             scheduler,
             "automesh_runs_created_total",
             &[("trigger", "manual")]
@@ -435,7 +418,7 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
         "{scheduler}"
     );
     assert!(
-        value(
+        metric(
             scheduler,
             "automesh_runs_created_total",
             &[("trigger", "schedule")]
@@ -444,22 +427,22 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
     );
     let runners = &scraped[&Kind::RunnerGateway];
     assert_eq!(
-        value(runners, "automesh_runner_streams", &[]),
+        metric(runners, "automesh_runner_streams", &[]),
         1.0,
         "{runners}"
     );
     assert!(
-        value(runners, "automesh_desktop_deliveries_total", &[]) >= 2.0,
+        metric(runners, "automesh_desktop_deliveries_total", &[]) >= 2.0,
         "{runners}"
     );
     let lifecycle = &scraped[&Kind::Lifecycle];
     assert_eq!(
-        value(lifecycle, "automesh_cloud_workers", &[("state", "ready")]),
+        metric(lifecycle, "automesh_cloud_workers", &[("state", "ready")]),
         1.0,
         "{lifecycle}"
     );
     assert!(
-        value(
+        metric(
             lifecycle,
             "automesh_cloud_wakes_total",
             &[("result", "started")]
@@ -467,7 +450,7 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
         "{lifecycle}"
     );
     assert!(
-        value(
+        metric(
             lifecycle,
             "automesh_cloud_readiness_duration_seconds_count",
             &[]
@@ -511,7 +494,7 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
         .await
         .expect("scrape");
     assert_eq!(
-        value(&survivor, "automesh_run_lease_takeovers_total", &[]),
+        metric(&survivor, "automesh_run_lease_takeovers_total", &[]),
         1.0,
         "{survivor}"
     );

@@ -4,9 +4,13 @@
 //! with its per-runner token, and:
 //! - says `Hello` with every run its local record still holds, then sends the
 //!   events and results of those runs again (event ids make that harmless);
-//! - heartbeats at the interval the gateway asks for, and treats a stream on
-//!   which the gateway says nothing (not even heartbeat acks) for
-//!   `dead_after` as dead, like the gateway does;
+//! - asks for liveness by HTTP/2 PING (`Hello.ping_liveness`): when the
+//!   gateway grants it, neither side sends heartbeats and each PINGs the
+//!   connection, which ends when the other does not answer within
+//!   `dead_after`; otherwise (an older gateway) it heartbeats at the
+//!   interval the gateway asks for, and treats a stream on which the gateway
+//!   says nothing (not even heartbeat acks) for `dead_after` as dead, like
+//!   the gateway does;
 //! - reconnects with jittered exponential backoff;
 //! - records each assignment as held, synced to disk, *before* it tells the
 //!   gateway it accepts it, and starts the engine only once the gateway
@@ -266,6 +270,7 @@ impl Runner {
         up(Up::Hello(rpb::Hello {
             runner_version: env!("CARGO_PKG_VERSION").into(),
             held_runs,
+            ping_liveness: true,
         }))
     }
 
@@ -273,8 +278,12 @@ impl Runner {
         let endpoint = match tonic::transport::Endpoint::from_shared(gateway.to_owned()) {
             Ok(e) => e
                 .connect_timeout(self.settings.connect_timeout)
-                .http2_keep_alive_interval(Duration::from_secs(10))
-                .keep_alive_timeout(Duration::from_secs(10)),
+                // A PING after half the dead-after bound of silence, answered
+                // within two fifths of it: a gateway that stalls is left
+                // within the bound.
+                .http2_keep_alive_interval(self.settings.dead_after / 2)
+                .keep_alive_timeout(self.settings.dead_after * 2 / 5)
+                .keep_alive_while_idle(true),
             Err(e) => return StreamEnd::Connect(e.to_string()),
         };
         let channel =
@@ -318,18 +327,28 @@ impl Runner {
             .and_then(|d| Duration::try_from(d).ok())
             .filter(|d| !d.is_zero())
             .unwrap_or(Duration::from_secs(3));
-        tracing::info!(runner_id = %welcome.runner_id, gateway, ?interval, "runner connected");
+        let ping_liveness = welcome.ping_liveness;
+        tracing::info!(runner_id = %welcome.runner_id, gateway, ?interval, ping_liveness, "runner connected");
         if let Ok(mut o) = self.outbox.lock() {
             *o = Some(tx.clone());
         }
         let stream_done = CancellationToken::new();
         let _stop_heartbeats = stream_done.clone().drop_guard();
-        tokio::spawn(heartbeats(tx.clone(), interval, stream_done.clone()));
+        if !ping_liveness {
+            tokio::spawn(heartbeats(tx.clone(), interval, stream_done.clone()));
+        }
         self.resend_held(&tx).await;
+        // With PING liveness the gateway is quiet while idle: the
+        // connection's keepalive, not silence, tells that it is gone.
+        let silence = if ping_liveness {
+            Duration::from_secs(365 * 24 * 3600)
+        } else {
+            self.settings.dead_after
+        };
 
         loop {
             let next = tokio::select! {
-                next = tokio::time::timeout(self.settings.dead_after, inbound.message()) => next,
+                next = tokio::time::timeout(silence, inbound.message()) => next,
                 () = shutdown.cancelled() => return StreamEnd::Closed,
             };
             let message = match next {

@@ -907,3 +907,21 @@ macro_rules! on_both_backends {
         )*
     };
 }
+
+/// The sum of the samples of `name` in Prometheus text `text` whose labels
+/// include `labels`.
+pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, v) = l.rsplit_once(' ')?;
+            let (metric, rest) = series.split_once('{').unwrap_or((series, ""));
+            (metric == name
+                && labels
+                    .iter()
+                    .all(|(k, want)| rest.contains(&format!("{k}=\"{want}\""))))
+            .then(|| v.parse::<f64>().ok())
+            .flatten()
+        })
+        .sum()
+}

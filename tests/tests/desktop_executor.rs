@@ -40,6 +40,7 @@ async fn runner(mesh: &Mesh, token: &str, script: Script) -> mpsc::UnboundedRece
     tx.send(msg(Up::Hello(rpb::Hello {
         runner_version: "test-runner".into(),
         held_runs: vec![],
+        ping_liveness: false,
     })))
     .await
     .expect("hello");

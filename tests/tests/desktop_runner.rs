@@ -365,6 +365,7 @@ async fn stalled_runner(
         message: Some(rpb::connect_request::Message::Hello(rpb::Hello {
             runner_version: "stall".into(),
             held_runs: vec![],
+            ping_liveness: false,
         })),
     })
     .await

@@ -1,6 +1,7 @@
 //! The desktop runners' `Connect` stream: token authentication, Hello and
-//! Welcome, heartbeats, and a stalled stream declared dead within its bound
-//! even though its connection stays open.
+//! Welcome, heartbeats or PING liveness, and a stalled stream declared dead
+//! within its bound even though its connection stays open (a runner process
+//! stalled on PING liveness: `cli/tests/crash_recovery.rs`).
 
 use std::time::Duration;
 
@@ -15,10 +16,15 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Code;
 
 fn hello() -> rpb::ConnectRequest {
+    hello_asking(false)
+}
+
+fn hello_asking(ping_liveness: bool) -> rpb::ConnectRequest {
     rpb::ConnectRequest {
         message: Some(rpb::connect_request::Message::Hello(rpb::Hello {
             runner_version: "test".into(),
             held_runs: vec![],
+            ping_liveness,
         })),
     }
 }
@@ -68,6 +74,18 @@ async fn open(
     mpsc::Sender<rpb::ConnectRequest>,
     Result<tonic::Streaming<rpb::ConnectResponse>, tonic::Status>,
 ) {
+    open_with(mesh, token, hello()).await
+}
+
+/// Opens a stream with `token` that says `hello` first.
+async fn open_with(
+    mesh: &Mesh,
+    token: &str,
+    hello: rpb::ConnectRequest,
+) -> (
+    mpsc::Sender<rpb::ConnectRequest>,
+    Result<tonic::Streaming<rpb::ConnectResponse>, tonic::Status>,
+) {
     let mut client = DesktopRunnerServiceClient::new(
         automesh_rpc::client::channel(&mesh.runner_gateway).expect("channel"),
     );
@@ -76,7 +94,7 @@ async fn open(
     // The gateway answers once it has the Hello; send it before waiting.
     let sender = tx.clone();
     tokio::spawn(async move {
-        let _ = sender.send(hello()).await;
+        let _ = sender.send(hello).await;
     });
     let answer = tokio::time::timeout(Duration::from_secs(10), client.connect(request))
         .await
@@ -111,6 +129,36 @@ async fn a_runner_with_its_token_is_welcomed_and_kept_alive_by_heartbeats() {
         ));
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    drop(tx);
+    mesh.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_that_asks_for_ping_liveness_needs_no_heartbeats() {
+    let mesh = mesh().await;
+    let minted = mint(&mesh).await;
+    let (tx, answer) = open_with(&mesh, &minted.token, hello_asking(true)).await;
+    let mut stream = answer.expect("connected");
+    let first = stream.message().await.expect("ok").expect("welcome");
+    let Some(rpb::connect_response::Message::Welcome(welcome)) = first.message else {
+        panic!("expected Welcome, got {first:?}");
+    };
+    assert!(welcome.ping_liveness, "granted: {welcome:?}");
+    // Three dead periods without a message: the connection answers the
+    // gateway's PINGs, so the stream lives.
+    let quiet = tokio::time::timeout(Duration::from_secs(3), stream.message()).await;
+    assert!(quiet.is_err(), "the stream ended or spoke: {quiet:?}");
+    // A heartbeat sent anyway is still answered.
+    tx.send(heartbeat()).await.expect("send");
+    let ack = tokio::time::timeout(Duration::from_secs(5), stream.message())
+        .await
+        .expect("ack in time")
+        .expect("ok")
+        .expect("ack");
+    assert!(matches!(
+        ack.message,
+        Some(rpb::connect_response::Message::HeartbeatAck(_))
+    ));
     drop(tx);
     mesh.stop().await.expect("stop");
 }
@@ -264,6 +312,7 @@ async fn a_reconnecting_runner_holding_unknown_runs_is_told_to_cancel_them_all()
         message: Some(rpb::connect_request::Message::Hello(rpb::Hello {
             runner_version: "test".into(),
             held_runs: held,
+            ping_liveness: false,
         })),
     })
     .await
@@ -384,6 +433,7 @@ async fn connect_holding(
                     finished: false,
                 })
                 .collect(),
+            ping_liveness: false,
         })),
     })
     .await

@@ -33,6 +33,9 @@ pub struct ServerSettings {
     pub concurrency_per_connection: usize,
     /// How often to probe readiness (database reachable and migrated).
     pub readiness_interval: Duration,
+    /// HTTP/2 PINGs on a connection that has been silent this long, and how
+    /// long an answer may take before the connection is closed as dead.
+    pub keepalive: (Duration, Duration),
 }
 
 impl Default for ServerSettings {
@@ -42,6 +45,7 @@ impl Default for ServerSettings {
             max_concurrent_streams: 1024,
             concurrency_per_connection: 1024,
             readiness_interval: Duration::from_secs(2),
+            keepalive: (Duration::from_secs(20), Duration::from_secs(10)),
         }
     }
 }
@@ -184,8 +188,8 @@ impl GrpcServer {
             .timeout(settings.request_timeout)
             .max_concurrent_streams(Some(settings.max_concurrent_streams))
             .concurrency_limit_per_connection(settings.concurrency_per_connection)
-            .http2_keepalive_interval(Some(Duration::from_secs(20)))
-            .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+            .http2_keepalive_interval(Some(settings.keepalive.0))
+            .http2_keepalive_timeout(Some(settings.keepalive.1))
             .tcp_nodelay(true)
             .trace_fn(request_span)
             .add_routes(routes.routes())

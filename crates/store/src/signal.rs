@@ -5,12 +5,18 @@
 //! runner-gateway replicas). A wake-up is only a hint: every watcher also
 //! polls, so a lost one delays work by at most the poll interval, and never
 //! loses it.
+//!
+//! Desktop changes are [`DesktopNote`]s that say what changed, so a replica
+//! acts on exactly that — claims an offered run for the owner's runner it
+//! holds, wakes the one observer of a run — instead of looking at
+//! everything. On PostgreSQL they travel only by NOTIFY (a process hears
+//! its own), newline-separated in the payload; on SQLite, in-process.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use sqlx::postgres::PgListener;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, broadcast};
 
 use crate::{Backend, Result, Store};
 
@@ -58,6 +64,190 @@ impl Topic {
         let c = self.channel();
         c.generation.fetch_add(1, Ordering::SeqCst);
         c.notify.notify_waiters();
+    }
+}
+
+/// What changed in desktop dispatch, as the replicas are told.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum DesktopNote {
+    /// A run was offered to its owner's runners.
+    Offered {
+        run_id: String,
+        org_id: String,
+        owner_id: String,
+    },
+    /// A run's assignment changed: accepted, reported on, finished, idle.
+    Changed { run_id: String },
+    /// A claim on a run was given back (not accepted in time, or its
+    /// replica was lost): another runner of the owner may take it.
+    GivenBack { run_id: String },
+    /// A run's cancellation was asked for: its runner is to be told.
+    Cancelled { run_id: String },
+    /// Claims of an ended stream were given back.
+    Released,
+}
+
+/// Bound on one NOTIFY payload (PostgreSQL's is 8000 bytes).
+const PAYLOAD_LIMIT: usize = 7900;
+
+impl DesktopNote {
+    /// The run it is about, if one.
+    pub fn run_id(&self) -> Option<&str> {
+        match self {
+            DesktopNote::Offered { run_id, .. }
+            | DesktopNote::Changed { run_id }
+            | DesktopNote::GivenBack { run_id }
+            | DesktopNote::Cancelled { run_id } => Some(run_id),
+            DesktopNote::Released => None,
+        }
+    }
+
+    /// One line of a payload: a JSON array, so any id survives it.
+    fn encode(&self) -> String {
+        let fields: Vec<&str> = match self {
+            DesktopNote::Offered {
+                run_id,
+                org_id,
+                owner_id,
+            } => vec!["offered", run_id, org_id, owner_id],
+            DesktopNote::Changed { run_id } => vec!["changed", run_id],
+            DesktopNote::GivenBack { run_id } => vec!["given_back", run_id],
+            DesktopNote::Cancelled { run_id } => vec!["cancelled", run_id],
+            DesktopNote::Released => vec!["released"],
+        };
+        serde_json::to_string(&fields).unwrap_or_default()
+    }
+
+    fn decode(line: &str) -> Option<DesktopNote> {
+        let fields: Vec<String> = serde_json::from_str(line).ok()?;
+        let mut f = fields.into_iter();
+        let kind = f.next()?;
+        let mut next = || f.next();
+        Some(match kind.as_str() {
+            "offered" => DesktopNote::Offered {
+                run_id: next()?,
+                org_id: next()?,
+                owner_id: next()?,
+            },
+            "changed" => DesktopNote::Changed { run_id: next()? },
+            "given_back" => DesktopNote::GivenBack { run_id: next()? },
+            "cancelled" => DesktopNote::Cancelled { run_id: next()? },
+            "released" => DesktopNote::Released,
+            _ => return None,
+        })
+    }
+
+    /// `notes` as NOTIFY payloads: lines, each payload under the bound (a
+    /// note too long for one is dropped: the poll finds what it told).
+    pub(crate) fn payloads(notes: &[DesktopNote]) -> Vec<String> {
+        let mut payloads = vec![];
+        let mut current = String::new();
+        for line in notes.iter().map(DesktopNote::encode) {
+            if line.len() > PAYLOAD_LIMIT {
+                tracing::warn!(bytes = line.len(), "a desktop note too long to send");
+                continue;
+            }
+            if !current.is_empty() && current.len() + 1 + line.len() > PAYLOAD_LIMIT {
+                payloads.push(std::mem::take(&mut current));
+            }
+            if !current.is_empty() {
+                current.push('\n');
+            }
+            current.push_str(&line);
+        }
+        if !current.is_empty() {
+            payloads.push(current);
+        }
+        payloads
+    }
+
+    /// The notes of one payload; `None` when it is empty (a bare wake-up)
+    /// or any line is not a note.
+    fn parse(payload: &str) -> Option<Vec<DesktopNote>> {
+        if payload.is_empty() {
+            return None;
+        }
+        payload.lines().map(DesktopNote::decode).collect()
+    }
+}
+
+/// Desktop notes within this process (SQLite, and PostgreSQL stores whose
+/// replicas cannot LISTEN do not need it: they poll).
+fn local_notes() -> &'static broadcast::Sender<DesktopNote> {
+    static NOTES: std::sync::OnceLock<broadcast::Sender<DesktopNote>> = std::sync::OnceLock::new();
+    NOTES.get_or_init(|| broadcast::channel(4096).0)
+}
+
+/// Tells this process's desktop listeners `notes`.
+pub(crate) fn notes_local(notes: &[DesktopNote]) {
+    for note in notes {
+        // No receiver is no listener: nothing to tell.
+        let _ = local_notes().send(note.clone());
+    }
+    Topic::Desktop.signal_local();
+}
+
+/// What a replica heard of desktop dispatch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Heard {
+    /// These notes.
+    Notes(Vec<DesktopNote>),
+    /// Notes may have been lost (a lagging listener, a lost connection, a
+    /// payload that is not notes): look at everything.
+    Missed,
+    /// Nothing within the wait.
+    Nothing,
+}
+
+/// Hears desktop notes: from NOTIFY on PostgreSQL, in-process on SQLite.
+pub struct DesktopListener {
+    local: broadcast::Receiver<DesktopNote>,
+    listener: Option<PgListener>,
+    backend: Backend,
+}
+
+impl std::fmt::Debug for DesktopListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DesktopListener")
+            .field("listening", &self.listener.is_some())
+            .finish()
+    }
+}
+
+impl DesktopListener {
+    /// The next notes, or `Nothing` after `max`.
+    pub async fn next(&mut self, max: Duration) -> Heard {
+        if self.backend == Backend::Sqlite {
+            let first = match tokio::time::timeout(max, self.local.recv()).await {
+                Err(_) => return Heard::Nothing,
+                Ok(Err(broadcast::error::RecvError::Lagged(_))) => return Heard::Missed,
+                Ok(Err(broadcast::error::RecvError::Closed)) => return Heard::Nothing,
+                Ok(Ok(note)) => note,
+            };
+            let mut notes = vec![first];
+            loop {
+                match self.local.try_recv() {
+                    Ok(note) => notes.push(note),
+                    Err(broadcast::error::TryRecvError::Lagged(_)) => return Heard::Missed,
+                    Err(_) => return Heard::Notes(notes),
+                }
+            }
+        }
+        let Some(listener) = self.listener.as_mut() else {
+            tokio::time::sleep(max).await;
+            return Heard::Nothing;
+        };
+        match tokio::time::timeout(max, listener.recv()).await {
+            Err(_) => Heard::Nothing,
+            Ok(Ok(n)) => DesktopNote::parse(n.payload()).map_or(Heard::Missed, Heard::Notes),
+            Ok(Err(error)) => {
+                // sqlx connects again on the next receive; what was sent
+                // meanwhile is lost.
+                tracing::warn!(%error, "LISTEN connection lost; reconnecting");
+                tokio::time::sleep(max.min(Duration::from_millis(200))).await;
+                Heard::Missed
+            }
+        }
     }
 }
 
@@ -109,6 +299,48 @@ impl Store {
             topic,
             seen: topic.channel().generation.load(Ordering::SeqCst),
             listener,
+        }
+    }
+
+    /// A listener of desktop notes; on PostgreSQL a LISTEN connection of its
+    /// own (polling alone, hearing nothing, if it cannot connect).
+    pub async fn listen_desktop(&self) -> DesktopListener {
+        let listener = match self.backend() {
+            Backend::Postgres => match connect_listener(self.url(), Topic::Desktop).await {
+                Ok(l) => Some(l),
+                Err(error) => {
+                    tracing::warn!(%error, "cannot LISTEN for desktop notes; polling only");
+                    None
+                }
+            },
+            Backend::Sqlite => None,
+        };
+        DesktopListener {
+            local: local_notes().subscribe(),
+            listener,
+            backend: self.backend(),
+        }
+    }
+
+    /// Tells every replica `notes` (outside a batch's transaction).
+    pub(crate) async fn tell(&self, notes: &[DesktopNote]) {
+        if notes.is_empty() {
+            return;
+        }
+        if self.backend() == Backend::Sqlite {
+            notes_local(notes);
+            return;
+        }
+        for payload in DesktopNote::payloads(notes) {
+            let sent = sqlx::query("SELECT pg_notify($1, $2)")
+                .bind(Topic::Desktop.pg_channel())
+                .bind(payload)
+                .execute(self.db())
+                .await;
+            if let Err(error) = sent {
+                // Only a hint: replicas poll as well.
+                tracing::warn!(%error, "cannot send desktop notes");
+            }
         }
     }
 

@@ -16,11 +16,11 @@
 //! run again one job per transaction: a job commits all of its writes or
 //! none, and one bad write never fails another.
 //!
-//! Signals (NOTIFY) a batch's jobs ask for are sent once per topic, inside
-//! the batch's transaction, so they are delivered at its commit.
+//! The desktop notes a batch's jobs ask for are sent (NOTIFY) inside the
+//! batch's transaction, so they are delivered at its commit, packed into as
+//! few payloads as they fit.
 
 use std::any::Any;
-use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -28,7 +28,7 @@ use futures_util::future::BoxFuture;
 use sqlx::{Any as AnyDb, AnyConnection, AnyPool, Transaction};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::signal::Topic;
+use crate::signal::{DesktopNote, Topic};
 use crate::{Backend, Result, StoreError};
 
 /// Jobs one transaction takes at most.
@@ -53,9 +53,9 @@ pub(crate) trait Job: Send + Sync + 'static {
     /// What orders the batch's jobs (the row the job locks first).
     fn key(&self) -> &str;
 
-    /// The signal to send once the job's writes commit, given what it did
-    /// (none, unless a job says so).
-    fn signal(&self, _done: &Self::Output) -> Option<Topic> {
+    /// What to tell the runner-gateway replicas once the job's writes
+    /// commit, given what it did (nothing, unless a job says so).
+    fn signal(&self, _done: &Self::Output) -> Option<DesktopNote> {
         None
     }
 
@@ -65,7 +65,7 @@ pub(crate) trait Job: Send + Sync + 'static {
 type Answer = Result<Box<dyn Any + Send>>;
 
 /// A job's answer and the signal it asks for.
-type Done = Result<(Box<dyn Any + Send>, Option<Topic>)>;
+type Done = Result<(Box<dyn Any + Send>, Option<DesktopNote>)>;
 
 /// A job with its type erased, and where its answer goes.
 struct Pending {
@@ -237,7 +237,7 @@ async fn commit(store: &Db, batch: &[Pending]) -> std::result::Result<Vec<Answer
         Err(e) => return Ok(failed_all(&e)),
     };
     let mut answers = Vec::with_capacity(batch.len());
-    let mut topics = BTreeSet::new();
+    let mut notes = vec![];
     for pending in batch {
         // A job that fails may have written part of what it writes: the
         // batch goes back, and every job runs alone.
@@ -248,13 +248,14 @@ async fn commit(store: &Db, batch: &[Pending]) -> std::result::Result<Vec<Answer
                 return Err(Poisoned(error));
             }
         };
-        topics.extend(signal);
+        notes.extend(signal);
         answers.push(Ok(out));
     }
     if store.backend == Backend::Postgres {
-        for channel in topics.iter().map(|t| t.pg_channel()) {
-            let notified = sqlx::query("SELECT pg_notify($1, '')")
-                .bind(channel)
+        for payload in DesktopNote::payloads(&notes) {
+            let notified = sqlx::query("SELECT pg_notify($1, $2)")
+                .bind(Topic::Desktop.pg_channel())
+                .bind(payload)
                 .execute(&mut *tx)
                 .await;
             if let Err(error) = notified {
@@ -266,8 +267,8 @@ async fn commit(store: &Db, batch: &[Pending]) -> std::result::Result<Vec<Answer
     if let Err(e) = tx.commit().await {
         return Ok(failed_all(&StoreError::Database(e)));
     }
-    for topic in topics {
-        topic.signal_local();
+    if store.backend == Backend::Sqlite && !notes.is_empty() {
+        crate::signal::notes_local(&notes);
     }
     Ok(answers)
 }

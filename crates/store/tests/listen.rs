@@ -33,3 +33,42 @@ async fn a_notify_from_another_connection_wakes_a_desktop_watcher() {
     assert!(notified.is_ok(), "the watcher never heard the NOTIFY");
     db.remove().await.expect("remove");
 }
+
+/// An offer made through another pool (another process, as far as the
+/// database can tell) reaches a desktop listener as a note naming the run
+/// and its owner — what lets the replica holding the owner's runner claim
+/// it in one hop. Two offers committed together arrive as notes too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offer_elsewhere_is_heard_as_a_note_naming_its_owner() {
+    use automesh_store::{DesktopNote, Heard};
+    let db = TestDatabase::new(Backend::Postgres)
+        .await
+        .expect("test database (is PostgreSQL running? see README)");
+    let mut listener = db.store.listen_desktop().await;
+    let other = Store::connect_lazy(&db.url, StoreOptions::default()).expect("pool");
+    // Owner ids with characters a naive payload format would break on.
+    let owner = "carol \"c\"\n\tx";
+    let now = chrono::Utc::now();
+    let (a, b) = tokio::join!(
+        other.offer_desktop_run("run-n1", "org-n", owner, b"spec", now),
+        other.offer_desktop_run("run-n2", "org-n", owner, b"spec", now),
+    );
+    assert!(a.expect("offer") && b.expect("offer"));
+    let mut heard = vec![];
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(30);
+    while heard.len() < 2 && tokio::time::Instant::now() < give_up {
+        match listener.next(Duration::from_secs(1)).await {
+            Heard::Notes(notes) => heard.extend(notes),
+            Heard::Missed => panic!("a note was not understood"),
+            Heard::Nothing => {}
+        }
+    }
+    heard.sort();
+    let offered = |run: &str| DesktopNote::Offered {
+        run_id: run.into(),
+        org_id: "org-n".into(),
+        owner_id: owner.into(),
+    };
+    assert_eq!(heard, vec![offered("run-n1"), offered("run-n2")]);
+    db.remove().await.expect("remove");
+}

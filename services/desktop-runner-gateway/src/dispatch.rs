@@ -1,10 +1,13 @@
-//! Desktop dispatch on one replica: wake-ups (local signals and NOTIFY),
-//! the delivery pass that claims offered runs for this replica's runner
-//! streams and sends them, the forwarding of cancellations, and the
-//! acceptance bound on what this replica sent (a runner that keeps
-//! heartbeating without accepting is passed over; claims of a replica that
-//! died are given back). Every replica runs the same pass; the store's
-//! guarded claims make exactly one of them send each run.
+//! Desktop dispatch on one replica: what it hears of desktop dispatch (the
+//! store's [`DesktopNote`]s), the one-hop delivery of an offered run to the
+//! owner's runner it holds (claimed and sent as soon as the offer is heard),
+//! the delivery pass that looks at everything unclaimed (on a note that
+//! claims were given back or cancelled, and once a second as a safety net
+//! off the latency path), the forwarding of cancellations, and the
+//! acceptance bound on what this replica sent (a runner that keeps its
+//! stream alive without accepting is passed over; claims of a replica that
+//! died are given back). Every replica does the same; the store's guarded
+//! claims make exactly one of them send each run.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -13,7 +16,7 @@ use std::time::Duration;
 use automesh_proto::executor::v1 as epb;
 use automesh_proto::runner::v1 as rpb;
 use automesh_store::desktop::{Claim, DesktopAssignment};
-use automesh_store::{Store, Topic};
+use automesh_store::{DesktopNote, Heard, Store};
 use chrono::Utc;
 use prost::Message as _;
 use tokio::sync::Notify;
@@ -46,6 +49,8 @@ struct Awaiting {
     /// ([`crate::stream::heard_now`] units).
     sent_at: u64,
     last_heard: Arc<std::sync::atomic::AtomicU64>,
+    /// The stream's liveness is HTTP/2 PING, not heartbeats.
+    ping_liveness: bool,
 }
 
 impl Awaiting {
@@ -54,21 +59,57 @@ impl Awaiting {
     /// stalled. A stalled runner (a stopped process, a broken network) is
     /// left to the dead-stream bound, which gives its runs back when the
     /// stream ends.
+    ///
+    /// A stream kept alive by HTTP/2 PING is alive while it stays open (a
+    /// stalled one is closed by the PINGs' bound): past the bound, it is
+    /// wedged.
     fn wedged(&self, now: tokio::time::Instant, accept_within: Duration) -> bool {
         let heard = self.last_heard.load(std::sync::atomic::Ordering::Relaxed);
-        self.until <= now && heard >= self.sent_at + accept_within.as_millis() as u64 / 2
+        self.until <= now
+            && (self.ping_liveness || heard >= self.sent_at + accept_within.as_millis() as u64 / 2)
     }
 }
 
-/// This replica's side of desktop dispatch: wake-ups, which cancellations
-/// it already forwarded on which stream, and the assignments it sent that
-/// are not accepted yet.
+/// This replica's side of desktop dispatch: wake-ups (of the delivery pass,
+/// and of each observed run), which cancellations it already forwarded on
+/// which stream, the runs it is claiming now, and the assignments it sent
+/// that are not accepted yet.
 #[derive(Debug)]
 pub struct Dispatch {
-    pub(crate) changed: Notify,
+    pass_wanted: Notify,
+    observed: Mutex<HashMap<String, Observed>>,
     cancels_sent: Mutex<HashSet<(u64, String)>>,
     accept_within: Duration,
+    claiming: Mutex<HashSet<String>>,
     awaiting: Mutex<HashMap<String, Awaiting>>,
+}
+
+/// The wake-up of one observed run, shared by its observers.
+#[derive(Debug)]
+struct Observed {
+    changed: Arc<Notify>,
+    observers: usize,
+}
+
+/// An observer's registration; dropping it ends it.
+#[derive(Debug)]
+pub(crate) struct RunWake<'a> {
+    dispatch: &'a Dispatch,
+    run_id: String,
+    pub(crate) changed: Arc<Notify>,
+}
+
+impl Drop for RunWake<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut observed) = self.dispatch.observed.lock()
+            && let Some(o) = observed.get_mut(&self.run_id)
+        {
+            o.observers -= 1;
+            if o.observers == 0 {
+                observed.remove(&self.run_id);
+            }
+        }
+    }
 }
 
 impl Default for Dispatch {
@@ -80,10 +121,68 @@ impl Default for Dispatch {
 impl Dispatch {
     pub fn new(accept_within: Duration) -> Self {
         Self {
-            changed: Notify::new(),
+            pass_wanted: Notify::new(),
+            observed: Mutex::default(),
             cancels_sent: Mutex::default(),
             accept_within,
+            claiming: Mutex::default(),
             awaiting: Mutex::default(),
+        }
+    }
+
+    /// Registers an observer of `run_id`: woken when the run's assignment
+    /// changes, on whichever replica it changed.
+    pub(crate) fn observe_run(&self, run_id: &str) -> RunWake<'_> {
+        let changed = match self.observed.lock() {
+            Ok(mut observed) => {
+                let o = observed
+                    .entry(run_id.to_owned())
+                    .or_insert_with(|| Observed {
+                        changed: Arc::default(),
+                        observers: 0,
+                    });
+                o.observers += 1;
+                o.changed.clone()
+            }
+            Err(_) => Arc::default(),
+        };
+        RunWake {
+            dispatch: self,
+            run_id: run_id.to_owned(),
+            changed,
+        }
+    }
+
+    /// Wakes the observers of `run_id`, if any.
+    fn wake_run(&self, run_id: &str) {
+        if let Ok(observed) = self.observed.lock()
+            && let Some(o) = observed.get(run_id)
+        {
+            o.changed.notify_waiters();
+        }
+    }
+
+    /// Wakes every observer (notes may have been lost).
+    fn wake_all_runs(&self) {
+        if let Ok(observed) = self.observed.lock() {
+            for o in observed.values() {
+                o.changed.notify_waiters();
+            }
+        }
+    }
+
+    /// Whether `run_id` was sent on `stream_id` from here and awaits its
+    /// acceptance.
+    fn sent_on(&self, run_id: &str, stream_id: &str) -> bool {
+        self.awaiting
+            .lock()
+            .is_ok_and(|a| a.get(run_id).is_some_and(|w| w.stream_id == stream_id))
+    }
+
+    /// Forgets an assignment its runner accepted.
+    pub(crate) fn accepted(&self, run_id: &str) {
+        if let Ok(mut a) = self.awaiting.lock() {
+            a.remove(run_id);
         }
     }
 
@@ -130,6 +229,7 @@ impl Dispatch {
                     Utc::now(),
                 )
                 .await?
+                .is_some()
             {
                 tracing::warn!(
                     run_id = %run_id,
@@ -161,9 +261,9 @@ impl Dispatch {
         }
         Ok(())
     }
-    /// Wakes this replica's delivery pass and observers.
+    /// Wakes this replica's delivery pass.
     pub fn poke(&self) {
-        self.changed.notify_waiters();
+        self.pass_wanted.notify_waiters();
     }
 
     fn cancel_sent(&self, session: u64, run_id: &str) -> bool {
@@ -179,14 +279,60 @@ impl Dispatch {
         }
     }
 
-    /// Relays desktop signals (local and, on PostgreSQL, from other
-    /// processes) to this replica's waiters, until shutdown.
-    pub async fn relay(self: Arc<Self>, store: Store, shutdown: CancellationToken) {
-        let mut watcher = store.watch(Topic::Desktop).await;
+    /// Acts on what this replica hears of desktop dispatch, until shutdown:
+    /// an offered run goes straight to the owner's runner held here (one
+    /// claim, then the stream), a change wakes that run's observers, a
+    /// given-back claim or a cancellation wakes the delivery pass; notes
+    /// that may have been lost wake everything.
+    pub async fn relay(
+        self: Arc<Self>,
+        store: Store,
+        sessions: Arc<Sessions>,
+        shutdown: CancellationToken,
+    ) {
+        let mut listener = store.listen_desktop().await;
         loop {
-            tokio::select! {
-                () = watcher.wait(POLL) => self.poke(),
+            let heard = tokio::select! {
+                heard = listener.next(POLL) => heard,
                 () = shutdown.cancelled() => return,
+            };
+            let notes = match heard {
+                Heard::Notes(notes) => notes,
+                Heard::Missed => {
+                    self.poke();
+                    self.wake_all_runs();
+                    continue;
+                }
+                Heard::Nothing => continue,
+            };
+            for note in notes {
+                if let Some(run_id) = note.run_id() {
+                    self.wake_run(run_id);
+                }
+                match note {
+                    DesktopNote::Offered {
+                        run_id,
+                        org_id,
+                        owner_id,
+                    } => {
+                        let Some(session) = sessions.of_owner(&org_id, &owner_id, None) else {
+                            continue;
+                        };
+                        let (dispatch, store) = (self.clone(), store.clone());
+                        tokio::spawn(async move {
+                            if let Err(error) =
+                                dispatch.deliver_offer(&store, &session, &run_id).await
+                            {
+                                tracing::warn!(%error, run_id, "delivering an offered run failed; the delivery pass retries");
+                                dispatch.poke();
+                            }
+                        });
+                    }
+                    DesktopNote::GivenBack { .. }
+                    | DesktopNote::Cancelled { .. }
+                    | DesktopNote::Released => self.poke(),
+                    DesktopNote::Changed { .. } => {}
+                }
             }
         }
     }
@@ -210,9 +356,9 @@ impl Dispatch {
         let mut streams_after = Utc::now() - REVOCATION_MARGIN;
         let mut orphans_checked: Option<tokio::time::Instant> = None;
         loop {
-            let changed = self.changed.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
+            let wanted = self.pass_wanted.notified();
+            tokio::pin!(wanted);
+            wanted.as_mut().enable();
             if last_purge.elapsed() >= PURGE_EVERY {
                 last_purge = tokio::time::Instant::now();
                 let before = Utc::now() - KEEP_FINISHED;
@@ -274,7 +420,7 @@ impl Dispatch {
                 tracing::warn!(%error, "desktop delivery pass failed; retrying");
             }
             tokio::select! {
-                () = changed => {}
+                () = wanted => {}
                 () = tokio::time::sleep(POLL) => {}
                 () = shutdown.cancelled() => return,
             }
@@ -317,6 +463,30 @@ impl Dispatch {
 }
 
 impl Dispatch {
+    /// Delivers a run this replica was told was offered to the runner of
+    /// `session` (its owner's): one claim, which returns the spec, then the
+    /// stream. Nothing when another replica or runner was faster.
+    async fn deliver_offer(
+        &self,
+        store: &Store,
+        session: &crate::stream::Session,
+        run_id: &str,
+    ) -> Result<(), automesh_store::StoreError> {
+        let Some(_claiming) = Claiming::start(self, run_id) else {
+            return Ok(());
+        };
+        let (runner_id, stream_id) = (&session.runner_id, &session.stream_id);
+        let claimed = store.desktop_claim(Claim::Take, run_id, runner_id, stream_id, Utc::now());
+        let Some(a) = claimed.await? else {
+            return Ok(());
+        };
+        let span = run_span("automesh.desktop.deliver", &a);
+        self.send_claimed(store, session, &a, false)
+            .instrument(span)
+            .await?;
+        Ok(())
+    }
+
     /// Claims `a` for `session`'s stream and sends it; gives the claim back
     /// when the stream does not take it, so the next pass (or another
     /// runner) can. A sent assignment the runner does not accept within the
@@ -328,9 +498,38 @@ impl Dispatch {
         a: &DesktopAssignment,
         again: bool,
     ) -> Result<bool, automesh_store::StoreError> {
-        let sent = offer_in_trace(store, session, a, again)
-            .instrument(run_span("automesh.desktop.deliver", a))
-            .await?;
+        let Some(_claiming) = Claiming::start(self, &a.run_id) else {
+            return Ok(false);
+        };
+        // Sent on this stream already (by the one-hop delivery, after this
+        // pass read the run): a claim would apply again, a second send not.
+        if self.sent_on(&a.run_id, &session.stream_id) {
+            return Ok(false);
+        }
+        let span = run_span("automesh.desktop.deliver", a);
+        async {
+            let (runner_id, stream_id) = (&session.runner_id, &session.stream_id);
+            let claimed =
+                store.desktop_claim(Claim::Take, &a.run_id, runner_id, stream_id, Utc::now());
+            if claimed.await?.is_none() {
+                return Ok(false);
+            }
+            self.send_claimed(store, session, a, again).await
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Sends `a`, claimed for `session`'s stream, and awaits its acceptance;
+    /// gives the claim back when the stream does not take it.
+    async fn send_claimed(
+        &self,
+        store: &Store,
+        session: &crate::stream::Session,
+        a: &DesktopAssignment,
+        again: bool,
+    ) -> Result<bool, automesh_store::StoreError> {
+        let sent = send_assignment(store, session, a, again).await?;
         if sent && let Ok(mut awaiting) = self.awaiting.lock() {
             awaiting.insert(
                 a.run_id.clone(),
@@ -341,6 +540,7 @@ impl Dispatch {
                     until: tokio::time::Instant::now() + self.accept_within,
                     sent_at: crate::stream::heard_now(),
                     last_heard: session.last_heard.clone(),
+                    ping_liveness: session.ping_liveness,
                 },
             );
         }
@@ -360,25 +560,40 @@ fn run_span(name: &'static str, a: &DesktopAssignment) -> tracing::Span {
     span
 }
 
-async fn offer_in_trace(
+/// A run this replica is claiming and sending now: the one-hop delivery
+/// and the delivery pass may both try it, only one of them does.
+struct Claiming<'a> {
+    dispatch: &'a Dispatch,
+    run_id: String,
+}
+
+impl<'a> Claiming<'a> {
+    fn start(dispatch: &'a Dispatch, run_id: &str) -> Option<Self> {
+        let mut claiming = dispatch.claiming.lock().ok()?;
+        claiming.insert(run_id.to_owned()).then(|| Claiming {
+            dispatch,
+            run_id: run_id.to_owned(),
+        })
+    }
+}
+
+impl Drop for Claiming<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut claiming) = self.dispatch.claiming.lock() {
+            claiming.remove(&self.run_id);
+        }
+    }
+}
+
+/// Sends `a`, claimed for `session`'s runner; gives the claim back when the
+/// stream does not take it.
+async fn send_assignment(
     store: &Store,
     session: &crate::stream::Session,
     a: &DesktopAssignment,
     again: bool,
 ) -> Result<bool, automesh_store::StoreError> {
     let (runner_id, tx) = (session.runner_id.as_str(), &session.tx);
-    if !store
-        .desktop_claim(
-            Claim::Take,
-            &a.run_id,
-            runner_id,
-            &session.stream_id,
-            Utc::now(),
-        )
-        .await?
-    {
-        return Ok(false);
-    }
     let Ok(spec) = epb::RunSpec::decode(a.spec.as_slice()) else {
         tracing::error!(run_id = %a.run_id, "undecodable desktop run spec");
         return Ok(false);
@@ -399,7 +614,7 @@ async fn offer_in_trace(
 /// Sends one message to a runner, bounded.
 pub(crate) async fn send(tx: &crate::stream::ToRunner, message: rpb::ConnectResponse) -> bool {
     matches!(
-        tokio::time::timeout(SEND_TIMEOUT, tx.send(Ok(message))).await,
+        tokio::time::timeout(SEND_TIMEOUT, tx.send(Ok(Box::new(message)))).await,
         Ok(Ok(()))
     )
 }

@@ -79,8 +79,17 @@ impl Executor for DesktopExecutor {
             .map_err(|e| status::of(&e, "desktop dispatch"))?;
         if offered {
             tracing::info!(run_id = %spec.run_id, "desktop run offered to the owner's runners");
+            // Just offered: admitted, as nothing else could have changed it
+            // yet but a runner's claim, which leaves it admitted.
+            let admitted = epb::ExecutionStatus {
+                phase: epb::ExecutionPhase::Admitted as i32,
+                idle: false,
+                outcome: None,
+                unaccepted: false,
+            };
+            return Ok((true, admitted));
         }
-        Ok((offered, self.status(&spec.run_id).await?))
+        Ok((false, self.status(&spec.run_id).await?))
     }
 
     async fn observe(&self, run_id: String, after: i64) -> Result<executor::ObserveStream, Status> {
@@ -92,8 +101,9 @@ impl Executor for DesktopExecutor {
         let (mut observer, stream) = executor::observe();
         tokio::spawn(async move {
             let mut after = after;
+            let wake = dispatch.observe_run(&run_id);
             loop {
-                let changed = dispatch.changed.notified();
+                let changed = wake.changed.notified();
                 tokio::pin!(changed);
                 changed.as_mut().enable();
                 // Status first, events after: a finished status read before
@@ -158,8 +168,9 @@ impl Executor for DesktopExecutor {
                 if !observer.status(status).await || finished {
                     return;
                 }
-                // Woken by any desktop change, never idle longer than the
-                // poll interval (the coordinator's bounds do the rest).
+                // Woken by a change of this run on any replica, never idle
+                // longer than the poll interval (the coordinator's bounds do
+                // the rest).
                 if !observer.wait(changed, POLL).await {
                     return;
                 }

@@ -166,14 +166,23 @@ impl Service {
             store,
             credential,
         } = self;
-        let mut server = GrpcServer::new(ServerSettings::default())?;
+        // The runner listener's PINGs are the liveness of PING-liveness
+        // streams (see `stream`).
+        let mut server = GrpcServer::new(ServerSettings {
+            keepalive: settings.keepalive(),
+            ..ServerSettings::default()
+        })?;
         let mut internal = GrpcServer::new(ServerSettings::default())?;
         let streams = stream::RunnerStreams::new(store.clone(), settings, shutdown.clone());
         metrics::observe_streams(streams.sessions.clone());
         let desktop = executor::DesktopExecutor::new(store.clone(), streams.dispatch.clone());
         // Background tasks end with the server, whatever ends it.
         let tasks = shutdown.child_token();
-        let relay = tokio::spawn(streams.dispatch.clone().relay(store.clone(), tasks.clone()));
+        let relay = tokio::spawn(streams.dispatch.clone().relay(
+            store.clone(),
+            streams.sessions.clone(),
+            tasks.clone(),
+        ));
         let deliver = tokio::spawn(streams.dispatch.clone().deliver(
             store.clone(),
             streams.sessions.clone(),

@@ -7,6 +7,7 @@ use std::sync::{Arc, OnceLock};
 use opentelemetry::metrics::Counter;
 
 struct Metrics {
+    streams_ended: Counter<u64>,
     deliveries: Counter<u64>,
     redeliveries: Counter<u64>,
     protocol_errors: Counter<u64>,
@@ -18,6 +19,13 @@ fn metrics() -> &'static Metrics {
     M.get_or_init(|| {
         use automesh_rpc::metrics::counter;
         Metrics {
+            streams_ended: counter(
+                "automesh.runner.streams_ended",
+                "Runner streams that ended, by reason: closed (by the runner), lost (its \
+                 connection went: a PING-liveness connection that stopped answering among them), \
+                 silent (no heartbeat within the bound), replaced, revoked, protocol, broken \
+                 (a transport error), shutdown, other",
+            ),
             deliveries: counter(
                 "automesh.desktop.deliveries",
                 "Assignments sent to a runner for the first time",
@@ -60,12 +68,30 @@ pub(crate) fn delivered(again: bool) {
     }
 }
 
-/// Reports the streams `sessions` holds, read at each collection.
+/// One runner stream ended, for `reason`.
+pub(crate) fn stream_ended(reason: &'static str) {
+    metrics()
+        .streams_ended
+        .add(1, &[opentelemetry::KeyValue::new("reason", reason)]);
+}
+
+/// Reports the streams `sessions` holds by liveness (`ping`, `heartbeat`),
+/// read at each collection.
 pub(crate) fn observe_streams(sessions: Arc<crate::stream::Sessions>) {
     let _streams = automesh_rpc::metrics::meter()
         .u64_observable_gauge("automesh.runner.streams")
         .with_unit("{stream}")
-        .with_description("Desktop runner streams connected to this replica")
-        .with_callback(move |o| o.observe(sessions.len() as u64, &[]))
+        .with_description("Desktop runner streams connected to this replica, by liveness")
+        .with_callback(move |o| {
+            let (ping, heartbeat) = sessions.by_liveness();
+            o.observe(
+                ping as u64,
+                &[opentelemetry::KeyValue::new("liveness", "ping")],
+            );
+            o.observe(
+                heartbeat as u64,
+                &[opentelemetry::KeyValue::new("liveness", "heartbeat")],
+            );
+        })
         .build();
 }

@@ -1,10 +1,16 @@
 //! The runners' `Connect` streams: authentication by per-runner token
-//! (looked up by its hash), `Hello` first, then heartbeats. A stream that
-//! stops carrying messages is declared dead within `dead_after` even when
-//! its TCP connection stays open — a stalled stream must not look alive.
+//! (looked up by its hash), `Hello` first, then liveness. A stream is
+//! declared dead within `dead_after` even when its TCP connection stays
+//! open — a stalled stream must not look alive: a runner that heartbeats
+//! is dead after `dead_after` of silence; one granted PING liveness
+//! (`Hello.ping_liveness`) is PINGed by the runner listener's HTTP/2
+//! keepalive, which closes a connection that does not answer within the
+//! same bound, and costs the gateway no message, timer or wake-up per
+//! interval.
 //!
-//! Each stream's outbound side is a bounded channel: a slow runner slows
-//! its own stream, it cannot make the gateway buffer without limit.
+//! Each stream's outbound side is a bounded channel of boxed messages: a
+//! slow runner slows its own stream, it cannot make the gateway buffer
+//! without limit, and an idle stream's queue stays small.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -28,6 +34,10 @@ use crate::reports::{Answer, reconcile, record};
 
 /// Messages queued towards one runner before the sender waits.
 const OUTBOUND: usize = 32;
+
+/// How long after its inbound side ends a stream's way back is watched: it
+/// closes too when the connection was lost, not when the runner ended.
+const LOST_GRACE: Duration = Duration::from_millis(200);
 
 /// Bounds of a runner stream: flags of the gateway's configuration, whose
 /// defaults are [`StreamSettings::default`].
@@ -76,8 +86,21 @@ impl StreamSettings {
     }
 }
 
+/// What goes to one runner: its messages, and the status that ends its
+/// stream (boxed, so the queue of an idle stream is a few hundred bytes).
+pub type Outgoing = Result<Box<rpb::ConnectResponse>, Box<Status>>;
+
 /// Messages towards one runner.
-pub type ToRunner = mpsc::Sender<Result<rpb::ConnectResponse, Status>>;
+pub type ToRunner = mpsc::Sender<Outgoing>;
+
+impl StreamSettings {
+    /// The runner listener's HTTP/2 keepalive: a PING after half the
+    /// dead-after bound of silence, answered within two fifths of it, so a
+    /// stalled PING-liveness stream is closed within the bound.
+    pub fn keepalive(&self) -> (Duration, Duration) {
+        (self.dead_after / 2, self.dead_after * 2 / 5)
+    }
+}
 
 /// One connected runner.
 #[derive(Debug, Clone)]
@@ -96,6 +119,8 @@ pub struct Session {
     pub tx: ToRunner,
     /// When the runner last sent anything ([`heard_now`] units).
     pub last_heard: Arc<AtomicU64>,
+    /// Its liveness is the connection's HTTP/2 PINGs, not heartbeats.
+    pub ping_liveness: bool,
 }
 
 /// Milliseconds since this process started: the clock of `last_heard`.
@@ -107,21 +132,77 @@ pub fn heard_now() -> u64 {
         .as_millis() as u64
 }
 
-/// The runners connected to this replica.
+/// The runners connected to this replica, by runner and by owner.
 #[derive(Debug, Default)]
 pub struct Sessions {
-    by_runner: Mutex<HashMap<String, Session>>,
+    held: Mutex<Held>,
     next_id: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    by_runner: HashMap<String, Session>,
+    /// Runner ids by organisation, then owner.
+    by_owner: HashMap<String, HashMap<String, Vec<String>>>,
+}
+
+impl Held {
+    /// Adds `session`; the runner's previous stream, if any.
+    fn insert(&mut self, session: Session) -> Option<Session> {
+        let previous = self
+            .by_runner
+            .insert(session.runner_id.clone(), session.clone());
+        if previous.is_none() {
+            self.by_owner
+                .entry(session.org_id)
+                .or_default()
+                .entry(session.owner_id)
+                .or_default()
+                .push(session.runner_id);
+        }
+        previous
+    }
+
+    /// Removes the stream `id` of `runner_id` if it is still the runner's
+    /// current one.
+    fn remove(&mut self, runner_id: &str, id: u64) -> bool {
+        if self.by_runner.get(runner_id).is_none_or(|s| s.id != id) {
+            return false;
+        }
+        let Some(s) = self.by_runner.remove(runner_id) else {
+            return false;
+        };
+        if let Some(owners) = self.by_owner.get_mut(&s.org_id) {
+            if let Some(runners) = owners.get_mut(&s.owner_id) {
+                runners.retain(|r| r != runner_id);
+                if runners.is_empty() {
+                    owners.remove(&s.owner_id);
+                }
+            }
+            if owners.is_empty() {
+                self.by_owner.remove(&s.org_id);
+            }
+        }
+        true
+    }
 }
 
 impl Sessions {
     /// How many streams this replica holds.
     pub fn len(&self) -> usize {
-        self.by_runner.lock().map_or(0, |m| m.len())
+        self.held.lock().map_or(0, |m| m.by_runner.len())
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// How many streams are kept alive by PING, and how many by heartbeats.
+    pub fn by_liveness(&self) -> (usize, usize) {
+        self.held.lock().map_or((0, 0), |held| {
+            let ping = held.by_runner.values().filter(|s| s.ping_liveness).count();
+            (ping, held.by_runner.len() - ping)
+        })
     }
 
     /// A connected runner of the owner other than `passed_over`.
@@ -131,26 +212,27 @@ impl Sessions {
         owner_id: &str,
         passed_over: Option<&str>,
     ) -> Option<Session> {
-        let m = self.by_runner.lock().ok()?;
-        m.values()
-            .find(|s| {
-                s.org_id == org_id
-                    && s.owner_id == owner_id
-                    && passed_over != Some(s.runner_id.as_str())
-            })
+        let held = self.held.lock().ok()?;
+        let runners = held.by_owner.get(org_id)?.get(owner_id)?;
+        runners
+            .iter()
+            .filter(|r| passed_over != Some(r.as_str()))
+            .find_map(|r| held.by_runner.get(r))
             .cloned()
     }
 
     /// Closes the streams held here that are no longer their runner's
     /// newest (a newer one opened on another replica); returns how many.
     pub fn close_replaced(&self, newest: &[(String, String)]) -> usize {
-        let Ok(m) = self.by_runner.lock() else {
+        let Ok(held) = self.held.lock() else {
             return 0;
         };
         newest
             .iter()
             .filter_map(|(runner_id, stream_id)| {
-                m.get(runner_id).filter(|s| &s.stream_id != stream_id)
+                held.by_runner
+                    .get(runner_id)
+                    .filter(|s| &s.stream_id != stream_id)
             })
             .map(|s| s.closed.cancel())
             .count()
@@ -158,19 +240,19 @@ impl Sessions {
 
     /// Ends the streams of revoked runners held here; returns how many.
     pub fn revoke(&self, runner_ids: &[String]) -> usize {
-        let Ok(m) = self.by_runner.lock() else {
+        let Ok(held) = self.held.lock() else {
             return 0;
         };
         runner_ids
             .iter()
-            .filter_map(|id| m.get(id))
+            .filter_map(|id| held.by_runner.get(id))
             .map(|s| s.revoked.cancel())
             .count()
     }
 
     /// The stream of a connected runner.
     pub fn get(&self, runner_id: &str) -> Option<Session> {
-        self.by_runner.lock().ok()?.get(runner_id).cloned()
+        self.held.lock().ok()?.by_runner.get(runner_id).cloned()
     }
 }
 
@@ -246,7 +328,13 @@ impl DesktopRunnerService for RunnerStreams {
             }
             Err(_) => return Err(Status::deadline_exceeded("no Hello within the bound")),
         };
-        tracing::info!(runner_id = %runner.id, held = hello.held_runs.len(), version = %hello.runner_version, "runner connected");
+        tracing::info!(
+            runner_id = %runner.id,
+            held = hello.held_runs.len(),
+            version = %hello.runner_version,
+            ping_liveness = hello.ping_liveness,
+            "runner connected"
+        );
 
         // The newest stream of a runner wins on every replica: recorded
         // before this stream is used, so an older one (here or elsewhere)
@@ -268,9 +356,10 @@ impl DesktopRunnerService for RunnerStreams {
             revoked: CancellationToken::new(),
             tx: tx.clone(),
             last_heard: Arc::new(AtomicU64::new(heard_now())),
+            ping_liveness: hello.ping_liveness,
         };
-        if let Ok(mut m) = self.sessions.by_runner.lock()
-            && let Some(previous) = m.insert(runner.id.clone(), session.clone())
+        if let Ok(mut held) = self.sessions.held.lock()
+            && let Some(previous) = held.insert(session.clone())
         {
             // A reconnecting runner replaces its old stream.
             previous.closed.cancel();
@@ -282,9 +371,10 @@ impl DesktopRunnerService for RunnerStreams {
                     seconds: self.settings.heartbeat_interval.as_secs() as i64,
                     nanos: self.settings.heartbeat_interval.subsec_nanos() as i32,
                 }),
+                ping_liveness: hello.ping_liveness,
             })),
         };
-        tx.send(Ok(welcome))
+        tx.send(Ok(Box::new(welcome)))
             .await
             .map_err(|_| Status::cancelled("the runner went away"))?;
         let sessions = self.sessions.clone();
@@ -301,22 +391,28 @@ impl DesktopRunnerService for RunnerStreams {
                 tracing::warn!(runner_id = %runner_id, %error, "reconciliation failed; the delivery pass will retry");
             }
             dispatch.poke();
-            let ended = follow(&mut inbound, &session, &settings, &shutdown, &store).await;
+            let ended = follow(
+                &mut inbound,
+                &session,
+                &settings,
+                &shutdown,
+                &store,
+                &dispatch,
+            )
+            .await;
             dispatch.forget_stream(&session.stream_id);
+            crate::metrics::stream_ended(end_reason(&ended));
             if let Err(status) = ended {
                 tracing::warn!(runner_id = %runner_id, code = ?status.code(), reason = status.message(), "runner stream ended");
-                let _ = tokio::time::timeout(Duration::from_secs(1), tx.send(Err(status))).await;
+                let ended = tx.send(Err(Box::new(status)));
+                let _ = tokio::time::timeout(Duration::from_secs(1), ended).await;
             } else {
                 tracing::info!(runner_id = %runner_id, "runner disconnected");
             }
-            let current = if let Ok(mut m) = sessions.by_runner.lock()
-                && m.get(&runner_id).is_some_and(|s| s.id == session.id)
-            {
-                m.remove(&runner_id);
-                true
-            } else {
-                false
-            };
+            let current = sessions
+                .held
+                .lock()
+                .is_ok_and(|mut held| held.remove(&runner_id, session.id));
             dispatch.forget_session(session.id);
             // What it was offered but never accepted may go to another
             // runner of the owner (or back to this one when it returns).
@@ -328,8 +424,9 @@ impl DesktopRunnerService for RunnerStreams {
                 tracing::warn!(runner_id = %runner_id, %error, "cannot release unaccepted assignments");
             }
         });
+        let outbound = tokio_stream::wrappers::ReceiverStream::new(rx);
         Ok(Response::new(Box::pin(
-            tokio_stream::wrappers::ReceiverStream::new(rx),
+            outbound.map(|m| m.map(|m| *m).map_err(|s| *s)),
         )))
     }
 }
@@ -341,12 +438,20 @@ async fn follow(
     settings: &StreamSettings,
     shutdown: &CancellationToken,
     store: &Store,
+    dispatch: &Dispatch,
 ) -> Result<(), Status> {
     use rpb::connect_request::Message;
     let tx = &session.tx;
+    // A PING-liveness stream has no silence bound of its own: the
+    // connection's keepalive closes it when it stops answering.
+    let silence = if session.ping_liveness {
+        Duration::MAX
+    } else {
+        settings.dead_after
+    };
     loop {
         let next = tokio::select! {
-            next = tokio::time::timeout(settings.dead_after, inbound.next()) => next,
+            next = timeout_unless_max(silence, inbound.next()) => next,
             () = session.closed.cancelled() => return Err(Status::aborted("replaced by a newer stream of this runner")),
             () = session.revoked.cancelled() => return Err(Status::unauthenticated("the runner was revoked")),
             () = shutdown.cancelled() => return Err(status::shutting_down("reconnect")),
@@ -358,7 +463,17 @@ async fn follow(
                     settings.dead_after
                 )));
             }
-            Ok(None) => return Ok(()),
+            // The runner ended its stream; or its connection went (a
+            // PING-liveness connection that stopped answering is closed by
+            // the keepalive), which drops the way back too, a moment later.
+            Ok(None) => {
+                return match tokio::time::timeout(LOST_GRACE, tx.closed()).await {
+                    Ok(()) => Err(Status::unavailable(
+                        "the runner's connection was lost: the stream is declared dead",
+                    )),
+                    Err(_) => Ok(()),
+                };
+            }
             // A runner message over the size limit is RESOURCE_EXHAUSTED,
             // as for every request (see the server builder).
             Ok(Some(Err(status)))
@@ -382,7 +497,7 @@ async fn follow(
                 };
                 // A runner that does not read its acks for a whole dead
                 // period is as dead as one that does not write.
-                match tokio::time::timeout(settings.dead_after, tx.send(Ok(ack))).await {
+                match tokio::time::timeout(settings.dead_after, tx.send(Ok(Box::new(ack)))).await {
                     Ok(Ok(())) => {}
                     Ok(Err(_)) => return Ok(()),
                     Err(_) => {
@@ -405,6 +520,7 @@ async fn follow(
                 {
                     Ok(Ok(Answer::Nothing)) => {}
                     Ok(Ok(Answer::Confirmed(run_id))) => {
+                        dispatch.accepted(&run_id);
                         let confirmed = rpb::ConnectResponse {
                             message: Some(rpb::connect_response::Message::AssignmentConfirmed(
                                 rpb::AssignmentConfirmed { run_id },
@@ -439,5 +555,35 @@ async fn follow(
             }
             None => {}
         }
+    }
+}
+
+/// `future` bounded by `bound`, unless the bound is `Duration::MAX` (no
+/// timer at all then).
+async fn timeout_unless_max<F: std::future::Future>(
+    bound: Duration,
+    future: F,
+) -> Result<F::Output, tokio::time::error::Elapsed> {
+    if bound == Duration::MAX {
+        Ok(future.await)
+    } else {
+        tokio::time::timeout(bound, future).await
+    }
+}
+
+/// Why a stream ended, as the `automesh.runner.streams_ended` metric names it.
+fn end_reason(ended: &Result<(), Status>) -> &'static str {
+    let Err(status) = ended else {
+        return "closed";
+    };
+    match status.code() {
+        tonic::Code::Aborted => "replaced",
+        tonic::Code::Unauthenticated => "revoked",
+        tonic::Code::DeadlineExceeded => "silent",
+        tonic::Code::FailedPrecondition | tonic::Code::ResourceExhausted => "protocol",
+        tonic::Code::Unavailable if status.message().contains("shutting down") => "shutdown",
+        tonic::Code::Unavailable if status.message().contains("connection was lost") => "lost",
+        tonic::Code::Unknown | tonic::Code::Internal | tonic::Code::Cancelled => "broken",
+        _ => "other",
     }
 }

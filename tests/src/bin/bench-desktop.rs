@@ -1,22 +1,29 @@
 //! Benchmark of the desktop path on PostgreSQL.
 //!
-//!   cargo run --release -p automesh-e2e-tests --bin bench-desktop [-- --streams 10000 --latency-runs 100]
+//!   cargo run --release -p automesh-e2e-tests --bin bench-desktop [-- --streams 10000 --more 19000 --latency-runs 100 --heartbeats]
+//!   cargo run -p automesh-e2e-tests --bin bench-desktop -- --quick
 //!
 //! Prints, from one run on this machine:
 //! - baselines: a bare gRPC round trip (health check) to the gateway
 //!   process, and PostgreSQL's single-row transaction latency;
-//! - idle runner streams held by one desktop-runner-gateway *process* (a
-//!   child of this one, on its own port; each stream on its own TCP
-//!   connection, heartbeating every 3 s as real runners do), whether all
-//!   stayed alive past the dead-stream bound, and the gateway's resident
-//!   memory per stream;
+//! - `--streams` idle runner streams held by one desktop-runner-gateway
+//!   *process* (a child of this one, on its own port; each stream on its
+//!   own TCP connection, kept alive by HTTP/2 PING as the reference runner
+//!   asks, or by heartbeats every 3 s with `--heartbeats`), whether all
+//!   stayed alive past the dead-stream bound, the gateway's resident memory
+//!   per stream, and its CPU while they idle (% of one core per 10,000
+//!   streams);
 //! - the latency from a desktop run's due instant to its runner receiving
 //!   the assignment (p50, p99), through two replicas: the mesh's scheduler
 //!   and coordinator call the in-process replica, the runners are on the
 //!   child process holding all the idle streams, so every assignment
-//!   crosses PostgreSQL (NOTIFY + claim).
+//!   crosses PostgreSQL (NOTIFY + claim);
+//! - then with `--more` streams in all: memory per stream again, and the
+//!   latency from a public-API RunAutomationNow call to the runner
+//!   receiving the assignment (p50, p99).
 //!
-//! The machine is shared; read medians and ratios.
+//! The machine is shared; read medians and ratios. `--quick` is the short
+//! form CI runs once (500 and 950 streams; figures printed, not checked).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -24,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use automesh_domain::automation::NewAutomation;
 use automesh_domain::{Principal, Schedule, Surface};
-use automesh_e2e_tests::bench::{arg, median, percentile};
+use automesh_e2e_tests::bench::{median, percentile, quick, sized};
 use automesh_e2e_tests::{Mesh, MeshOptions};
 use automesh_proto::runner::v1 as rpb;
 use automesh_proto::runner::v1::desktop_runner_service_client::DesktopRunnerServiceClient;
@@ -43,6 +50,26 @@ fn rss_kib(pid: u32) -> anyhow::Result<u64> {
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
         .ok_or_else(|| anyhow::anyhow!("no VmRSS for {pid}"))
+}
+
+/// CPU time (user + system) the process has used so far, in seconds.
+fn cpu_secs(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The fields after the command name (which may hold spaces).
+    let rest = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r)
+        .ok_or_else(|| anyhow::anyhow!("odd /proc/{pid}/stat"))?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| -> anyhow::Result<f64> {
+        Ok(fields
+            .get(i)
+            .ok_or_else(|| anyhow::anyhow!("short /proc/{pid}/stat"))?
+            .parse::<f64>()?)
+    };
+    // utime and stime: fields 14 and 15 of the whole line.
+    let hz = 100.0;
+    Ok((ticks(11)? + ticks(12)?) / hz)
 }
 
 /// Child mode: one desktop-runner-gateway process on `url`.
@@ -84,6 +111,7 @@ async fn mint(store: &Store, owner: &Principal, i: usize) -> anyhow::Result<Stri
 async fn hold(
     addr: String,
     token: String,
+    ping_liveness: bool,
     welcomed: Arc<AtomicUsize>,
     ended: Arc<AtomicUsize>,
     assignments: mpsc::UnboundedSender<(String, chrono::DateTime<Utc>)>,
@@ -101,6 +129,7 @@ async fn hold(
             message: Some(rpb::connect_request::Message::Hello(rpb::Hello {
                 runner_version: "bench".into(),
                 held_runs: vec![],
+                ping_liveness,
             })),
         })
         .await;
@@ -116,17 +145,18 @@ async fn hold(
         return;
     };
     let mut inbound = response.into_inner();
-    let mut interval = Duration::from_secs(3);
-    let mut tick = tokio::time::interval(interval);
+    // Heartbeats only when the gateway did not grant PING liveness.
+    let mut heartbeats = true;
+    let mut tick = tokio::time::interval(Duration::from_secs(3));
     loop {
         tokio::select! {
             m = inbound.message() => match m {
                 Ok(Some(m)) => match m.message {
                     Some(rpb::connect_response::Message::Welcome(w)) => {
                         welcomed.fetch_add(1, Ordering::SeqCst);
+                        heartbeats = !w.ping_liveness;
                         if let Some(d) = w.heartbeat_interval.and_then(|d| Duration::try_from(d).ok()) {
-                            interval = d;
-                            tick = tokio::time::interval(interval);
+                            tick = tokio::time::interval(d);
                         }
                     }
                     Some(rpb::connect_response::Message::Assignment(a)) => {
@@ -143,7 +173,7 @@ async fn hold(
                     return;
                 }
             },
-            _ = tick.tick() => {
+            _ = tick.tick(), if heartbeats => {
                 let hb = rpb::ConnectRequest { message: Some(rpb::connect_request::Message::Heartbeat(rpb::Heartbeat { send_time: None })) };
                 if tx.send(hb).await.is_err() {
                     ended.fetch_add(1, Ordering::SeqCst);
@@ -161,8 +191,10 @@ async fn main() -> anyhow::Result<()> {
         let url = args.get(i + 1).cloned().unwrap_or_default();
         return serve_gateway(&url).await;
     }
-    let streams = arg("--streams", 10_000);
-    let latency_runs = arg("--latency-runs", 100);
+    let streams = sized("--streams", 10_000, 500);
+    let more = sized("--more", 19_000, 950).max(streams);
+    let latency_runs = sized("--latency-runs", 100, 20);
+    let ping_liveness = !std::env::args().any(|a| a == "--heartbeats");
     let latency_users = 16;
     let mesh = Mesh::start_with(
         Backend::Postgres,
@@ -174,10 +206,16 @@ async fn main() -> anyhow::Result<()> {
     .await?;
     let store = mesh.store().clone();
     println!(
-        "automesh desktop benchmark (PostgreSQL, {} cores)",
+        "automesh desktop benchmark (PostgreSQL, {} cores{}; liveness by {})",
         std::thread::available_parallelism()
             .map(|n| n.get())
-            .unwrap_or(1)
+            .unwrap_or(1),
+        if quick() { ", --quick" } else { "" },
+        if ping_liveness {
+            "HTTP/2 PING"
+        } else {
+            "heartbeats every 3 s"
+        }
     );
 
     // The gateway process.
@@ -239,79 +277,133 @@ async fn main() -> anyhow::Result<()> {
 
     // Runners and their tokens.
     let t = Instant::now();
-    let mut tokens = Vec::with_capacity(streams);
-    for i in 0..streams {
+    let mut tokens = Vec::with_capacity(more);
+    for i in 0..more {
         tokens.push(mint(&store, &Principal::new("bench", format!("idle-{i}")), i).await?);
+        if (i + 1) % 5000 == 0 {
+            println!("setup     {} runner tokens minted…", i + 1);
+        }
     }
     let mut latency_tokens = vec![];
     for u in 0..latency_users {
         latency_tokens.push(mint(&store, &Principal::new("bench", format!("lat-{u}")), u).await?);
     }
     println!(
-        "setup     {streams} runner tokens minted in {:.1} s",
+        "setup     {more} runner tokens minted in {:.1} s",
         t.elapsed().as_secs_f64()
     );
 
-    // Idle streams.
     let rss_before = rss_kib(pid)?;
     let welcomed = Arc::new(AtomicUsize::new(0));
     let ended = Arc::new(AtomicUsize::new(0));
     let (assigned_tx, mut assigned_rx) = mpsc::unbounded_channel();
-    let t = Instant::now();
     // One idle runner stream per token, counted as it is welcomed or ends.
     let connect = |token: String| {
         tokio::spawn(hold(
             addr.clone(),
             token,
+            ping_liveness,
             welcomed.clone(),
             ended.clone(),
             assigned_tx.clone(),
         ))
     };
-    for (i, token) in tokens.into_iter().enumerate() {
-        connect(token);
-        if i % 200 == 199 {
-            // Pace the connects a little: a real fleet does not arrive in one instant.
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-    while welcomed.load(Ordering::SeqCst) + ended.load(Ordering::SeqCst) < streams {
-        anyhow::ensure!(
-            t.elapsed() < Duration::from_secs(300),
-            "streams did not connect within 300 s"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    println!(
-        "streams   {} of {streams} welcomed in {:.1} s",
-        welcomed.load(Ordering::SeqCst),
-        t.elapsed().as_secs_f64()
-    );
-    // Past the 10 s dead-stream bound: every stream must still be alive.
-    tokio::time::sleep(Duration::from_secs(12)).await;
-    let rss_after = rss_kib(pid)?;
-    let alive = welcomed.load(Ordering::SeqCst)
-        - ended
-            .load(Ordering::SeqCst)
-            .min(welcomed.load(Ordering::SeqCst));
-    println!(
-        "streams   {alive} idle streams alive after 12 s in one gateway process (target 10,000+); RSS {:.1} MiB → {:.1} MiB = {:.1} KiB per stream",
-        rss_before as f64 / 1024.0,
-        rss_after as f64 / 1024.0,
-        (rss_after.saturating_sub(rss_before)) as f64 / alive.max(1) as f64
-    );
-
-    // Latency: desktop occurrences due one at a time, 50 ms apart, for
-    // runners on the gateway process, coordinated through the other replica.
+    // The latency runners first: they are streams like the others.
     for token in latency_tokens {
         connect(token);
     }
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut tokens = tokens.into_iter();
+
+    // Idle streams, in two stages.
+    let mut held = 0;
+    let mut idle_figures = vec![];
+    for total in [streams, more] {
+        let t = Instant::now();
+        for token in tokens.by_ref().take(total - held) {
+            connect(token);
+            held += 1;
+            if held % 200 == 0 {
+                // Pace the connects a little: a real fleet does not arrive
+                // in one instant.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        let expected = latency_users + held;
+        while welcomed.load(Ordering::SeqCst) + ended.load(Ordering::SeqCst) < expected {
+            anyhow::ensure!(
+                t.elapsed() < Duration::from_secs(300),
+                "streams did not connect within 300 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        println!(
+            "streams   {} of {expected} welcomed ({:.1} s for this stage)",
+            welcomed.load(Ordering::SeqCst),
+            t.elapsed().as_secs_f64()
+        );
+        // Past the 10 s dead-stream bound: every stream must still be alive.
+        tokio::time::sleep(Duration::from_secs(12)).await;
+        let alive = welcomed.load(Ordering::SeqCst)
+            - ended
+                .load(Ordering::SeqCst)
+                .min(welcomed.load(Ordering::SeqCst));
+        let rss = rss_kib(pid)?;
+        let per_stream = rss.saturating_sub(rss_before) as f64 / alive.max(1) as f64;
+        // The gateway's CPU while every stream idles.
+        let window = if quick() { 3.0 } else { 10.0 };
+        let cpu0 = cpu_secs(pid)?;
+        tokio::time::sleep(Duration::from_secs_f64(window)).await;
+        let cpu = (cpu_secs(pid)? - cpu0) / window * 100.0;
+        let per_10k = cpu * 10_000.0 / alive.max(1) as f64;
+        println!(
+            "streams   {alive} idle streams alive after 12 s in one gateway process; RSS {:.1} MiB → {:.1} MiB = {per_stream:.1} KiB per stream (goal ≤ 16); idle CPU {cpu:.1} % of a core = {per_10k:.1} % per 10,000 streams (goal ≤ 4)",
+            rss_before as f64 / 1024.0,
+            rss as f64 / 1024.0,
+        );
+        idle_figures.push((alive, per_stream, per_10k));
+        if total == streams {
+            let (p50, p99, n) =
+                due_latency(&store, latency_runs, latency_users, &mut assigned_rx).await?;
+            println!(
+                "latency   at {alive} streams: due instant → runner receives assignment   p50 {p50:>7.1} ms   p99 {p99:>7.1} ms   ({n} runs; {:.0} × / {:.0} × the gRPC round trip; goal p50 ≤ 5, p99 ≤ 25)",
+                p50 / rtt,
+                p99 / rtt
+            );
+        }
+        if total == more {
+            let (p50, p99, n) =
+                run_now_latency(&mesh, latency_runs, latency_users, &mut assigned_rx).await?;
+            println!(
+                "latency   at {alive} streams: RunAutomationNow → runner receives assignment   p50 {p50:>7.1} ms   p99 {p99:>7.1} ms   ({n} runs; {:.0} × / {:.0} × the gRPC round trip; goal p99 ≤ 25)",
+                p50 / rtt,
+                p99 / rtt
+            );
+        }
+        if streams == more {
+            break;
+        }
+    }
+    let _ = child.kill().await;
+    mesh.stop().await?;
+    Ok(())
+}
+
+type Assigned = mpsc::UnboundedReceiver<(String, chrono::DateTime<Utc>)>;
+
+/// Desktop occurrences due one at a time, 50 ms apart, for the latency
+/// runners on the gateway process, coordinated through the other replica:
+/// (p50, p99, runs) of due instant → assignment received.
+async fn due_latency(
+    store: &Store,
+    runs: usize,
+    users: usize,
+    assigned: &mut Assigned,
+) -> anyhow::Result<(f64, f64, usize)> {
     let start = Utc::now() + chrono::Duration::seconds(3);
     let now = Utc::now();
     let mut due_of = std::collections::HashMap::new();
-    for i in 0..latency_runs {
-        let owner = Principal::new("bench", format!("lat-{}", i % latency_users));
+    for i in 0..runs {
+        let owner = Principal::new("bench", format!("lat-{}", i % users));
         let at = start + chrono::Duration::milliseconds(50 * i as i64);
         let id = format!("dlat-{i:05}");
         store
@@ -333,9 +425,9 @@ async fn main() -> anyhow::Result<()> {
     }
     let mut latencies = vec![];
     let give_up = Instant::now() + Duration::from_secs(120);
-    while latencies.len() < latency_runs && Instant::now() < give_up {
+    while latencies.len() < runs && Instant::now() < give_up {
         let Ok(Some((run_id, at))) =
-            tokio::time::timeout(Duration::from_secs(5), assigned_rx.recv()).await
+            tokio::time::timeout(Duration::from_secs(5), assigned.recv()).await
         else {
             continue;
         };
@@ -345,14 +437,56 @@ async fn main() -> anyhow::Result<()> {
     }
     anyhow::ensure!(!latencies.is_empty(), "no assignment arrived");
     latencies.sort_by(|a, b| a.total_cmp(b));
-    let (p50, p99) = (percentile(&latencies, 0.5), percentile(&latencies, 0.99));
-    println!(
-        "latency   due instant → runner receives assignment   p50 {p50:>7.1} ms   p99 {p99:>7.1} ms   ({} runs, {:.0} × / {:.0} × the gRPC round trip)",
-        latencies.len(),
-        p50 / rtt,
-        p99 / rtt
-    );
-    let _ = child.kill().await;
-    mesh.stop().await?;
-    Ok(())
+    let n = latencies.len();
+    Ok((percentile(&latencies, 0.5), percentile(&latencies, 0.99), n))
+}
+
+/// RunAutomationNow through the public API, one at a time, 50 ms apart, for
+/// desktop automations of the latency runners' owners: (p50, p99, runs) of
+/// call → assignment received.
+async fn run_now_latency(
+    mesh: &Mesh,
+    runs: usize,
+    users: usize,
+    assigned: &mut Assigned,
+) -> anyhow::Result<(f64, f64, usize)> {
+    use automesh_e2e_tests::Api as _;
+    let mut automations = vec![];
+    for u in 0..users {
+        let token = mesh.token("bench", &format!("lat-{u}"));
+        let mut api = mesh.automations(Some(&token));
+        let request =
+            automesh_e2e_tests::daily_automation(&format!("now {u}"), "p", pb::Surface::Desktop);
+        automations.push((token, api.create(request).await.id));
+    }
+    let mut called_at = std::collections::HashMap::new();
+    let mut received = std::collections::HashMap::new();
+    for i in 0..runs {
+        let (token, automation_id) = &automations[i % users];
+        let mut api = mesh.automations(Some(token));
+        let t0 = Utc::now();
+        let run = api.run_now(automation_id, &format!("bench-{i}")).await;
+        called_at.insert(run.id, t0);
+        while let Ok((run_id, at)) = assigned.try_recv() {
+            received.insert(run_id, at);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let give_up = Instant::now() + Duration::from_secs(60);
+    while called_at.keys().any(|r| !received.contains_key(r)) && Instant::now() < give_up {
+        if let Ok(Some((run_id, at))) =
+            tokio::time::timeout(Duration::from_secs(1), assigned.recv()).await
+        {
+            received.insert(run_id, at);
+        }
+    }
+    let mut latencies: Vec<f64> = called_at
+        .iter()
+        .filter_map(|(run, t0)| received.get(run).map(|at| *at - *t0))
+        .map(|d| d.num_microseconds().unwrap_or(0) as f64 / 1000.0)
+        .collect();
+    anyhow::ensure!(!latencies.is_empty(), "no run-now assignment arrived");
+    latencies.sort_by(|a, b| a.total_cmp(b));
+    let n = latencies.len();
+    Ok((percentile(&latencies, 0.5), percentile(&latencies, 0.99), n))
 }

@@ -4,8 +4,12 @@
 //! with their events.
 
 use chrono::{DateTime, Utc};
+use futures_util::future::BoxFuture;
+use sqlx::AnyConnection;
 
 use crate::rows::{self, col, micros, to_hex};
+use crate::signal::DesktopNote;
+use crate::writer::Job;
 use crate::{Result, Store};
 
 /// One event a runner reported, in the run's order.
@@ -20,10 +24,9 @@ pub struct DesktopEvent {
 const LOCK_EVENTS: &str = "UPDATE desktop_assignments SET event_count = event_count \
      WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3 RETURNING event_count";
 
-const FIND_EVENT: &str = "SELECT seq FROM desktop_events WHERE run_id = $1 AND event_id = $2";
-
-const INSERT_EVENT: &str =
-    "INSERT INTO desktop_events (run_id, seq, event_id, body) VALUES ($1, $2, $3, $4)";
+/// An event, unless the run's log holds its id already.
+const INSERT_EVENT: &str = "INSERT INTO desktop_events (run_id, seq, event_id, body) \
+     VALUES ($1, $2, $3, $4) ON CONFLICT (run_id, event_id) DO NOTHING";
 
 const SET_EVENT_COUNT: &str =
     "UPDATE desktop_assignments SET event_count = $2, updated_at = $3 WHERE run_id = $1";
@@ -49,29 +52,17 @@ impl Store {
         events: &[(String, Vec<u8>)],
         now: DateTime<Utc>,
     ) -> Result<usize> {
-        let mut tx = self.begin_write().await?;
-        let holder = (run_id, runner_id, stream_id);
-        let count = rows::optional(&mut *tx, LOCK_EVENTS, holder, |r| col(r, "event_count"));
-        let Some(mut seq): Option<i64> = count.await? else {
-            return Ok(0);
+        let append = Append {
+            run_id: run_id.to_owned(),
+            runner_id: runner_id.to_owned(),
+            stream_id: stream_id.to_owned(),
+            events: events
+                .iter()
+                .map(|(id, body)| (id.clone(), to_hex(body)))
+                .collect(),
+            at: micros(now),
         };
-        let mut appended = 0;
-        for (event_id, body) in events {
-            let known = rows::optional(&mut *tx, FIND_EVENT, (run_id, event_id), |_| Ok(()));
-            if known.await?.is_some() {
-                continue;
-            }
-            seq += 1;
-            let params = (run_id, seq, event_id, to_hex(body));
-            rows::execute(&mut *tx, INSERT_EVENT, params).await?;
-            appended += 1;
-        }
-        if appended > 0 {
-            let params = (run_id, seq, micros(now));
-            rows::execute(&mut *tx, SET_EVENT_COUNT, params).await?;
-        }
-        tx.commit().await?;
-        Ok(self.signal_if(appended).await)
+        self.writer().write(append).await
     }
 
     /// Up to `limit` events of a run after sequence `after`.
@@ -101,5 +92,52 @@ impl Store {
         let purged = rows::execute(&mut *tx, DELETE_FINISHED_BEFORE, before).await?;
         tx.commit().await?;
         Ok(purged)
+    }
+}
+
+/// A runner's events for one run, committed with others.
+struct Append {
+    run_id: String,
+    runner_id: String,
+    stream_id: String,
+    /// Event ids and hex bodies.
+    events: Vec<(String, String)>,
+    at: i64,
+}
+
+impl Job for Append {
+    type Output = usize;
+
+    fn key(&self) -> &str {
+        &self.run_id
+    }
+
+    fn signal(&self, appended: &usize) -> Option<DesktopNote> {
+        let run_id = self.run_id.clone();
+        (*appended > 0).then_some(DesktopNote::Changed { run_id })
+    }
+
+    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<usize>> {
+        Box::pin(async move {
+            let run_id = self.run_id.as_str();
+            let holder = (run_id, &self.runner_id, &self.stream_id);
+            let count = rows::optional(&mut *db, LOCK_EVENTS, holder, |r| col(r, "event_count"));
+            let Some(mut seq): Option<i64> = count.await? else {
+                return Ok(0);
+            };
+            let mut appended = 0;
+            for (event_id, body) in &self.events {
+                let params = (run_id, seq + 1, event_id, body);
+                if rows::changed_one(&mut *db, INSERT_EVENT, params).await? {
+                    seq += 1;
+                    appended += 1;
+                }
+            }
+            if appended > 0 {
+                let params = (run_id, seq, self.at);
+                rows::execute(&mut *db, SET_EVENT_COUNT, params).await?;
+            }
+            Ok(appended)
+        })
     }
 }

@@ -3,17 +3,22 @@
 //! An assignment is offered (idempotent by run id) by whichever replica the
 //! coordinator called; the replica holding a stream of the owner's runner
 //! claims it for that runner with a guarded update — so exactly one replica
-//! sends it — and writes back what the runner reports. Every change signals
-//! [`Topic::Desktop`], which wakes replicas in this process and, through
-//! NOTIFY, in others. Bodies (the run spec, the outcome, events) are opaque
+//! sends it — and writes back what the runner reports. Every change tells
+//! the replicas a [`DesktopNote`] of what changed. Offers, reports, events
+//! and cancellations commit through the store's writer (many runs' writes
+//! in one transaction); a claim is one statement of its own, on the
+//! latency path. Bodies (the run spec, the outcome, events) are opaque
 //! protobuf bytes to the store, kept hex-encoded so both backends share one
 //! column type.
 
 use chrono::{DateTime, Utc};
+use futures_util::future::BoxFuture;
+use sqlx::AnyConnection;
 use sqlx::any::AnyRow;
 
 use crate::rows::{self, micros, to_hex};
-use crate::signal::Topic;
+use crate::signal::DesktopNote;
+use crate::writer::Job;
 use crate::{Result, Store};
 
 mod events;
@@ -59,8 +64,15 @@ pub struct DesktopAssignment {
     pub passed_over: Option<String>,
 }
 
-const COLUMNS: &str = "run_id, org_id, owner_id, spec, runner_id, phase, idle, outcome, \
-     cancel_requested, cancel_reason, event_count, stream_id, claimed_at, passed_over";
+/// An assignment's columns, for a `SELECT` or a `RETURNING`.
+macro_rules! assignment_columns {
+    () => {
+        "run_id, org_id, owner_id, spec, runner_id, phase, idle, outcome, \
+         cancel_requested, cancel_reason, event_count, stream_id, claimed_at, passed_over"
+    };
+}
+
+const COLUMNS: &str = assignment_columns!();
 
 const OFFER: &str = "INSERT INTO desktop_assignments \
      (run_id, org_id, owner_id, spec, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $5) \
@@ -68,26 +80,36 @@ const OFFER: &str = "INSERT INTO desktop_assignments \
 
 /// Only the runner's newest stream may claim, only a run no runner has
 /// accepted, and not for the runner that already sat on it.
-const CLAIM: &str = "UPDATE desktop_assignments SET runner_id = $2, stream_id = $3, \
+/// Returns the assignment as claimed, so the replica that claimed an
+/// offer it was told of has the spec to send without another read.
+const CLAIM: &str = concat!(
+    "UPDATE desktop_assignments SET runner_id = $2, stream_id = $3, \
      claimed_at = $4, updated_at = $4 \
      WHERE run_id = $1 AND phase = 'admitted' AND cancel_requested = 0 \
      AND (runner_id IS NULL OR runner_id = $2) \
      AND (passed_over IS NULL OR passed_over <> $2) \
-     AND EXISTS (SELECT 1 FROM runner_streams s WHERE s.runner_id = $2 AND s.stream_id = $3)";
+     AND EXISTS (SELECT 1 FROM runner_streams s WHERE s.runner_id = $2 AND s.stream_id = $3) \
+     RETURNING ",
+    assignment_columns!()
+);
 
 const RELEASE_UNACCEPTED: &str = "UPDATE desktop_assignments \
      SET runner_id = NULL, stream_id = NULL, updated_at = $3 \
-     WHERE runner_id = $1 AND stream_id = $2 AND phase = 'admitted'";
+     WHERE runner_id = $1 AND stream_id = $2 AND phase = 'admitted' RETURNING run_id";
 
 /// A claim not accepted in time goes back, the runner passed over.
-const EXPIRE_CLAIM: &str = "UPDATE desktop_assignments \
+const EXPIRE_CLAIM: &str = concat!(
+    "UPDATE desktop_assignments \
      SET runner_id = NULL, stream_id = NULL, passed_over = runner_id, updated_at = $4 \
-     WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3 AND phase = 'admitted'";
+     WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3 AND phase = 'admitted' \
+     RETURNING ",
+    assignment_columns!()
+);
 
 /// Claims left by a replica that died with them, older than `$1`.
 const EXPIRE_ORPHANED_CLAIMS: &str = "UPDATE desktop_assignments \
      SET passed_over = runner_id, runner_id = NULL, stream_id = NULL, updated_at = $2 \
-     WHERE phase = 'admitted' AND runner_id IS NOT NULL AND claimed_at < $1";
+     WHERE phase = 'admitted' AND runner_id IS NOT NULL AND claimed_at < $1 RETURNING run_id";
 
 /// A cancelled assignment is not accepted: its runner is told to drop it.
 const ACCEPTED: &str = "UPDATE desktop_assignments SET phase = 'running', updated_at = $4 \
@@ -138,22 +160,6 @@ pub enum RunnerReport<'a> {
 }
 
 impl Store {
-    /// Signals the replicas when `changed` (rows, events) is not nothing;
-    /// returns it.
-    async fn signal_if<N: Default + PartialEq>(&self, changed: N) -> N {
-        if changed != N::default() {
-            self.desktop_changed().await;
-        }
-        changed
-    }
-
-    async fn desktop_changed(&self) {
-        if let Err(error) = self.signal(Topic::Desktop).await {
-            // Only a hint: replicas poll as well.
-            tracing::warn!(%error, "cannot signal a desktop change");
-        }
-    }
-
     async fn select_assignments(
         &self,
         filter: &'static str,
@@ -173,7 +179,7 @@ impl Store {
     }
 
     /// Offers a desktop run; returns false when it was already offered (the
-    /// existing assignment stands).
+    /// existing assignment stands). The replicas are told who it is for.
     pub async fn offer_desktop_run(
         &self,
         run_id: &str,
@@ -182,8 +188,12 @@ impl Store {
         spec: &[u8],
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let args = (run_id, org_id, owner_id, to_hex(spec), micros(now));
-        Ok(self.desktop_write(OFFER, args).await? == 1)
+        let write = DesktopWrite::Offer {
+            org_id: org_id.to_owned(),
+            owner_id: owner_id.to_owned(),
+            spec: to_hex(spec),
+        };
+        Ok(self.desktop_write(run_id, write, now).await? == 1)
     }
 
     /// One assignment.
@@ -233,7 +243,8 @@ impl Store {
     }
 
     /// Takes or gives back the claim of stream `stream_id` of `runner_id`
-    /// on an assignment: see [`Claim`]. True when it applied.
+    /// on an assignment: see [`Claim`]. The assignment as the claim left
+    /// it, when it applied.
     pub async fn desktop_claim(
         &self,
         claim: Claim,
@@ -241,12 +252,19 @@ impl Store {
         runner_id: &str,
         stream_id: &str,
         now: DateTime<Utc>,
-    ) -> Result<bool> {
+    ) -> Result<Option<DesktopAssignment>> {
         let params = (run_id, runner_id, stream_id, micros(now));
         Ok(match claim {
             // A claim is only this replica's business until it is accepted.
-            Claim::Take => rows::changed_one(self.db(), CLAIM, params).await?,
-            Claim::Expire => self.desktop_write(EXPIRE_CLAIM, params).await? == 1,
+            Claim::Take => rows::optional(self.db(), CLAIM, params, decode).await?,
+            Claim::Expire => {
+                let given_back = rows::optional(self.db(), EXPIRE_CLAIM, params, decode).await?;
+                if given_back.is_some() {
+                    let run_id = run_id.to_owned();
+                    self.tell(&[DesktopNote::GivenBack { run_id }]).await;
+                }
+                given_back
+            }
         })
     }
 
@@ -258,8 +276,12 @@ impl Store {
         stream_id: &str,
         now: DateTime<Utc>,
     ) -> Result<u64> {
-        self.desktop_write(RELEASE_UNACCEPTED, (runner_id, stream_id, micros(now)))
-            .await
+        let params = (runner_id, stream_id, micros(now));
+        let released = rows::all(self.db(), RELEASE_UNACCEPTED, params, |_| Ok(())).await?;
+        if !released.is_empty() {
+            self.tell(&[DesktopNote::Released]).await;
+        }
+        Ok(released.len() as u64)
     }
 
     /// Gives back every unaccepted claim made before `before` (claims whose
@@ -270,7 +292,18 @@ impl Store {
         now: DateTime<Utc>,
     ) -> Result<u64> {
         let args = (micros(before), micros(now));
-        self.desktop_write(EXPIRE_ORPHANED_CLAIMS, args).await
+        let run_ids: Vec<String> = rows::all(self.db(), EXPIRE_ORPHANED_CLAIMS, args, |r| {
+            rows::col(r, "run_id")
+        })
+        .await?;
+        let notes: Vec<DesktopNote> = run_ids
+            .iter()
+            .map(|run_id| DesktopNote::GivenBack {
+                run_id: run_id.clone(),
+            })
+            .collect();
+        self.tell(&notes).await;
+        Ok(run_ids.len() as u64)
     }
 
     /// Records what the runner of stream `stream_id` reported of `run_id`;
@@ -284,33 +317,31 @@ impl Store {
         stream_id: &str,
         now: DateTime<Utc>,
     ) -> Result<bool> {
-        let at = micros(now);
-        let changed = match report {
-            RunnerReport::Accepted => {
-                let args = (run_id, runner_id, stream_id, at);
-                self.desktop_write(ACCEPTED, args).await?
-            }
-            RunnerReport::Finished(outcome) => {
-                let args = (run_id, runner_id, stream_id, to_hex(outcome), at);
-                self.desktop_write(FINISHED, args).await?
-            }
-            RunnerReport::Idle => {
-                let args = (run_id, runner_id, stream_id, at);
-                self.desktop_write(IDLE, args).await?
-            }
+        let write = DesktopWrite::Report {
+            runner_id: runner_id.to_owned(),
+            stream_id: stream_id.to_owned(),
+            outcome: match report {
+                RunnerReport::Accepted => Reported::Accepted,
+                RunnerReport::Finished(outcome) => Reported::Finished(to_hex(outcome)),
+                RunnerReport::Idle => Reported::Idle,
+            },
         };
-        Ok(changed == 1)
+        Ok(self.desktop_write(run_id, write, now).await? == 1)
     }
 
-    /// Runs one desktop write and, when it changed anything, signals the
-    /// replicas; returns how many rows it changed.
-    async fn desktop_write<'q>(
+    /// Commits one desktop write with others; how many rows it changed.
+    async fn desktop_write(
         &self,
-        sql: &'static str,
-        params: impl rows::Params<'q>,
+        run_id: &str,
+        write: DesktopWrite,
+        now: DateTime<Utc>,
     ) -> Result<u64> {
-        let changed = rows::execute(self.db(), sql, params).await?;
-        Ok(self.signal_if(changed).await)
+        let job = Write {
+            run_id: run_id.to_owned(),
+            write,
+            at: micros(now),
+        };
+        self.writer().write(job).await
     }
 
     /// Asks for the run to be cancelled; returns the assignment as it now is
@@ -321,9 +352,107 @@ impl Store {
         reason: &str,
         now: DateTime<Utc>,
     ) -> Result<Option<DesktopAssignment>> {
-        self.desktop_write(CANCEL, (run_id, reason, micros(now)))
-            .await?;
+        let write = DesktopWrite::Cancel {
+            reason: reason.to_owned(),
+        };
+        self.desktop_write(run_id, write, now).await?;
         self.desktop_run(run_id).await
+    }
+}
+
+/// What a runner reported, as stored.
+#[derive(Debug)]
+enum Reported {
+    Accepted,
+    /// The encoded outcome, hex.
+    Finished(String),
+    Idle,
+}
+
+/// One desktop write of a run.
+#[derive(Debug)]
+enum DesktopWrite {
+    Offer {
+        org_id: String,
+        owner_id: String,
+        /// The encoded spec, hex.
+        spec: String,
+    },
+    Report {
+        runner_id: String,
+        stream_id: String,
+        outcome: Reported,
+    },
+    Cancel {
+        reason: String,
+    },
+}
+
+/// A desktop write committed with others.
+struct Write {
+    run_id: String,
+    write: DesktopWrite,
+    /// When, in microseconds.
+    at: i64,
+}
+
+impl Job for Write {
+    type Output = u64;
+
+    fn key(&self) -> &str {
+        &self.run_id
+    }
+
+    fn signal(&self, changed: &u64) -> Option<DesktopNote> {
+        let run_id = self.run_id.clone();
+        let note = match &self.write {
+            _ if *changed == 0 => return None,
+            DesktopWrite::Offer {
+                org_id, owner_id, ..
+            } => DesktopNote::Offered {
+                run_id,
+                org_id: org_id.clone(),
+                owner_id: owner_id.clone(),
+            },
+            DesktopWrite::Report { .. } => DesktopNote::Changed { run_id },
+            DesktopWrite::Cancel { .. } => DesktopNote::Cancelled { run_id },
+        };
+        Some(note)
+    }
+
+    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<u64>> {
+        let (run_id, at) = (self.run_id.as_str(), self.at);
+        Box::pin(async move {
+            match &self.write {
+                DesktopWrite::Offer {
+                    org_id,
+                    owner_id,
+                    spec,
+                } => rows::execute(db, OFFER, (run_id, org_id, owner_id, spec, at)).await,
+                DesktopWrite::Report {
+                    runner_id,
+                    stream_id,
+                    outcome,
+                } => {
+                    let holder = (run_id, runner_id, stream_id);
+                    match outcome {
+                        Reported::Accepted => {
+                            rows::execute(db, ACCEPTED, (holder.0, holder.1, holder.2, at)).await
+                        }
+                        Reported::Finished(outcome) => {
+                            let params = (holder.0, holder.1, holder.2, outcome, at);
+                            rows::execute(db, FINISHED, params).await
+                        }
+                        Reported::Idle => {
+                            rows::execute(db, IDLE, (holder.0, holder.1, holder.2, at)).await
+                        }
+                    }
+                }
+                DesktopWrite::Cancel { reason } => {
+                    rows::execute(db, CANCEL, (run_id, reason, at)).await
+                }
+            }
+        })
     }
 }
 

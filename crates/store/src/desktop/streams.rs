@@ -38,8 +38,10 @@ impl Store {
         rows::execute(&mut *tx, OPEN_STREAM, stream).await?;
         rows::execute(&mut *tx, TAKE_OVER_CLAIMS, stream).await?;
         rows::execute(&mut *tx, FORGIVE, (runner_id,)).await?;
+        // Nothing to tell: the replica holding the stream reconciles what
+        // the runner should run, and the others notice the newer stream
+        // within their poll.
         tx.commit().await?;
-        self.desktop_changed().await;
         Ok(())
     }
 

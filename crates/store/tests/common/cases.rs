@@ -702,7 +702,13 @@ pub async fn desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_
         store.desktop_claim(Claim::Take, "run-d1", "runner-a", "sa", now),
         store.desktop_claim(Claim::Take, "run-d1", "runner-b", "sb", now)
     );
-    assert!(a.expect("a") ^ b.expect("b"), "exactly one claim wins");
+    let (a, b) = (a.expect("a"), b.expect("b"));
+    assert!(a.is_some() ^ b.is_some(), "exactly one claim wins");
+    // The winner has the assignment as claimed: its spec, its runner.
+    let won = a.or(b).expect("one won");
+    assert_eq!(won.run_id, "run-d1");
+    assert_eq!(won.spec, b"\x00spec\xff");
+    assert!(won.runner_id.is_some());
     let held = store
         .desktop_run("run-d1")
         .await
@@ -849,10 +855,11 @@ pub async fn desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_
         .expect("known");
     assert!(cancelled.cancel_requested && cancelled.idle);
     assert!(
-        !store
+        store
             .desktop_claim(Claim::Take, "run-d2", "runner-a", "sa", now)
             .await
             .expect("claim")
+            .is_none()
     );
     // A claimed, unaccepted run is given back.
     assert!(
@@ -866,6 +873,7 @@ pub async fn desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_
             .desktop_claim(Claim::Take, "run-d3", "runner-a", "sa", now)
             .await
             .expect("claim")
+            .is_some()
     );
     assert_eq!(
         store
@@ -974,6 +982,7 @@ pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
             .desktop_claim(Claim::Take, "r1", "rx", "s1", now)
             .await
             .expect("claim")
+            .is_some()
     );
     // A newer stream of the runner (on any replica) takes its claims over.
     store.open_runner_stream("rx", "s2", now).await.expect("s2");
@@ -993,23 +1002,26 @@ pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
     );
     // The older stream cannot claim; the newest can.
     assert!(
-        !store
+        store
             .desktop_claim(Claim::Take, "r2", "rx", "s1", now)
             .await
             .expect("old")
+            .is_none()
     );
     assert!(
         store
             .desktop_claim(Claim::Take, "r2", "rx", "s2", now)
             .await
             .expect("new")
+            .is_some()
     );
     // Accepted runs are never claimed again, not even by their runner.
     assert!(
-        !store
+        store
             .desktop_claim(Claim::Take, "r1", "rx", "s2", now)
             .await
             .expect("accepted")
+            .is_none()
     );
     // Not accepted in time: given back, and rx is passed over for it.
     assert!(
@@ -1017,18 +1029,21 @@ pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
             .desktop_claim(Claim::Take, "r3", "rx", "s2", now)
             .await
             .expect("claim")
+            .is_some()
     );
     assert!(
         store
             .desktop_claim(Claim::Expire, "r3", "rx", "s2", now)
             .await
             .expect("expire")
+            .is_some()
     );
     assert!(
-        !store
+        store
             .desktop_claim(Claim::Expire, "r3", "rx", "s2", now)
             .await
             .expect("once")
+            .is_none()
     );
     let r3 = store.desktop_run("r3").await.expect("read").expect("r3");
     assert_eq!(
@@ -1036,23 +1051,26 @@ pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
         (None, Some("rx"))
     );
     assert!(
-        !store
+        store
             .desktop_claim(Claim::Take, "r3", "rx", "s2", now)
             .await
             .expect("passed over")
+            .is_none()
     );
     assert!(
         store
             .desktop_claim(Claim::Take, "r3", "ry", "y1", now)
             .await
             .expect("another runner")
+            .is_some()
     );
     // An expired claim that was accepted meanwhile stays.
     assert!(
-        !store
+        store
             .desktop_claim(Claim::Expire, "r1", "rx", "s2", now)
             .await
             .expect("accepted")
+            .is_none()
     );
     // A new stream gives the runner a fresh chance at what it sat on.
     store
@@ -1064,12 +1082,14 @@ pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
             .desktop_claim(Claim::Take, "r5", "rx", "s2", now)
             .await
             .expect("claim")
+            .is_some()
     );
     assert!(
         store
             .desktop_claim(Claim::Expire, "r5", "rx", "s2", now)
             .await
             .expect("expire")
+            .is_some()
     );
     store
         .open_runner_stream("rx", "s3", t(5))
@@ -1080,6 +1100,7 @@ pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
             .desktop_claim(Claim::Take, "r5", "rx", "s3", t(5))
             .await
             .expect("forgiven")
+            .is_some()
     );
     let opened = store
         .runner_streams_opened_since(t(5))
@@ -1092,6 +1113,7 @@ pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
             .desktop_claim(Claim::Take, "r4", "ry", "y1", t(1))
             .await
             .expect("claim")
+            .is_some()
     );
     let swept = store
         .expire_orphaned_desktop_claims(t(3), t(10))
