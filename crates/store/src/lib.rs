@@ -111,6 +111,10 @@ impl std::fmt::Debug for Store {
     }
 }
 
+/// How long a pooled connection may idle and still be handed out
+/// untested.
+const PING_IDLE_AFTER: Duration = Duration::from_secs(1);
+
 impl Store {
     /// Opens a pool without connecting yet: a service can start, report
     /// NOT_SERVING, and become ready once the database answers.
@@ -123,13 +127,33 @@ impl Store {
                 // One writer at a time anyway; a few readers under WAL.
                 Backend::Sqlite => options.max_connections.min(8),
             })
-            .acquire_timeout(options.acquire_timeout);
+            .acquire_timeout(options.acquire_timeout)
+            // A connection used within the last second is handed out as
+            // it is; one idle longer is pinged first (one that fails is
+            // replaced). Pinging every one would add a round trip to every
+            // query on the hot path.
+            .test_before_acquire(false)
+            .before_acquire(|conn, meta| {
+                Box::pin(async move {
+                    if meta.idle_for > PING_IDLE_AFTER {
+                        sqlx::Connection::ping(conn).await?;
+                    }
+                    Ok(true)
+                })
+            });
         if backend == Backend::Postgres {
-            // No statement or lock wait may hang a service: both are bounded.
+            // No statement or lock wait may hang a service: both are
+            // bounded. Each statement is prepared once per connection
+            // (sqlx caches it) and planned once with it: a custom plan per
+            // execution, which PostgreSQL may keep choosing, costs more than
+            // most of these statements take to run.
             pool = pool.after_connect(|conn, _meta| {
                 Box::pin(async move {
-                    conn.execute("SET statement_timeout = '30s'; SET lock_timeout = '10s';")
-                        .await?;
+                    conn.execute(
+                        "SET statement_timeout = '30s'; SET lock_timeout = '10s'; \
+                         SET plan_cache_mode = force_generic_plan;",
+                    )
+                    .await?;
                     Ok(())
                 })
             });

@@ -10,7 +10,7 @@ use crate::page::{Cursor, Page};
 use futures_util::future::BoxFuture;
 use sqlx::AnyConnection;
 
-use crate::rows::{self, col, micros, opt_micros};
+use crate::rows::{self, col, micros};
 use crate::{Result, Store, StoreError};
 
 /// The columns every run query reads, in `decode`'s terms.
@@ -33,11 +33,36 @@ macro_rules! live_states {
 }
 pub(crate) use live_states;
 
-const INSERT: &str = "INSERT INTO runs (id, automation_id, org_id, owner_id, placement, trigger, \
-     scheduled_for, idempotency_key, prompt, model, state, error_code, error_message, deadline_at, \
-     traceparent, created_at, updated_at) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $16) \
-     ON CONFLICT (id) DO NOTHING";
+/// The columns a run's insert sets, and their values (`$1`..`$16`, see
+/// [`insert_run_params`]).
+macro_rules! insert_run_into {
+    () => {
+        "INSERT INTO runs (id, automation_id, org_id, owner_id, placement, trigger, \
+         scheduled_for, idempotency_key, prompt, model, state, error_code, error_message, \
+         deadline_at, traceparent, created_at, updated_at)"
+    };
+}
+macro_rules! insert_run_values {
+    () => {
+        "$1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $16"
+    };
+}
+pub(crate) use {insert_run_into, insert_run_values};
+
+/// A run's insert, unless its id exists.
+macro_rules! insert_run_sql {
+    () => {
+        concat!(
+            $crate::runs::insert_run_into!(),
+            " VALUES (",
+            $crate::runs::insert_run_values!(),
+            ") ON CONFLICT (id) DO NOTHING"
+        )
+    };
+}
+pub(crate) use insert_run_sql;
+
+const INSERT: &str = insert_run_sql!();
 
 const GET_UNSCOPED: &str = rows::select!(run_columns, "FROM runs WHERE id = $1");
 
@@ -260,27 +285,37 @@ pub(crate) async fn insert(
     new: &NewRun<'_>,
     now: DateTime<Utc>,
 ) -> Result<bool> {
-    let a = new.automation;
-    let params = (
-        &new.id,
-        &a.id,
-        &a.org_id,
-        &a.owner_id,
-        a.placement.as_str(),
-        new.trigger.as_str(),
-        opt_micros(new.scheduled_for),
-        new.idempotency_key.as_deref(),
-        &a.prompt,
-        &a.model,
-        new.state.as_str(),
-        new.error.as_ref().map(|(c, _)| c.as_str()),
-        new.error.as_ref().map(|(_, m)| m.as_str()),
-        micros(new.deadline_at),
-        new.traceparent.as_deref(),
-        micros(now),
-    );
-    rows::changed_one(&mut *tx, INSERT, params).await
+    rows::changed_one(&mut *tx, INSERT, insert_run_params!(new, now)).await
 }
+
+/// The values of [`insert_run_sql`]'s parameters for `$new` (a
+/// `&NewRun`) created at `$now`, then any `$extra` ones.
+macro_rules! insert_run_params {
+    ($new:expr, $now:expr $(, $extra:expr)*) => {{
+        let new: &automesh_domain::run::NewRun<'_> = $new;
+        let a = new.automation;
+        (
+            &new.id,
+            &a.id,
+            &a.org_id,
+            &a.owner_id,
+            a.placement.as_str(),
+            new.trigger.as_str(),
+            $crate::rows::opt_micros(new.scheduled_for),
+            new.idempotency_key.as_deref(),
+            &a.prompt,
+            &a.model,
+            new.state.as_str(),
+            new.error.as_ref().map(|(c, _)| c.as_str()),
+            new.error.as_ref().map(|(_, m)| m.as_str()),
+            $crate::rows::micros(new.deadline_at),
+            new.traceparent.as_deref(),
+            $crate::rows::micros($now)
+            $(, $extra)*
+        )
+    }};
+}
+pub(crate) use insert_run_params;
 
 impl crate::Internal<'_> {
     /// One run by id, for internal callers that act for no user.

@@ -41,6 +41,45 @@ const NEXT_DUE: &str = "SELECT MIN(next_run_at) AS next_due FROM automations WHE
 const ADVANCE: &str = "UPDATE automations SET next_run_at = $2, updated_at = $3, \
      version = version + 1 WHERE id = $1";
 
+/// PostgreSQL: an occurrence fired in one statement — the run created
+/// (unless its id exists), its automation advanced to `$17`, and, when the
+/// run is live (`$18` = 1), the coordinators woken at commit (a notification
+/// repeated in one transaction is delivered once). How many runs it created.
+const FIRE_PG: &str = concat!(
+    "WITH created AS (",
+    crate::runs::insert_run_sql!(),
+    " RETURNING id), advanced AS (UPDATE automations SET next_run_at = $17, updated_at = $16, \
+     version = version + 1 WHERE id = $2) \
+     SELECT (SELECT COUNT(*) FROM created) AS created, \
+     (SELECT COUNT(*) FROM (SELECT pg_notify('automesh_runs', '') FROM created WHERE $18 = 1) w) \
+     AS woken"
+);
+
+/// PostgreSQL: an occurrence fired without a lock — the automation
+/// advanced to `$17` only while still active, due at `$18`, at version
+/// `$19` and with no run live; its run created only then, and the
+/// coordinators woken. It commits asynchronously, like the scheduling
+/// transaction (see [`Store::begin_scheduling`]). How many runs it created.
+const FIRE_UNLOCKED_PG: &str = concat!(
+    "WITH async_commit AS (SELECT set_config('synchronous_commit', 'off', true)), \
+     advanced AS (UPDATE automations SET next_run_at = $17, updated_at = $16, \
+       version = version + 1 \
+       WHERE id = $2 AND state = 'active' AND next_run_at = $18 AND version = $19 \
+       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.automation_id = $2 AND r.state IN ",
+    crate::runs::live_states!(),
+    ") RETURNING id), created AS (",
+    crate::runs::insert_run_into!(),
+    " SELECT ",
+    crate::runs::insert_run_values!(),
+    " FROM advanced ON CONFLICT (id) DO NOTHING RETURNING id) \
+     SELECT (SELECT COUNT(*) FROM created) AS created, \
+     (SELECT COUNT(*) FROM (SELECT pg_notify('automesh_runs', '') FROM created) w) AS woken, \
+     (SELECT COUNT(*) FROM async_commit) AS settings"
+);
+
+/// What is due by `$1` (at most `$2`), read without a lock.
+const DUE_UNLOCKED: &str = due_sql!("");
+
 /// An automation due now, and whether a run of it is still live.
 #[derive(Debug, Clone)]
 pub struct Due {
@@ -60,6 +99,8 @@ pub struct SchedulingTx {
     tx: Transaction<'static, Any>,
     backend: Backend,
     created_pending: bool,
+    /// The coordinators' wake-up is already part of the transaction.
+    notified: bool,
 }
 
 impl std::fmt::Debug for SchedulingTx {
@@ -69,11 +110,27 @@ impl std::fmt::Debug for SchedulingTx {
 }
 
 impl Store {
+    /// A scheduling transaction. On PostgreSQL it commits asynchronously
+    /// (no wait for the WAL flush): what it writes is a pure function of
+    /// the automations it advances, in the same transaction, so a crash
+    /// that loses it loses both, and the occurrence fires again, under the
+    /// same derived run id, after the restart. Nothing acts on its runs
+    /// before a synchronous commit that depends on them (a coordinator's
+    /// claim), which flushes the WAL past it.
     pub async fn begin_scheduling(&self) -> Result<SchedulingTx> {
+        let tx = match self.backend() {
+            Backend::Postgres => {
+                self.db()
+                    .begin_with("BEGIN; SET LOCAL synchronous_commit = off")
+                    .await?
+            }
+            Backend::Sqlite => self.begin_write().await?,
+        };
         Ok(SchedulingTx {
-            tx: self.begin_write().await?,
+            tx,
             backend: self.backend(),
             created_pending: false,
+            notified: false,
         })
     }
 
@@ -81,6 +138,47 @@ impl Store {
     pub async fn next_due_at(&self) -> Result<Option<DateTime<Utc>>> {
         let next = rows::optional(self.db(), NEXT_DUE, (), |r| col(r, "next_due")).await?;
         Ok(next.flatten())
+    }
+}
+
+impl Store {
+    /// Up to `limit` active automations due by `at`, soonest first, each
+    /// with whether a run of it is live: read without a lock, to plan what
+    /// [`Store::fire_unlocked`] fires at the instant.
+    pub async fn due_by(&self, at: DateTime<Utc>, limit: u32) -> Result<Vec<Due>> {
+        let decode = rows::skipping("due automation", decode_due);
+        let params = (micros(at), i64::from(limit));
+        let due = rows::all(self.db(), DUE_UNLOCKED, params, decode).await?;
+        Ok(due.into_iter().flatten().collect())
+    }
+
+    /// Fires an occurrence planned from [`Store::due_by`]'s read, in one
+    /// statement and without a lock: creates the run and moves the
+    /// automation's next occurrence from `due` to `next` — only if the
+    /// automation is still active, unchanged (its version) and due at
+    /// `due`, and no run of it is live. `true` when it fired; `false` when
+    /// a guard did not hold (a scheduling transaction then decides).
+    /// PostgreSQL only.
+    pub async fn fire_unlocked(
+        &self,
+        new: &NewRun<'_>,
+        due: DateTime<Utc>,
+        next: Option<DateTime<Utc>>,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        if self.backend() != Backend::Postgres {
+            return Ok(false);
+        }
+        let version = new.automation.version;
+        let params =
+            crate::runs::insert_run_params!(new, now, opt_micros(next), micros(due), version);
+        let created = rows::optional(self.db(), FIRE_UNLOCKED_PG, params, |r| col(r, "created"));
+        let created: Option<i64> = created.await?;
+        let created = created.unwrap_or(0) > 0;
+        if created {
+            crate::signal::runs_created();
+        }
+        Ok(created)
     }
 }
 
@@ -110,6 +208,33 @@ impl SchedulingTx {
         Ok(created)
     }
 
+    /// Fires an occurrence: creates its run unless the run's (derived) id
+    /// exists, and moves the automation's next occurrence to `next` — on
+    /// PostgreSQL in one statement, which also wakes the coordinators at
+    /// commit; `true` when the run was created.
+    pub async fn fire(
+        &mut self,
+        new: &NewRun<'_>,
+        next: Option<DateTime<Utc>>,
+        now: DateTime<Utc>,
+    ) -> Result<bool> {
+        if self.backend == Backend::Sqlite {
+            let created = self.create_run(new, now).await?;
+            self.advance(&new.automation.id, next, now).await?;
+            return Ok(created);
+        }
+        let live = i64::from(!new.state.is_terminal());
+        let params = crate::runs::insert_run_params!(new, now, opt_micros(next), live);
+        let (created, woken): (i64, i64) = rows::optional(&mut *self.tx, FIRE_PG, params, |r| {
+            Ok((col(r, "created")?, col(r, "woken")?))
+        })
+        .await?
+        .unwrap_or_default();
+        self.notified |= woken > 0;
+        self.created_pending |= created > 0 && live == 1;
+        Ok(created > 0)
+    }
+
     /// Stores the receipt of a run created terminal (skipped, missed).
     pub async fn insert_receipt(&mut self, receipt: &Receipt) -> Result<()> {
         crate::receipts::created_terminal(&mut self.tx, receipt).await
@@ -132,7 +257,7 @@ impl SchedulingTx {
     /// can be woken).
     pub async fn commit(self) -> Result<bool> {
         let mut tx = self.tx;
-        if self.created_pending && self.backend == Backend::Postgres {
+        if self.created_pending && !self.notified && self.backend == Backend::Postgres {
             sqlx::query("SELECT pg_notify('automesh_runs', '')")
                 .execute(&mut *tx)
                 .await?;

@@ -116,10 +116,17 @@ pub async fn run_loop(
     wake: Arc<Notify>,
     shutdown: CancellationToken,
 ) {
+    // The due instant the loop woke (a little) ahead of, if it did.
+    let mut ahead_of = None;
     loop {
         let notified = wake.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
+        if let Some(at) = ahead_of.take()
+            && let Err(error) = fire_ahead(&store, &settings, at).await
+        {
+            tracing::warn!(%error, "firing at the due instant failed; the pass fires it");
+        }
         let claimed = pass(&store, &settings).await;
         if let Err(error) = claimed {
             tracing::warn!(%error, "scheduling pass failed; retrying");
@@ -128,24 +135,131 @@ pub async fn run_loop(
                 () = shutdown.cancelled() => return,
             }
         }
-        let sleep = match store.next_due_at().await {
+        let (sleep, next) = match store.next_due_at().await {
             // Due now but not claimed: another replica holds it. Do not spin.
-            Ok(Some(at)) if at <= Utc::now() && matches!(claimed, Ok(0)) => MIN_SLEEP,
-            Ok(Some(at)) => (at - Utc::now())
-                .to_std()
-                .unwrap_or(Duration::ZERO)
-                .min(settings.max_sleep),
-            Ok(None) => settings.max_sleep,
+            Ok(Some(at)) if at <= Utc::now() && matches!(claimed, Ok(0)) => (MIN_SLEEP, None),
+            Ok(Some(at)) => {
+                let until = (at - Utc::now()).to_std().unwrap_or(Duration::ZERO);
+                if until > settings.max_sleep {
+                    (settings.max_sleep, None)
+                } else if until > AHEAD {
+                    // Wake ahead to have the due rows claimed by the instant.
+                    (until - AHEAD, Some(at))
+                } else {
+                    (until, None)
+                }
+            }
+            Ok(None) => (settings.max_sleep, None),
             Err(error) => {
                 tracing::warn!(%error, "cannot read the next due instant");
-                settings.max_sleep
+                (settings.max_sleep, None)
             }
         };
         tokio::select! {
-            () = tokio::time::sleep(sleep) => {}
+            () = sleep_precisely(sleep) => ahead_of = next,
             () = notified => {}
             () = shutdown.cancelled() => return,
         }
+    }
+}
+
+/// How far ahead of a due instant the loop wakes to read what falls due
+/// and plan it, so that at the instant firing is one statement each.
+const AHEAD: Duration = Duration::from_millis(3);
+
+/// The most occurrences due at one instant fired that way; a burst goes
+/// through the pass's batches.
+const AHEAD_LIMIT: usize = 8;
+
+/// Fires what falls due at `at` the moment it does, when that is a few
+/// ordinary occurrences (nothing missed, no previous run live): read and
+/// planned ahead without locks, each fired at the instant by one guarded
+/// statement (the automation still active, unchanged and due at the same
+/// instant, and no run of it live), concurrently. A guard that does not
+/// hold fires nothing: the pass that follows claims what is still due,
+/// with locks, and decides again. PostgreSQL only.
+async fn fire_ahead(
+    store: &Store,
+    settings: &Settings,
+    at: DateTime<Utc>,
+) -> Result<(), StoreError> {
+    if store.backend() != automesh_store::Backend::Postgres {
+        return Ok(());
+    }
+    let due = store.due_by(at, AHEAD_LIMIT as u32 + 1).await?;
+    if due.is_empty() || due.len() > AHEAD_LIMIT || due.iter().any(|d| d.live_run) {
+        return Ok(());
+    }
+    let mut fires = vec![];
+    for d in &due {
+        let a = &d.automation;
+        let Some(first_due) = a.next_run_at else {
+            return Ok(());
+        };
+        let plan = plan(&a.schedule, first_due, at, settings.catch_up_window);
+        let (Some(fire), true) = (plan.fire, plan.missed.is_empty()) else {
+            return Ok(());
+        };
+        fires.push((a, first_due, fire, plan.next));
+    }
+    sleep_precisely((at - Utc::now()).to_std().unwrap_or(Duration::ZERO)).await;
+    let now = Utc::now().max(at);
+    let fired = fires.iter().map(|(a, first_due, fire, next)| async move {
+        let span = occurrence_span(a, *fire);
+        let traceparent = span.in_scope(propagation::current_traceparent);
+        let run = new_run(
+            a,
+            *fire,
+            now,
+            settings,
+            RunState::Pending,
+            None,
+            traceparent,
+        );
+        let created = store.fire_unlocked(&run, *first_due, *next, now).await?;
+        if created {
+            span.in_scope(|| tracing::info!(run_id = %run.id, "occurrence due: run created"));
+        }
+        Ok::<_, StoreError>(created.then_some(Created {
+            placement: a.placement,
+            trigger: RunTrigger::Schedule,
+            state: RunState::Pending,
+            code: None,
+        }))
+    });
+    let mut created = vec![];
+    for c in futures_util::future::join_all(fired).await {
+        created.extend(c?);
+    }
+    crate::metrics::count(&created);
+    Ok(())
+}
+
+/// The span an occurrence's run starts its trace with.
+fn occurrence_span(a: &Automation, at: DateTime<Utc>) -> tracing::Span {
+    tracing::info_span!(
+        parent: None,
+        "automesh.occurrence",
+        automation_id = %a.id,
+        scheduled_for = %at,
+        placement = %a.placement,
+    )
+}
+
+/// The last stretch of a sleep spent yielding rather than on the timer,
+/// whose ticks are a millisecond apart.
+const SPIN: Duration = Duration::from_millis(1);
+
+/// Sleeps `d`, waking within microseconds of its end rather than on the
+/// timer's next millisecond tick: the scheduler fires an occurrence at its
+/// due instant, not up to two milliseconds later.
+async fn sleep_precisely(d: Duration) {
+    let until = std::time::Instant::now() + d;
+    if d > SPIN {
+        tokio::time::sleep(d - SPIN).await;
+    }
+    while std::time::Instant::now() < until {
+        tokio::task::yield_now().await;
     }
 }
 
@@ -247,15 +361,25 @@ async fn materialize(
             tracing::info!(automation_id = %a.id, scheduled_for = %at, "occurrence skipped: previous run live");
         } else {
             // Each occurrence starts its own trace; the run carries it on.
-            let span = tracing::info_span!(
-                parent: None,
-                "automesh.occurrence",
-                automation_id = %a.id,
-                scheduled_for = %at,
-                placement = %a.placement,
-            );
+            let span = occurrence_span(a, at);
             let traceparent = span.in_scope(propagation::current_traceparent);
             let run = new_run(a, at, now, settings, RunState::Pending, None, traceparent);
+            // The common case, nothing missed: the run and the automation's
+            // advance in one statement.
+            if plan.missed.is_empty() {
+                if tx.fire(&run, plan.next, now).await? {
+                    span.in_scope(
+                        || tracing::info!(run_id = %run.id, "occurrence due: run created"),
+                    );
+                    created.push(Created {
+                        placement: a.placement,
+                        trigger: RunTrigger::Schedule,
+                        state: RunState::Pending,
+                        code: None,
+                    });
+                }
+                return Ok(());
+            }
             if tx.create_run(&run, now).await? {
                 span.in_scope(|| tracing::info!(run_id = %run.id, "occurrence due: run created"));
                 created.push(Created {

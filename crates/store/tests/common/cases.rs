@@ -1426,3 +1426,77 @@ pub async fn a_worker_with_a_live_run_is_never_stopped(store: &Store) {
         Wake::Start
     ));
 }
+
+/// The scheduler's one-statement firing at the due instant (read ahead
+/// without a lock): it creates the run and advances the automation only
+/// while the automation is active, unchanged since the read, due at that
+/// instant and without a live run — never twice. SQLite never fires so.
+pub async fn an_occurrence_fires_unlocked_only_while_its_guards_hold(store: &Store) {
+    let a = create(store, &alice(), "a1", t(0)).await;
+    let due_at = a.next_run_at.expect("due");
+    let due = store.due_by(due_at, 10).await.expect("due by");
+    assert_eq!(due.len(), 1);
+    assert!(!due[0].live_run);
+    let read = due[0].automation.clone();
+    fn scheduled<'a>(a: &'a Automation, id: &str, at: DateTime<Utc>) -> NewRun<'a> {
+        NewRun {
+            trigger: RunTrigger::Schedule,
+            scheduled_for: Some(at),
+            idempotency_key: None,
+            ..new_run(a, id)
+        }
+    }
+    let next = Some(due_at + Duration::days(1));
+    let runs = |store: &Store| {
+        let store = store.clone();
+        async move {
+            store
+                .list_runs(&alice(), Some("a1"), &Cursor::start(), 10)
+                .await
+                .expect("list")
+                .items
+                .len()
+        }
+    };
+    if store.backend() == automesh_store::Backend::Sqlite {
+        let run = scheduled(&read, "r1", due_at);
+        let fired = store.fire_unlocked(&run, due_at, next, t(2)).await;
+        assert!(!fired.expect("fire"), "SQLite never fires unlocked");
+        assert_eq!(runs(store).await, 0);
+        return;
+    }
+    // Changed since the read, or due at another instant: nothing.
+    let stale = Automation {
+        version: read.version + 1,
+        ..read.clone()
+    };
+    let run = scheduled(&stale, "r1", due_at);
+    let fired = store.fire_unlocked(&run, due_at, next, t(2)).await;
+    assert!(!fired.expect("stale"));
+    let elsewhen = due_at - Duration::seconds(1);
+    let run = scheduled(&read, "r1", due_at);
+    let fired = store.fire_unlocked(&run, elsewhen, next, t(2)).await;
+    assert!(!fired.expect("other instant"));
+    assert_eq!(runs(store).await, 0);
+    // As read: the run, and the automation advanced (a new version).
+    let run = scheduled(&read, "r1", due_at);
+    let fired = store.fire_unlocked(&run, due_at, next, t(2)).await;
+    assert!(fired.expect("fire"));
+    let advanced = store.get_automation(&alice(), "a1").await.expect("read");
+    assert_eq!(advanced.next_run_at, next);
+    assert_eq!(advanced.version, read.version + 1);
+    assert_eq!(runs(store).await, 1);
+    // The same read again: no second run.
+    let run = scheduled(&read, "r2", due_at);
+    let fired = store.fire_unlocked(&run, due_at, next, t(3)).await;
+    assert!(!fired.expect("again"));
+    assert_eq!(runs(store).await, 1);
+    // A run of it is live: nothing, even with a fresh read.
+    let again = store.get_automation(&alice(), "a1").await.expect("read");
+    let run = scheduled(&again, "r3", due_at);
+    let fired = store
+        .fire_unlocked(&run, next.expect("next"), None, t(4))
+        .await;
+    assert!(!fired.expect("live"));
+    assert_eq!(runs(store).await, 1);
+}

@@ -33,6 +33,7 @@ macro_rules! conformance_suite {
             runs_are_leased_to_one_coordinator_and_fenced,
             concurrent_wakes_start_a_worker_once,
             a_worker_with_a_live_run_is_never_stopped,
+            an_occurrence_fires_unlocked_only_while_its_guards_hold,
         );
     };
     ($backend:expr; $($case:ident),* $(,)?) => {
