@@ -1446,7 +1446,8 @@ pub async fn an_occurrence_fires_unlocked_only_while_its_guards_hold(store: &Sto
             ..new_run(a, id)
         }
     }
-    let next = Some(due_at + Duration::days(1));
+    let tomorrow = due_at + Duration::days(1);
+    let next = Some(tomorrow);
     let runs = |store: &Store| {
         let store = store.clone();
         async move {
@@ -1494,9 +1495,7 @@ pub async fn an_occurrence_fires_unlocked_only_while_its_guards_hold(store: &Sto
     // A run of it is live: nothing, even with a fresh read.
     let again = store.get_automation(&alice(), "a1").await.expect("read");
     let run = scheduled(&again, "r3", due_at);
-    let fired = store
-        .fire_unlocked(&run, next.expect("next"), None, t(4))
-        .await;
+    let fired = store.fire_unlocked(&run, tomorrow, None, t(4)).await;
     assert!(!fired.expect("live"));
     assert_eq!(runs(store).await, 1);
 }
