@@ -113,3 +113,192 @@ impl DbCounters {
         )
     }
 }
+
+/// Mints a runner token for `owner` (the `i`th of a benchmark).
+pub async fn mint_runner(
+    store: &automesh_store::Store,
+    owner: &automesh_domain::Principal,
+    i: usize,
+) -> anyhow::Result<String> {
+    let token = format!("amr_bench_{}_{i}", uuid::Uuid::new_v4().simple());
+    store
+        .create_runner(
+            owner,
+            &automesh_domain::ids::new_runner_id(),
+            &format!("bench {i}"),
+            &automesh_desktop_runner_gateway::hash_token(&token),
+            chrono::Utc::now(),
+        )
+        .await?;
+    Ok(token)
+}
+
+/// What a benchmark's stub runners report: streams welcomed and ended, and
+/// each assignment as it arrives (run id, instant).
+#[derive(Clone)]
+pub struct StubRunners {
+    pub welcomed: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    pub ended: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    pub assignments: tokio::sync::mpsc::UnboundedSender<(String, chrono::DateTime<chrono::Utc>)>,
+    /// HTTP/2 PING liveness (as the reference runner asks), or heartbeats.
+    pub ping_liveness: bool,
+}
+
+/// Received assignments, as [`StubRunners`] reports them.
+pub type Assigned = tokio::sync::mpsc::UnboundedReceiver<(String, chrono::DateTime<chrono::Utc>)>;
+
+impl StubRunners {
+    pub fn new(ping_liveness: bool) -> (StubRunners, Assigned) {
+        let (assignments, assigned) = tokio::sync::mpsc::unbounded_channel();
+        (
+            StubRunners {
+                welcomed: Default::default(),
+                ended: Default::default(),
+                assignments,
+                ping_liveness,
+            },
+            assigned,
+        )
+    }
+
+    /// Streams alive now.
+    pub fn alive(&self) -> usize {
+        use std::sync::atomic::Ordering;
+        let welcomed = self.welcomed.load(Ordering::SeqCst);
+        welcomed - self.ended.load(Ordering::SeqCst).min(welcomed)
+    }
+
+    /// Streams welcomed or ended so far.
+    pub fn settled(&self) -> usize {
+        use std::sync::atomic::Ordering;
+        self.welcomed.load(Ordering::SeqCst) + self.ended.load(Ordering::SeqCst)
+    }
+
+    /// One runner stream at `addr` with `token`, written against the proto:
+    /// Hello, heartbeats at the interval the gateway asks for unless it
+    /// granted PING liveness, and a stub engine that answers at once: an
+    /// assignment is accepted, and once confirmed finished as succeeded.
+    /// Returns when the stream ends.
+    pub async fn hold(self, addr: String, token: String) {
+        use automesh_proto::runner::v1 as rpb;
+        use automesh_proto::runner::v1::connect_request::Message as Up;
+        use automesh_proto::runner::v1::connect_response::Message as Down;
+        use std::sync::atomic::Ordering;
+        let ended = || {
+            self.ended.fetch_add(1, Ordering::SeqCst);
+        };
+        let Ok(endpoint) = tonic::transport::Endpoint::from_shared(addr) else {
+            return ended();
+        };
+        let Ok(channel) = endpoint.connect().await else {
+            return ended();
+        };
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        let up = |m: Up| rpb::ConnectRequest { message: Some(m) };
+        let _ = tx
+            .send(up(Up::Hello(rpb::Hello {
+                runner_version: "bench".into(),
+                held_runs: vec![],
+                ping_liveness: self.ping_liveness,
+            })))
+            .await;
+        let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        if let Ok(v) = format!("Bearer {token}").parse() {
+            request.metadata_mut().insert("authorization", v);
+        }
+        let Ok(response) =
+            rpb::desktop_runner_service_client::DesktopRunnerServiceClient::new(channel)
+                .connect(request)
+                .await
+        else {
+            return ended();
+        };
+        let mut inbound = response.into_inner();
+        let mut heartbeats = true;
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(3));
+        loop {
+            let sent = tokio::select! {
+                m = inbound.message() => match m {
+                    Ok(Some(rpb::ConnectResponse { message: Some(m) })) => match m {
+                        Down::Welcome(w) => {
+                            self.welcomed.fetch_add(1, Ordering::SeqCst);
+                            heartbeats = !w.ping_liveness;
+                            if let Some(d) = w.heartbeat_interval.and_then(|d| std::time::Duration::try_from(d).ok()) {
+                                tick = tokio::time::interval(d);
+                            }
+                            Ok(())
+                        }
+                        Down::Assignment(a) => {
+                            let _ = self.assignments.send((a.run_id.clone(), chrono::Utc::now()));
+                            tx.send(up(Up::AssignmentAccepted(rpb::AssignmentAccepted { run_id: a.run_id }))).await
+                        }
+                        Down::AssignmentConfirmed(c) => {
+                            tx.send(up(Up::RunFinished(rpb::RunFinished {
+                                run_id: c.run_id,
+                                outcome: automesh_proto::v1::RunState::Succeeded as i32,
+                                engine: "bench".into(),
+                                ..Default::default()
+                            }))).await
+                        }
+                        _ => Ok(()),
+                    },
+                    Ok(Some(_)) => Ok(()),
+                    _ => return ended(),
+                },
+                _ = tick.tick(), if heartbeats => {
+                    tx.send(up(Up::Heartbeat(rpb::Heartbeat { send_time: None }))).await
+                }
+            };
+            if sent.is_err() {
+                return ended();
+            }
+        }
+    }
+}
+
+/// Creates `count` once-automations of `prefix` on `surface`, owned by
+/// `owner(i)`, far in the future, then
+/// makes them due at `due(i)` — instants it asks for only once they all
+/// exist, so that creating them never eats into the measured time.
+pub async fn insert_due(
+    store: &automesh_store::Store,
+    prefix: &str,
+    count: usize,
+    surface: automesh_domain::Surface,
+    owner: impl Fn(usize) -> automesh_domain::Principal,
+    due: impl Fn(usize, chrono::DateTime<chrono::Utc>) -> chrono::DateTime<chrono::Utc>,
+) -> anyhow::Result<Vec<chrono::DateTime<chrono::Utc>>> {
+    let now = chrono::Utc::now();
+    let far = now + chrono::Duration::days(3650);
+    for i in 0..count {
+        let at = far;
+        let new = automesh_domain::automation::NewAutomation {
+            id: format!("{prefix}-{i:05}"),
+            owner: owner(i),
+            name: format!("bench {i}"),
+            prompt: "p".into(),
+            model: "fake/echo".into(),
+            surface,
+            schedule: automesh_domain::Schedule::Once { at },
+        };
+        store.create_automation(&new, Some(at), now).await?;
+    }
+    // Due from a second after the last one is due-dated.
+    let base = chrono::Utc::now() + chrono::Duration::milliseconds(1000 + 2 * count as i64);
+    let mut dues = vec![];
+    for i in 0..count {
+        let at = due(i, base);
+        let record =
+            automesh_domain::schedule::ScheduleRecord::from(&automesh_domain::Schedule::Once {
+                at,
+            });
+        sqlx::query("UPDATE automations SET next_run_at = $1, schedule = $2 WHERE id = $3")
+            .bind(at.timestamp_micros())
+            .bind(serde_json::to_string(&record)?)
+            .bind(format!("{prefix}-{i:05}"))
+            .execute(store.pool())
+            .await?;
+        dues.push(at);
+    }
+    Ok(dues)
+}

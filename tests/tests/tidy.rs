@@ -96,7 +96,7 @@ fn unavailable_and_internal_answers_are_built_only_at_the_error_edge() {
     assert!(
         elsewhere.is_empty(),
         "build these through automesh_rpc::status (failure, internal, unavailable, \
-         shutting_down): {elsewhere:#?}"
+         shutting_down, connection_lost): {elsewhere:#?}"
     );
 }
 

@@ -2,6 +2,10 @@
 //! cannot avoid, all measured in the same run:
 //!
 //!   cargo bench -p automesh-engine --bench engine_overhead
+//!   cargo bench --profile dev -p automesh-engine --bench engine_overhead -- --quick
+//!
+//! `--quick` is the short form CI runs once (5 steps, one repeat; figures
+//! printed, not checked).
 //!
 //! Baselines: a bare HTTP POST of the same request to the same fake provider,
 //! and a bare MCP tool call on an open session. Overhead per step = the
@@ -19,8 +23,14 @@ use automesh_engine::provider::ProviderConfig;
 use common::{FakeMcp, Reply, mcp, provider, text_completion, tool_call_completion};
 use tokio_util::sync::CancellationToken;
 
-const STEPS: u32 = 30;
-const REPEATS: usize = 7;
+/// Steps per run, and runs measured (fewer under `--quick`).
+fn sizes() -> (u32, usize) {
+    if std::env::args().any(|a| a == "--quick") {
+        (5, 1)
+    } else {
+        (30, 7)
+    }
+}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -29,11 +39,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let (purl, _p) = provider(|_, body| {
+    let (steps, repeats) = sizes();
+    let (purl, _p) = provider(move |_, body| {
         let tools = body["messages"]
             .as_array()
             .map_or(0, |m| m.iter().filter(|m| m["role"] == "tool").count());
-        Reply::Json(if tools + 1 >= STEPS as usize {
+        Reply::Json(if tools + 1 >= steps as usize {
             text_completion("done")
         } else {
             tool_call_completion(
@@ -86,7 +97,7 @@ async fn main() {
     let (post, tool) = (median(post), median(tool));
 
     let mut per_step = vec![];
-    for _ in 0..REPEATS {
+    for _ in 0..repeats {
         let run = NativeRun {
             model: "m".into(),
             prompt: "bench".into(),
@@ -101,7 +112,7 @@ async fn main() {
             connect: connect.clone(),
             connect_token_expires_at: None,
             model_authorized: true,
-            max_steps: STEPS + 1,
+            max_steps: steps + 1,
             deadline: tokio::time::Instant::now() + Duration::from_secs(60),
             resume_from: None,
         };
@@ -121,8 +132,8 @@ async fn main() {
         per_step.push(elapsed / f64::from(outcome.steps));
     }
     let per_step = median(per_step);
-    let unavoidable = post + tool * f64::from(STEPS - 1) / f64::from(STEPS);
-    println!("native engine, {STEPS} steps per run, median of {REPEATS} runs");
+    let unavoidable = post + tool * f64::from(steps - 1) / f64::from(steps);
+    println!("native engine, {steps} steps per run, median of {repeats} runs");
     println!("baseline  bare provider POST round trip        {post:>8.0} µs");
     println!("baseline  bare MCP tool call round trip        {tool:>8.0} µs");
     println!("loop      time per step                        {per_step:>8.0} µs");

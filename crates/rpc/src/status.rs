@@ -68,6 +68,13 @@ pub fn shutting_down(what: &str) -> Status {
     Status::unavailable(format!("shutting down; {what}"))
 }
 
+/// UNAVAILABLE because the peer's connection was lost (it stopped
+/// answering or went away): `what` says whose. Nobody may be left to read
+/// it; it names why a stream ended, in metrics and logs.
+pub fn connection_lost(what: &str) -> Status {
+    Status::unavailable(format!("{what}: the connection was lost"))
+}
+
 /// The one answer to a failure of kind `kind` while doing `context`
 /// (`error` says what exactly; it is logged, and for bad input shown). A
 /// missing thing is named by `context`.

@@ -13,20 +13,16 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use automesh_proto::executor::v1 as epb;
-use automesh_proto::runner::v1 as rpb;
 use automesh_store::desktop::{Claim, DesktopAssignment};
 use automesh_store::{DesktopNote, Heard, Store};
 use chrono::Utc;
-use prost::Message as _;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::outbound::{cancel_message, run_span, send, send_assignment};
 use crate::stream::Sessions;
 
-/// Bound on handing one message to a runner's stream.
-pub(crate) const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often a replica looks for work even without a signal.
 pub(crate) const POLL: Duration = Duration::from_secs(1);
 /// Assignments (and cancellations) one delivery pass handles.
@@ -548,18 +544,6 @@ impl Dispatch {
     }
 }
 
-/// A span of work on `a` in its run's trace (the traceparent its spec
-/// carries), so delivery and its log lines belong to the run.
-fn run_span(name: &'static str, a: &DesktopAssignment) -> tracing::Span {
-    let span = tracing::info_span!("automesh.desktop", otel.name = name, run_id = %a.run_id);
-    let traceparent = epb::RunSpec::decode(a.spec.as_slice())
-        .ok()
-        .map(|s| s.traceparent)
-        .filter(|t| !t.is_empty());
-    automesh_rpc::propagation::continue_trace(&span, traceparent.as_deref());
-    span
-}
-
 /// A run this replica is claiming and sending now: the one-hop delivery
 /// and the delivery pass may both try it, only one of them does.
 struct Claiming<'a> {
@@ -582,68 +566,5 @@ impl Drop for Claiming<'_> {
         if let Ok(mut claiming) = self.dispatch.claiming.lock() {
             claiming.remove(&self.run_id);
         }
-    }
-}
-
-/// Sends `a`, claimed for `session`'s runner; gives the claim back when the
-/// stream does not take it.
-async fn send_assignment(
-    store: &Store,
-    session: &crate::stream::Session,
-    a: &DesktopAssignment,
-    again: bool,
-) -> Result<bool, automesh_store::StoreError> {
-    let (runner_id, tx) = (session.runner_id.as_str(), &session.tx);
-    let Ok(spec) = epb::RunSpec::decode(a.spec.as_slice()) else {
-        tracing::error!(run_id = %a.run_id, "undecodable desktop run spec");
-        return Ok(false);
-    };
-    if send(tx, assignment(&spec)).await {
-        tracing::info!(run_id = %a.run_id, runner_id, again, "run assigned to a runner");
-        crate::metrics::delivered(again);
-        Ok(true)
-    } else {
-        tracing::warn!(run_id = %a.run_id, runner_id, "the runner's stream did not take the assignment");
-        store
-            .release_unaccepted_desktop_runs(runner_id, &session.stream_id, Utc::now())
-            .await?;
-        Ok(false)
-    }
-}
-
-/// Sends one message to a runner, bounded.
-pub(crate) async fn send(tx: &crate::stream::ToRunner, message: rpb::ConnectResponse) -> bool {
-    matches!(
-        tokio::time::timeout(SEND_TIMEOUT, tx.send(Ok(Box::new(message)))).await,
-        Ok(Ok(()))
-    )
-}
-
-/// The assignment message for a run.
-pub fn assignment(spec: &epb::RunSpec) -> rpb::ConnectResponse {
-    rpb::ConnectResponse {
-        message: Some(rpb::connect_response::Message::Assignment(
-            rpb::Assignment {
-                run_id: spec.run_id.clone(),
-                automation_id: spec.automation_id.clone(),
-                prompt: spec.prompt.clone(),
-                model: spec.model.clone(),
-                deadline_time: spec.deadline_time,
-                traceparent: spec.traceparent.clone(),
-                provider_model: spec.provider_model.clone(),
-            },
-        )),
-    }
-}
-
-/// The cancellation message for a run.
-pub fn cancel_message(run_id: &str, reason: &str) -> rpb::ConnectResponse {
-    rpb::ConnectResponse {
-        message: Some(rpb::connect_response::Message::CancelAssignment(
-            rpb::CancelAssignment {
-                run_id: run_id.to_owned(),
-                reason: reason.to_owned(),
-            },
-        )),
     }
 }

@@ -17,6 +17,7 @@
 pub mod dispatch;
 pub mod executor;
 mod metrics;
+mod outbound;
 mod reports;
 pub mod stream;
 

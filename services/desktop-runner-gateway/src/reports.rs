@@ -11,7 +11,8 @@ use automesh_store::desktop::RunnerReport;
 use chrono::Utc;
 use prost::Message as _;
 
-use crate::dispatch::{Dispatch, cancel_message, send};
+use crate::dispatch::Dispatch;
+use crate::outbound::{cancel_message, send};
 use crate::stream::Session;
 
 /// Reconciles what a (re)connecting runner holds with the shared dispatch

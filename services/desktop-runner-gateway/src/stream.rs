@@ -28,8 +28,9 @@ use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::dispatch::{Dispatch, send};
+use crate::dispatch::Dispatch;
 use crate::hash_token;
+use crate::outbound::send;
 use crate::reports::{Answer, reconcile, record};
 
 /// Messages queued towards one runner before the sender waits.
@@ -468,8 +469,8 @@ async fn follow(
             // the keepalive), which drops the way back too, a moment later.
             Ok(None) => {
                 return match tokio::time::timeout(LOST_GRACE, tx.closed()).await {
-                    Ok(()) => Err(Status::unavailable(
-                        "the runner's connection was lost: the stream is declared dead",
+                    Ok(()) => Err(status::connection_lost(
+                        "the runner's stream is declared dead",
                     )),
                     Err(_) => Ok(()),
                 };
@@ -582,7 +583,7 @@ fn end_reason(ended: &Result<(), Status>) -> &'static str {
         tonic::Code::DeadlineExceeded => "silent",
         tonic::Code::FailedPrecondition | tonic::Code::ResourceExhausted => "protocol",
         tonic::Code::Unavailable if status.message().contains("shutting down") => "shutdown",
-        tonic::Code::Unavailable if status.message().contains("connection was lost") => "lost",
+        tonic::Code::Unavailable if status.message().ends_with("the connection was lost") => "lost",
         tonic::Code::Unknown | tonic::Code::Internal | tonic::Code::Cancelled => "broken",
         _ => "other",
     }

@@ -24,23 +24,22 @@
 //!
 //! The machine is shared; read medians and ratios. `--quick` is the short
 //! form CI runs once (500 and 950 streams; figures printed, not checked).
+//! To profile the gateway process, name a wrapper in `BENCH_WRAP` (for
+//! example `BENCH_WRAP=heaptrack`): the child is started under it.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use automesh_domain::automation::NewAutomation;
 use automesh_domain::{Principal, Schedule, Surface};
-use automesh_e2e_tests::bench::{median, percentile, quick, sized};
+use automesh_e2e_tests::bench::{
+    Assigned, StubRunners, median, mint_runner, percentile, quick, sized,
+};
 use automesh_e2e_tests::{Mesh, MeshOptions};
-use automesh_proto::runner::v1 as rpb;
-use automesh_proto::runner::v1::desktop_runner_service_client::DesktopRunnerServiceClient;
 use automesh_proto::v1 as pb;
 use automesh_store::{Backend, Store, StoreOptions};
 use chrono::Utc;
 use tokio::io::AsyncBufReadExt;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 
 fn rss_kib(pid: u32) -> anyhow::Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
@@ -91,99 +90,6 @@ async fn serve_gateway(url: &str) -> anyhow::Result<()> {
         .await
 }
 
-async fn mint(store: &Store, owner: &Principal, i: usize) -> anyhow::Result<String> {
-    let token = format!("amr_bench_{}_{i}", uuid::Uuid::new_v4().simple());
-    store
-        .create_runner(
-            owner,
-            &automesh_domain::ids::new_runner_id(),
-            &format!("bench {i}"),
-            &automesh_desktop_runner_gateway::hash_token(&token),
-            Utc::now(),
-        )
-        .await?;
-    Ok(token)
-}
-
-/// One runner stream: Hello, then heartbeats at the interval the gateway
-/// asks for; assignments are accepted and finished at once and their
-/// arrival time reported.
-async fn hold(
-    addr: String,
-    token: String,
-    ping_liveness: bool,
-    welcomed: Arc<AtomicUsize>,
-    ended: Arc<AtomicUsize>,
-    assignments: mpsc::UnboundedSender<(String, chrono::DateTime<Utc>)>,
-) {
-    let Ok(endpoint) = tonic::transport::Endpoint::from_shared(addr) else {
-        return;
-    };
-    let Ok(channel) = endpoint.connect().await else {
-        ended.fetch_add(1, Ordering::SeqCst);
-        return;
-    };
-    let (tx, rx) = mpsc::channel(8);
-    let _ = tx
-        .send(rpb::ConnectRequest {
-            message: Some(rpb::connect_request::Message::Hello(rpb::Hello {
-                runner_version: "bench".into(),
-                held_runs: vec![],
-                ping_liveness,
-            })),
-        })
-        .await;
-    let mut request = tonic::Request::new(ReceiverStream::new(rx));
-    if let Ok(v) = format!("Bearer {token}").parse() {
-        request.metadata_mut().insert("authorization", v);
-    }
-    let Ok(response) = DesktopRunnerServiceClient::new(channel)
-        .connect(request)
-        .await
-    else {
-        ended.fetch_add(1, Ordering::SeqCst);
-        return;
-    };
-    let mut inbound = response.into_inner();
-    // Heartbeats only when the gateway did not grant PING liveness.
-    let mut heartbeats = true;
-    let mut tick = tokio::time::interval(Duration::from_secs(3));
-    loop {
-        tokio::select! {
-            m = inbound.message() => match m {
-                Ok(Some(m)) => match m.message {
-                    Some(rpb::connect_response::Message::Welcome(w)) => {
-                        welcomed.fetch_add(1, Ordering::SeqCst);
-                        heartbeats = !w.ping_liveness;
-                        if let Some(d) = w.heartbeat_interval.and_then(|d| Duration::try_from(d).ok()) {
-                            tick = tokio::time::interval(d);
-                        }
-                    }
-                    Some(rpb::connect_response::Message::Assignment(a)) => {
-                        let _ = assignments.send((a.run_id.clone(), Utc::now()));
-                        let _ = tx.send(rpb::ConnectRequest { message: Some(rpb::connect_request::Message::AssignmentAccepted(rpb::AssignmentAccepted { run_id: a.run_id.clone() })) }).await;
-                        let _ = tx.send(rpb::ConnectRequest { message: Some(rpb::connect_request::Message::RunFinished(rpb::RunFinished {
-                            run_id: a.run_id, outcome: pb::RunState::Succeeded as i32, engine: "bench".into(), ..Default::default()
-                        })) }).await;
-                    }
-                    _ => {}
-                },
-                _ => {
-                    ended.fetch_add(1, Ordering::SeqCst);
-                    return;
-                }
-            },
-            _ = tick.tick(), if heartbeats => {
-                let hb = rpb::ConnectRequest { message: Some(rpb::connect_request::Message::Heartbeat(rpb::Heartbeat { send_time: None })) };
-                if tx.send(hb).await.is_err() {
-                    ended.fetch_add(1, Ordering::SeqCst);
-                    return;
-                }
-            }
-        }
-    }
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
@@ -219,7 +125,15 @@ async fn main() -> anyhow::Result<()> {
     );
 
     // The gateway process.
-    let mut child = tokio::process::Command::new(std::env::current_exe()?)
+    let mut child = match std::env::var("BENCH_WRAP") {
+        Ok(w) => {
+            let mut c = tokio::process::Command::new(w);
+            c.arg(std::env::current_exe()?);
+            c
+        }
+        Err(_) => tokio::process::Command::new(std::env::current_exe()?),
+    };
+    let mut child = child
         .args(["--serve-gateway", &mesh.db.url])
         .stdout(std::process::Stdio::piped())
         .env("RUST_LOG", "error")
@@ -279,14 +193,15 @@ async fn main() -> anyhow::Result<()> {
     let t = Instant::now();
     let mut tokens = Vec::with_capacity(more);
     for i in 0..more {
-        tokens.push(mint(&store, &Principal::new("bench", format!("idle-{i}")), i).await?);
+        tokens.push(mint_runner(&store, &Principal::new("bench", format!("idle-{i}")), i).await?);
         if (i + 1) % 5000 == 0 {
             println!("setup     {} runner tokens minted…", i + 1);
         }
     }
     let mut latency_tokens = vec![];
     for u in 0..latency_users {
-        latency_tokens.push(mint(&store, &Principal::new("bench", format!("lat-{u}")), u).await?);
+        latency_tokens
+            .push(mint_runner(&store, &Principal::new("bench", format!("lat-{u}")), u).await?);
     }
     println!(
         "setup     {more} runner tokens minted in {:.1} s",
@@ -301,20 +216,9 @@ async fn main() -> anyhow::Result<()> {
     let cpu_base = (cpu_secs(pid)? - cpu0) / window * 100.0;
     println!("baseline  the gateway process idles at {cpu_base:.2} % of a core without streams");
     let rss_before = rss_kib(pid)?;
-    let welcomed = Arc::new(AtomicUsize::new(0));
-    let ended = Arc::new(AtomicUsize::new(0));
-    let (assigned_tx, mut assigned_rx) = mpsc::unbounded_channel();
+    let (runners, mut assigned_rx) = StubRunners::new(ping_liveness);
     // One idle runner stream per token, counted as it is welcomed or ends.
-    let connect = |token: String| {
-        tokio::spawn(hold(
-            addr.clone(),
-            token,
-            ping_liveness,
-            welcomed.clone(),
-            ended.clone(),
-            assigned_tx.clone(),
-        ))
-    };
+    let connect = |token: String| tokio::spawn(runners.clone().hold(addr.clone(), token));
     // The latency runners first: they are streams like the others.
     for token in latency_tokens {
         connect(token);
@@ -336,7 +240,7 @@ async fn main() -> anyhow::Result<()> {
             }
         }
         let expected = latency_users + held;
-        while welcomed.load(Ordering::SeqCst) + ended.load(Ordering::SeqCst) < expected {
+        while runners.settled() < expected {
             anyhow::ensure!(
                 t.elapsed() < Duration::from_secs(300),
                 "streams did not connect within 300 s"
@@ -345,15 +249,12 @@ async fn main() -> anyhow::Result<()> {
         }
         println!(
             "streams   {} of {expected} welcomed ({:.1} s for this stage)",
-            welcomed.load(Ordering::SeqCst),
+            runners.welcomed.load(Ordering::SeqCst),
             t.elapsed().as_secs_f64()
         );
         // Past the 10 s dead-stream bound: every stream must still be alive.
         tokio::time::sleep(Duration::from_secs(12)).await;
-        let alive = welcomed.load(Ordering::SeqCst)
-            - ended
-                .load(Ordering::SeqCst)
-                .min(welcomed.load(Ordering::SeqCst));
+        let alive = runners.alive();
         let rss = rss_kib(pid)?;
         let per_stream = rss.saturating_sub(rss_before) as f64 / alive.max(1) as f64;
         // The gateway's CPU while every stream idles, above its own.
@@ -393,8 +294,6 @@ async fn main() -> anyhow::Result<()> {
     mesh.stop().await?;
     Ok(())
 }
-
-type Assigned = mpsc::UnboundedReceiver<(String, chrono::DateTime<Utc>)>;
 
 /// Desktop occurrences due one at a time, 50 ms apart, for the latency
 /// runners on the gateway process, coordinated through the other replica:

@@ -19,55 +19,14 @@
 
 use std::time::{Duration, Instant};
 
-use automesh_domain::automation::NewAutomation;
-use automesh_domain::{Principal, Schedule, Surface};
-use automesh_e2e_tests::bench::{DbCounters, median, percentile, quick, sized, yardstick};
+use automesh_domain::{Principal, Surface};
+use automesh_e2e_tests::bench::{
+    DbCounters, insert_due, median, percentile, quick, sized, yardstick,
+};
 use automesh_e2e_tests::executor::{Behavior, TestExecutor};
 use automesh_e2e_tests::{Mesh, MeshOptions};
 use automesh_store::{Backend, Store};
 use chrono::Utc;
-
-/// Creates `count` once-automations of `prefix`, far in the future, then
-/// makes them due at `due(i)` — instants it asks for only once they all
-/// exist, so that creating them never eats into the measured time.
-async fn insert_due(
-    store: &Store,
-    prefix: &str,
-    count: usize,
-    due: impl Fn(usize, chrono::DateTime<Utc>) -> chrono::DateTime<Utc>,
-) -> anyhow::Result<Vec<chrono::DateTime<Utc>>> {
-    let now = Utc::now();
-    let far = now + chrono::Duration::days(3650);
-    for i in 0..count {
-        let owner = Principal::new("bench", format!("user-{}", i % 16));
-        let at = far;
-        let new = NewAutomation {
-            id: format!("{prefix}-{i:05}"),
-            owner: owner.clone(),
-            name: format!("bench {i}"),
-            prompt: "p".into(),
-            model: "fake/echo".into(),
-            surface: Surface::Web,
-            schedule: Schedule::Once { at },
-        };
-        store.create_automation(&new, Some(at), now).await?;
-    }
-    // Due from a second after the last one is due-dated.
-    let base = Utc::now() + chrono::Duration::milliseconds(1000 + 2 * count as i64);
-    let mut dues = vec![];
-    for i in 0..count {
-        let at = due(i, base);
-        let record = automesh_domain::schedule::ScheduleRecord::from(&Schedule::Once { at });
-        sqlx::query("UPDATE automations SET next_run_at = $1, schedule = $2 WHERE id = $3")
-            .bind(at.timestamp_micros())
-            .bind(serde_json::to_string(&record)?)
-            .bind(format!("{prefix}-{i:05}"))
-            .execute(store.pool())
-            .await?;
-        dues.push(at);
-    }
-    Ok(dues)
-}
 
 /// How many of the runs of `prefix` are in each state (`--progress`).
 async fn states(store: &Store, prefix: &str) -> anyhow::Result<String> {
@@ -90,6 +49,11 @@ async fn count_terminal(store: &Store, prefix: &str) -> anyhow::Result<i64> {
     )))
     .fetch_one(store.pool())
     .await?)
+}
+
+/// The owner of the `i`th automation: sixteen users.
+fn owner(i: usize) -> Principal {
+    Principal::new("bench", format!("user-{}", i % 16))
 }
 
 #[tokio::main]
@@ -133,9 +97,14 @@ async fn main() -> anyhow::Result<()> {
     );
 
     // Latency: occurrences due one at a time, 25 ms apart.
-    let dues = insert_due(&store, "lat", latency_runs, |i, base| {
-        base + chrono::Duration::milliseconds(25 * i as i64)
-    })
+    let dues = insert_due(
+        &store,
+        "lat",
+        latency_runs,
+        Surface::Web,
+        owner,
+        |i, base| base + chrono::Duration::milliseconds(25 * i as i64),
+    )
     .await?;
     let t0 = Instant::now();
     while count_terminal(&store, "lat").await? < latency_runs as i64 {
@@ -181,7 +150,7 @@ async fn main() -> anyhow::Result<()> {
     let mut per_run = vec![];
     for r in 0..repeats {
         let prefix = format!("burst{r}");
-        let dues = insert_due(&store, &prefix, runs, |_, base| {
+        let dues = insert_due(&store, &prefix, runs, Surface::Web, owner, |_, base| {
             base + chrono::Duration::milliseconds(1500)
         })
         .await?;

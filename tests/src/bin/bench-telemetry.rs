@@ -16,12 +16,14 @@
 //! process of the mesh used per run (user + system, from /proc), medians over
 //! `--repeats`, and the on/off ratios. The binary is `target/release/automesh`
 //! unless `AUTOMESH_BIN` names another. The machine is shared: read ratios.
+//! `--quick` is the short form CI runs once (10 runs, one repeat, the debug
+//! binary `target/debug/automesh`; figures printed, not checked).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use automesh_domain::RunState;
-use automesh_e2e_tests::bench::{arg, median};
+use automesh_e2e_tests::bench::{median, quick, sized};
 use automesh_e2e_tests::otlp::Receiver;
 use automesh_e2e_tests::processes::{Cluster, ClusterSpec, Kind};
 use automesh_proto::v1 as pb;
@@ -132,10 +134,12 @@ async fn measure(bin: &Path, runs: usize, on: bool) -> anyhow::Result<(f64, f64)
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
-    let runs = arg("--runs", 200);
-    let repeats = arg("--repeats", 3);
+    let runs = sized("--runs", 200, 10);
+    let repeats = sized("--repeats", 3, 1).max(1);
+    // The short form runs the debug build the tests built.
+    let profile = if quick() { "debug" } else { "release" };
     let bin = std::env::var("AUTOMESH_BIN").map_or_else(
-        |_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/automesh"),
+        |_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("../target/{profile}/automesh")),
         PathBuf::from,
     );
     anyhow::ensure!(

@@ -1,0 +1,91 @@
+//! What a replica sends down a runner's stream: the assignment and
+//! cancellation messages, the bounded hand-over to the stream's queue, and
+//! the sending of a claimed assignment (whose claim is given back when the
+//! stream does not take it), in the run's own trace.
+
+use std::time::Duration;
+
+use automesh_proto::executor::v1 as epb;
+use automesh_proto::runner::v1 as rpb;
+use automesh_store::Store;
+use automesh_store::desktop::DesktopAssignment;
+use chrono::Utc;
+use prost::Message as _;
+
+/// Bound on handing one message to a runner's stream.
+pub(crate) const SEND_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A span of work on `a` in its run's trace (the traceparent its spec
+/// carries), so delivery and its log lines belong to the run.
+pub(crate) fn run_span(name: &'static str, a: &DesktopAssignment) -> tracing::Span {
+    let span = tracing::info_span!("automesh.desktop", otel.name = name, run_id = %a.run_id);
+    let traceparent = epb::RunSpec::decode(a.spec.as_slice())
+        .ok()
+        .map(|s| s.traceparent)
+        .filter(|t| !t.is_empty());
+    automesh_rpc::propagation::continue_trace(&span, traceparent.as_deref());
+    span
+}
+
+/// Sends `a`, claimed for `session`'s runner; gives the claim back when the
+/// stream does not take it.
+pub(crate) async fn send_assignment(
+    store: &Store,
+    session: &crate::stream::Session,
+    a: &DesktopAssignment,
+    again: bool,
+) -> Result<bool, automesh_store::StoreError> {
+    let (runner_id, tx) = (session.runner_id.as_str(), &session.tx);
+    let Ok(spec) = epb::RunSpec::decode(a.spec.as_slice()) else {
+        tracing::error!(run_id = %a.run_id, "undecodable desktop run spec");
+        return Ok(false);
+    };
+    if send(tx, assignment(&spec)).await {
+        tracing::info!(run_id = %a.run_id, runner_id, again, "run assigned to a runner");
+        crate::metrics::delivered(again);
+        Ok(true)
+    } else {
+        tracing::warn!(run_id = %a.run_id, runner_id, "the runner's stream did not take the assignment");
+        store
+            .release_unaccepted_desktop_runs(runner_id, &session.stream_id, Utc::now())
+            .await?;
+        Ok(false)
+    }
+}
+
+/// Sends one message to a runner, bounded.
+pub(crate) async fn send(tx: &crate::stream::ToRunner, message: rpb::ConnectResponse) -> bool {
+    matches!(
+        tokio::time::timeout(SEND_TIMEOUT, tx.send(Ok(Box::new(message)))).await,
+        Ok(Ok(()))
+    )
+}
+
+/// The assignment message for a run.
+pub(crate) fn assignment(spec: &epb::RunSpec) -> rpb::ConnectResponse {
+    rpb::ConnectResponse {
+        message: Some(rpb::connect_response::Message::Assignment(
+            rpb::Assignment {
+                run_id: spec.run_id.clone(),
+                automation_id: spec.automation_id.clone(),
+                prompt: spec.prompt.clone(),
+                model: spec.model.clone(),
+                deadline_time: spec.deadline_time,
+                traceparent: spec.traceparent.clone(),
+                provider_model: spec.provider_model.clone(),
+            },
+        )),
+    }
+}
+
+/// The cancellation message for a run.
+pub(crate) fn cancel_message(run_id: &str, reason: &str) -> rpb::ConnectResponse {
+    rpb::ConnectResponse {
+        message: Some(rpb::connect_response::Message::CancelAssignment(
+            rpb::CancelAssignment {
+                run_id: run_id.to_owned(),
+                reason: reason.to_owned(),
+            },
+        )),
+    }
+}
