@@ -302,7 +302,11 @@ impl Dispatch {
                 Heard::Nothing => continue,
             };
             for note in notes {
-                if let Some(run_id) = note.run_id() {
+                // An offer changes nothing its observer (which starts after
+                // it) could see.
+                if let Some(run_id) = note.run_id()
+                    && !matches!(note, DesktopNote::Offered { .. })
+                {
                     self.wake_run(run_id);
                 }
                 match note {

@@ -93,26 +93,31 @@ impl Executor for DesktopExecutor {
     }
 
     async fn observe(&self, run_id: String, after: i64) -> Result<executor::ObserveStream, Status> {
-        if self.assignment(&run_id).await?.is_none() {
-            return Err(Status::not_found("no desktop assignment for this run"));
-        }
         let store = self.store.clone();
         let dispatch = self.dispatch.clone();
         let (mut observer, stream) = executor::observe();
         tokio::spawn(async move {
             let mut after = after;
             let wake = dispatch.observe_run(&run_id);
+            let mut first = true;
             loop {
                 let changed = wake.changed.notified();
                 tokio::pin!(changed);
                 changed.as_mut().enable();
                 // Status first, events after: a finished status read before
                 // its events would end the stream too early.
+                // Events only when the row counts more than were seen (a
+                // run's events are numbered 1, 2, … as they are appended).
                 let read = async {
                     let a = store.desktop_run(&run_id).await?;
-                    let events = store
-                        .desktop_events_after(&run_id, after, EVENTS_PAGE)
-                        .await?;
+                    let events = match &a {
+                        Some(a) if a.event_count > after => {
+                            store
+                                .desktop_events_after(&run_id, after, EVENTS_PAGE)
+                                .await?
+                        }
+                        _ => vec![],
+                    };
                     Ok::<_, automesh_store::StoreError>((a, events))
                 };
                 let (a, events) = match read.await {
@@ -122,7 +127,14 @@ impl Executor for DesktopExecutor {
                         return;
                     }
                 };
-                let Some(a) = a else { return };
+                let Some(a) = a else {
+                    if first {
+                        let missing = Status::not_found("no desktop assignment for this run");
+                        observer.fail(missing).await;
+                    }
+                    return;
+                };
+                first = false;
                 let more = events.len() as u32 == EVENTS_PAGE;
                 // A live phase change comes before the events read with it
                 // (the run is `running` before its engine's first event); a

@@ -71,6 +71,8 @@ async fn main() -> anyhow::Result<()> {
         Backend::Postgres,
         MeshOptions {
             executor: Some(addr),
+            // The coordinator's production lease (tests use a short one).
+            lease: Duration::from_secs(15),
             ..MeshOptions::default()
         },
     )

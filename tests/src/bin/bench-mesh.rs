@@ -75,6 +75,8 @@ async fn main() -> anyhow::Result<()> {
         Backend::Postgres,
         MeshOptions {
             desktop_via_runner_gateway: true,
+            // The coordinator's production lease (tests use a short one).
+            lease: Duration::from_secs(15),
             ..MeshOptions::default()
         },
     )

@@ -349,6 +349,10 @@ pub(super) struct Progress {
     pub(super) started_at: Option<chrono::DateTime<Utc>>,
     /// Whether an executor may have the run's message.
     pub(super) submitted: bool,
+    /// Whether the run is known to be admitted (or past it), and running
+    /// (or past it): a transition is attempted once, not on every status.
+    admitted: bool,
+    running: bool,
 }
 
 impl Progress {
@@ -357,6 +361,8 @@ impl Progress {
             admitted_at: claimed.run.admitted_at,
             started_at: claimed.run.started_at,
             submitted: claimed.maybe_submitted,
+            admitted: claimed.run.admitted_at.is_some() || claimed.run.started_at.is_some(),
+            running: claimed.run.started_at.is_some(),
         }
     }
 }
@@ -376,9 +382,28 @@ pub(super) async fn apply_status(
         }
         _ => &[],
     };
+    // Only the moves not made yet: once attempted, the run is there or past
+    // it (or ended), and asking again would only fail its guard.
+    let targets: Vec<RunState> = targets
+        .iter()
+        .copied()
+        .filter(|t| match t {
+            RunState::Admitted => !progress.admitted,
+            RunState::Running => !progress.running,
+            _ => true,
+        })
+        .collect();
     if !targets.is_empty() {
         let now = Utc::now();
-        for moved in ctx.store.advance_run(&run.id, targets, now).await? {
+        let moves = ctx.store.advance_run(&run.id, &targets, now).await?;
+        for t in &targets {
+            match t {
+                RunState::Admitted => progress.admitted = true,
+                RunState::Running => progress.running = true,
+                _ => {}
+            }
+        }
+        for moved in moves {
             match moved {
                 RunState::Admitted => progress.admitted_at = Some(now),
                 RunState::Running => progress.started_at = Some(now),
