@@ -142,6 +142,8 @@ pub struct StubRunners {
     pub assignments: tokio::sync::mpsc::UnboundedSender<(String, chrono::DateTime<chrono::Utc>)>,
     /// HTTP/2 PING liveness (as the reference runner asks), or heartbeats.
     pub ping_liveness: bool,
+    /// Why streams ended: the cause's first words, and how many.
+    causes: std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<String, usize>>>,
 }
 
 /// Received assignments, as [`StubRunners`] reports them.
@@ -156,6 +158,7 @@ impl StubRunners {
                 ended: Default::default(),
                 assignments,
                 ping_liveness,
+                causes: Default::default(),
             },
             assigned,
         )
@@ -166,6 +169,19 @@ impl StubRunners {
         use std::sync::atomic::Ordering;
         let welcomed = self.welcomed.load(Ordering::SeqCst);
         welcomed - self.ended.load(Ordering::SeqCst).min(welcomed)
+    }
+
+    /// Why streams ended so far, e.g. `connect: … (12)`; empty if none did.
+    pub fn ended_causes(&self) -> String {
+        self.causes.lock().map_or_else(
+            |_| String::new(),
+            |c| {
+                c.iter()
+                    .map(|(k, n)| format!("{k}… ({n})"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            },
+        )
     }
 
     /// Streams welcomed or ended so far.
@@ -184,14 +200,27 @@ impl StubRunners {
         use automesh_proto::runner::v1::connect_request::Message as Up;
         use automesh_proto::runner::v1::connect_response::Message as Down;
         use std::sync::atomic::Ordering;
-        let ended = || {
+        // Every end is counted by its cause (the first of each kind is
+        // printed whole): a benchmark that loses streams shows why.
+        let ended = |why: &dyn std::fmt::Display| {
             self.ended.fetch_add(1, Ordering::SeqCst);
+            let why = why.to_string();
+            let kind: String = why.chars().take(60).collect();
+            if let Ok(mut causes) = self.causes.lock() {
+                let n = causes.entry(kind).or_default();
+                if *n == 0 {
+                    eprintln!("bench: a runner stream ended: {why}");
+                }
+                *n += 1;
+            }
         };
-        let Ok(endpoint) = tonic::transport::Endpoint::from_shared(addr) else {
-            return ended();
+        let endpoint = match tonic::transport::Endpoint::from_shared(addr) {
+            Ok(e) => e,
+            Err(e) => return ended(&e),
         };
-        let Ok(channel) = endpoint.connect().await else {
-            return ended();
+        let channel = match endpoint.connect().await {
+            Ok(c) => c,
+            Err(e) => return ended(&format!("connect: {e:?}")),
         };
         let (tx, rx) = tokio::sync::mpsc::channel(8);
         let up = |m: Up| rpb::ConnectRequest { message: Some(m) };
@@ -206,13 +235,14 @@ impl StubRunners {
         if let Ok(v) = format!("Bearer {token}").parse() {
             request.metadata_mut().insert("authorization", v);
         }
-        let Ok(response) =
-            rpb::desktop_runner_service_client::DesktopRunnerServiceClient::new(channel)
+        let response =
+            match rpb::desktop_runner_service_client::DesktopRunnerServiceClient::new(channel)
                 .connect(request)
                 .await
-        else {
-            return ended();
-        };
+            {
+                Ok(r) => r,
+                Err(e) => return ended(&format!("Connect: {e}")),
+            };
         let mut inbound = response.into_inner();
         let mut heartbeats = true;
         let mut tick = tokio::time::interval(std::time::Duration::from_secs(3));
@@ -243,14 +273,15 @@ impl StubRunners {
                         _ => Ok(()),
                     },
                     Ok(Some(_)) => Ok(()),
-                    _ => return ended(),
+                    Ok(None) => return ended(&"closed by the gateway"),
+                    Err(e) => return ended(&format!("stream: {e}")),
                 },
                 _ = tick.tick(), if heartbeats => {
                     tx.send(up(Up::Heartbeat(rpb::Heartbeat { send_time: None }))).await
                 }
             };
             if sent.is_err() {
-                return ended();
+                return ended(&"the outbound queue closed");
             }
         }
     }

@@ -35,7 +35,9 @@ use sqlx::any::{AnyPoolOptions, install_default_drivers};
 use sqlx::{Any, AnyPool, Executor, Transaction};
 
 pub use error::{Result, StoreError};
-pub use signal::{DesktopListener, DesktopNote, Heard, RunWatcher, Topic, Watcher};
+pub use signal::{
+    AssignmentState, DesktopListener, DesktopNote, Heard, RunWatcher, Topic, Watcher,
+};
 pub use writer::written;
 
 /// Which database a store talks to.

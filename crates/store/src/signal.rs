@@ -76,8 +76,13 @@ pub enum DesktopNote {
         org_id: String,
         owner_id: String,
     },
-    /// A run's assignment changed: accepted, reported on, finished, idle.
-    Changed { run_id: String },
+    /// A run's assignment changed: accepted, reported on, finished, idle;
+    /// with what it now is when the change knows it (a runner's report),
+    /// so that the run's observers need not read it.
+    Changed {
+        run_id: String,
+        now: Option<AssignmentState>,
+    },
     /// A claim on a run was given back (not accepted in time, or its
     /// replica was lost): another runner of the owner may take it.
     GivenBack { run_id: String },
@@ -85,6 +90,29 @@ pub enum DesktopNote {
     Cancelled { run_id: String },
     /// Claims of an ended stream were given back.
     Released,
+}
+
+/// What a run's assignment is, as of the commit a note was sent in.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct AssignmentState {
+    /// `admitted`, `running` or `finished`, as stored.
+    pub phase: String,
+    pub idle: bool,
+    /// Events the runner reported so far (they are numbered 1, 2, …).
+    pub event_count: i64,
+    /// Whether a runner sat on it without accepting it.
+    pub passed_over: bool,
+    /// The encoded outcome (hex, as stored), once finished.
+    pub outcome_hex: Option<String>,
+}
+
+impl AssignmentState {
+    /// The encoded outcome, once finished (`None` too if it is not hex).
+    pub fn outcome(&self) -> Option<Vec<u8>> {
+        self.outcome_hex
+            .as_deref()
+            .and_then(|h| crate::rows::from_hex(h).ok())
+    }
 }
 
 /// Bound on one NOTIFY payload (PostgreSQL's is 8000 bytes).
@@ -95,7 +123,7 @@ impl DesktopNote {
     pub fn run_id(&self) -> Option<&str> {
         match self {
             DesktopNote::Offered { run_id, .. }
-            | DesktopNote::Changed { run_id }
+            | DesktopNote::Changed { run_id, .. }
             | DesktopNote::GivenBack { run_id }
             | DesktopNote::Cancelled { run_id } => Some(run_id),
             DesktopNote::Released => None,
@@ -104,13 +132,30 @@ impl DesktopNote {
 
     /// One line of a payload: a JSON array, so any id survives it.
     fn encode(&self) -> String {
+        let flag = |b: bool| if b { "1" } else { "0" };
         let fields: Vec<&str> = match self {
             DesktopNote::Offered {
                 run_id,
                 org_id,
                 owner_id,
             } => vec!["offered", run_id, org_id, owner_id],
-            DesktopNote::Changed { run_id } => vec!["changed", run_id],
+            DesktopNote::Changed { run_id, now: None } => vec!["changed", run_id],
+            DesktopNote::Changed {
+                run_id,
+                now: Some(now),
+            } => {
+                let count = now.event_count.to_string();
+                let fields = [
+                    "changed",
+                    run_id,
+                    &now.phase,
+                    flag(now.idle),
+                    &count,
+                    flag(now.passed_over),
+                    now.outcome_hex.as_deref().unwrap_or(""),
+                ];
+                return serde_json::to_string(&fields).unwrap_or_default();
+            }
             DesktopNote::GivenBack { run_id } => vec!["given_back", run_id],
             DesktopNote::Cancelled { run_id } => vec!["cancelled", run_id],
             DesktopNote::Released => vec!["released"],
@@ -129,7 +174,20 @@ impl DesktopNote {
                 org_id: next()?,
                 owner_id: next()?,
             },
-            "changed" => DesktopNote::Changed { run_id: next()? },
+            "changed" => {
+                let run_id = next()?;
+                let now = match next() {
+                    None => None,
+                    Some(phase) => Some(AssignmentState {
+                        phase,
+                        idle: next()? == "1",
+                        event_count: next()?.parse().ok()?,
+                        passed_over: next()? == "1",
+                        outcome_hex: next().filter(|o| !o.is_empty()),
+                    }),
+                };
+                DesktopNote::Changed { run_id, now }
+            }
             "given_back" => DesktopNote::GivenBack { run_id: next()? },
             "cancelled" => DesktopNote::Cancelled { run_id: next()? },
             "released" => DesktopNote::Released,
@@ -142,7 +200,19 @@ impl DesktopNote {
     pub(crate) fn payloads(notes: &[DesktopNote]) -> Vec<String> {
         let mut payloads = vec![];
         let mut current = String::new();
-        for line in notes.iter().map(DesktopNote::encode) {
+        for note in notes {
+            let mut line = note.encode();
+            // Too long with its state (a long outcome): without it, and the
+            // observers read the row.
+            if line.len() > PAYLOAD_LIMIT
+                && let DesktopNote::Changed {
+                    run_id,
+                    now: Some(_),
+                } = note
+            {
+                let run_id = run_id.clone();
+                line = DesktopNote::Changed { run_id, now: None }.encode();
+            }
             if line.len() > PAYLOAD_LIMIT {
                 tracing::warn!(bytes = line.len(), "a desktop note too long to send");
                 continue;

@@ -72,3 +72,77 @@ async fn an_offer_elsewhere_is_heard_as_a_note_naming_its_owner() {
     assert_eq!(heard, vec![offered("run-n1"), offered("run-n2")]);
     db.remove().await.expect("remove");
 }
+
+/// A runner's report made through another pool reaches a desktop listener
+/// as a note that says what the assignment now is — what lets the run's
+/// observers answer without reading the row: running once accepted, then
+/// finished and idle with its outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_elsewhere_is_heard_with_what_the_assignment_now_is() {
+    use automesh_store::desktop::{Claim, RunnerReport};
+    use automesh_store::{AssignmentState, DesktopNote, Heard};
+    let db = TestDatabase::new(Backend::Postgres)
+        .await
+        .expect("test database (is PostgreSQL running? see README)");
+    let mut listener = db.store.listen_desktop().await;
+    let other = Store::connect_lazy(&db.url, StoreOptions::default()).expect("pool");
+    let owner = automesh_domain::Principal::new("org-r", "dana");
+    let now = chrono::Utc::now();
+    other
+        .create_runner(&owner, "runner-r", "desk", "hash-r", now)
+        .await
+        .expect("runner");
+    other
+        .open_runner_stream("runner-r", "stream-r", now)
+        .await
+        .expect("stream");
+    assert!(
+        other
+            .offer_desktop_run("run-r", "org-r", "dana", b"spec", now)
+            .await
+            .expect("offer")
+    );
+    let claimed = other.desktop_claim(Claim::Take, "run-r", "runner-r", "stream-r", now);
+    assert!(claimed.await.expect("claim").is_some());
+    let report = |r| other.desktop_report(r, "run-r", "runner-r", "stream-r", now);
+    assert!(report(RunnerReport::Accepted).await.expect("accepted"));
+    assert!(
+        report(RunnerReport::Finished(&[1, 2, 0xab]))
+            .await
+            .expect("finished")
+    );
+    let mut changed = vec![];
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(30);
+    while changed.len() < 2 && tokio::time::Instant::now() < give_up {
+        match listener.next(Duration::from_secs(1)).await {
+            Heard::Notes(notes) => changed.extend(
+                notes
+                    .into_iter()
+                    .filter(|n| matches!(n, DesktopNote::Changed { .. })),
+            ),
+            Heard::Missed => panic!("a note was not understood"),
+            Heard::Nothing => {}
+        }
+    }
+    let state = |phase: &str, idle, outcome: Option<&str>| DesktopNote::Changed {
+        run_id: "run-r".into(),
+        now: Some(AssignmentState {
+            phase: phase.into(),
+            idle,
+            event_count: 0,
+            passed_over: false,
+            outcome_hex: outcome.map(str::to_owned),
+        }),
+    };
+    assert_eq!(
+        changed,
+        vec![
+            state("running", false, None),
+            state("finished", true, Some("0102ab"))
+        ]
+    );
+    if let DesktopNote::Changed { now: Some(s), .. } = &changed[1] {
+        assert_eq!(s.outcome(), Some(vec![1, 2, 0xab]));
+    }
+    db.remove().await.expect("remove");
+}

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use automesh_store::desktop::{Claim, DesktopAssignment};
-use automesh_store::{DesktopNote, Heard, Store};
+use automesh_store::{AssignmentState, DesktopNote, Heard, Store};
 use chrono::Utc;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -80,11 +80,14 @@ pub struct Dispatch {
     awaiting: Mutex<HashMap<String, Awaiting>>,
 }
 
-/// The wake-up of one observed run, shared by its observers.
+/// The wake-up of one observed run, shared by its observers, and what the
+/// last note said the run's assignment now is (none when it said nothing:
+/// the observers read the row).
 #[derive(Debug)]
 struct Observed {
     changed: Arc<Notify>,
     observers: usize,
+    told: Option<AssignmentState>,
 }
 
 /// An observer's registration; dropping it ends it.
@@ -93,6 +96,16 @@ pub(crate) struct RunWake<'a> {
     dispatch: &'a Dispatch,
     run_id: String,
     pub(crate) changed: Arc<Notify>,
+}
+
+impl RunWake<'_> {
+    /// What the last note said the run's assignment now is, if it said
+    /// and no observer used it yet (an observer that finds nothing reads
+    /// the row).
+    pub(crate) fn told(&self) -> Option<AssignmentState> {
+        let mut observed = self.dispatch.observed.lock().ok()?;
+        observed.get_mut(&self.run_id)?.told.take()
+    }
 }
 
 impl Drop for RunWake<'_> {
@@ -136,6 +149,7 @@ impl Dispatch {
                     .or_insert_with(|| Observed {
                         changed: Arc::default(),
                         observers: 0,
+                        told: None,
                     });
                 o.observers += 1;
                 o.changed.clone()
@@ -150,18 +164,22 @@ impl Dispatch {
     }
 
     /// Wakes the observers of `run_id`, if any.
-    fn wake_run(&self, run_id: &str) {
-        if let Ok(observed) = self.observed.lock()
-            && let Some(o) = observed.get(run_id)
+    /// Wakes the observers of `run_id`, if any, with what the note said
+    /// the run's assignment now is (`None`: they read it).
+    fn wake_run(&self, run_id: &str, told: Option<AssignmentState>) {
+        if let Ok(mut observed) = self.observed.lock()
+            && let Some(o) = observed.get_mut(run_id)
         {
+            o.told = told;
             o.changed.notify_waiters();
         }
     }
 
-    /// Wakes every observer (notes may have been lost).
+    /// Wakes every observer (notes may have been lost): they read.
     fn wake_all_runs(&self) {
-        if let Ok(observed) = self.observed.lock() {
-            for o in observed.values() {
+        if let Ok(mut observed) = self.observed.lock() {
+            for o in observed.values_mut() {
+                o.told = None;
                 o.changed.notify_waiters();
             }
         }
@@ -304,10 +322,12 @@ impl Dispatch {
             for note in notes {
                 // An offer changes nothing its observer (which starts after
                 // it) could see.
-                if let Some(run_id) = note.run_id()
-                    && !matches!(note, DesktopNote::Offered { .. })
-                {
-                    self.wake_run(run_id);
+                match &note {
+                    DesktopNote::Offered { .. } | DesktopNote::Released => {}
+                    DesktopNote::Changed { run_id, now } => self.wake_run(run_id, now.clone()),
+                    DesktopNote::GivenBack { run_id } | DesktopNote::Cancelled { run_id } => {
+                        self.wake_run(run_id, None);
+                    }
                 }
                 match note {
                     DesktopNote::Offered {

@@ -17,8 +17,8 @@ use automesh_proto::executor::v1 as epb;
 use automesh_proto::v1 as pb;
 use automesh_rpc::executor::{self, Executor};
 use automesh_rpc::status;
-use automesh_store::Store;
 use automesh_store::desktop::{DesktopAssignment, DesktopPhase};
+use automesh_store::{AssignmentState, Store};
 use chrono::Utc;
 use prost::Message as _;
 use tonic::Status;
@@ -29,22 +29,66 @@ use crate::dispatch::{Dispatch, POLL};
 const EVENTS_PAGE: u32 = 256;
 
 fn status_of(a: Option<&DesktopAssignment>) -> epb::ExecutionStatus {
-    let Some(a) = a else {
-        return executor::unknown_status();
-    };
-    let phase = match a.phase {
-        DesktopPhase::Admitted => epb::ExecutionPhase::Admitted,
-        DesktopPhase::Running => epb::ExecutionPhase::Running,
-        DesktopPhase::Finished => epb::ExecutionPhase::Finished,
-    };
-    epb::ExecutionStatus {
-        phase: phase as i32,
-        idle: a.idle,
-        outcome: a
-            .outcome
-            .as_deref()
-            .and_then(|b| epb::Outcome::decode(b).ok()),
-        unaccepted: a.passed_over.is_some() && a.phase == DesktopPhase::Admitted,
+    a.map_or_else(executor::unknown_status, |a| Seen::of(a).status())
+}
+
+/// What an observer knows of a run's assignment: read from its row, or told
+/// by the note of the change that made it so.
+struct Seen {
+    phase: DesktopPhase,
+    idle: bool,
+    event_count: i64,
+    passed_over: bool,
+    outcome: Option<Vec<u8>>,
+}
+
+impl Seen {
+    fn of(a: &DesktopAssignment) -> Seen {
+        Seen {
+            phase: a.phase,
+            idle: a.idle,
+            event_count: a.event_count,
+            passed_over: a.passed_over.is_some(),
+            outcome: a.outcome.clone(),
+        }
+    }
+
+    fn told(state: &AssignmentState) -> Option<Seen> {
+        Some(Seen {
+            phase: state.phase.parse().ok()?,
+            idle: state.idle,
+            event_count: state.event_count,
+            passed_over: state.passed_over,
+            outcome: state.outcome(),
+        })
+    }
+
+    /// How far along it is: an assignment only ever moves forward, so a
+    /// note behind what was seen is one delivered late.
+    fn progress(&self) -> (u8, bool, i64) {
+        let phase = match self.phase {
+            DesktopPhase::Admitted => 0,
+            DesktopPhase::Running => 1,
+            DesktopPhase::Finished => 2,
+        };
+        (phase, self.idle, self.event_count)
+    }
+
+    fn status(&self) -> epb::ExecutionStatus {
+        let phase = match self.phase {
+            DesktopPhase::Admitted => epb::ExecutionPhase::Admitted,
+            DesktopPhase::Running => epb::ExecutionPhase::Running,
+            DesktopPhase::Finished => epb::ExecutionPhase::Finished,
+        };
+        epb::ExecutionStatus {
+            phase: phase as i32,
+            idle: self.idle,
+            outcome: self
+                .outcome
+                .as_deref()
+                .and_then(|b| epb::Outcome::decode(b).ok()),
+            unaccepted: self.passed_over && self.phase == DesktopPhase::Admitted,
+        }
     }
 }
 
@@ -100,16 +144,26 @@ impl Executor for DesktopExecutor {
             let mut after = after;
             let wake = dispatch.observe_run(&run_id);
             let mut first = true;
+            let mut seen: Option<(u8, bool, i64)> = None;
             loop {
                 let changed = wake.changed.notified();
                 tokio::pin!(changed);
                 changed.as_mut().enable();
                 // Status first, events after: a finished status read before
-                // its events would end the stream too early.
-                // Events only when the row counts more than were seen (a
-                // run's events are numbered 1, 2, … as they are appended).
+                // its events would end the stream too early. The status is
+                // what the note that woke it said, unless that is behind
+                // what was seen; else the row. Events only when there are
+                // more than were seen (a run's events are numbered 1, 2, …
+                // as they are appended).
+                let told = wake
+                    .told()
+                    .and_then(|t| Seen::told(&t))
+                    .filter(|t| seen.is_none_or(|s| t.progress() >= s));
                 let read = async {
-                    let a = store.desktop_run(&run_id).await?;
+                    let a = match told {
+                        Some(t) => Some(t),
+                        None => store.desktop_run(&run_id).await?.as_ref().map(Seen::of),
+                    };
                     let events = match &a {
                         Some(a) if a.event_count > after => {
                             store
@@ -135,6 +189,7 @@ impl Executor for DesktopExecutor {
                     return;
                 };
                 first = false;
+                seen = Some(a.progress());
                 let more = events.len() as u32 == EVENTS_PAGE;
                 // A live phase change comes before the events read with it
                 // (the run is `running` before its engine's first event); a
@@ -142,7 +197,7 @@ impl Executor for DesktopExecutor {
                 // Events mean the runner's engine is at work: when they were
                 // read ahead of the acceptance that preceded them (the status
                 // is read first), the run is running all the same.
-                let mut status = status_of(Some(&a));
+                let mut status = a.status();
                 let running = epb::ExecutionPhase::Running as i32;
                 let seen_running = observer.last().is_some_and(|s| {
                     s.phase == running || s.phase == epb::ExecutionPhase::Finished as i32
@@ -175,7 +230,7 @@ impl Executor for DesktopExecutor {
                 if more {
                     continue;
                 }
-                let status = status_of(Some(&a));
+                let status = a.status();
                 let finished = status.phase == epb::ExecutionPhase::Finished as i32;
                 if !observer.status(status).await || finished {
                     return;

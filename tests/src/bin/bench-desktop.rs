@@ -147,10 +147,18 @@ async fn main() -> anyhow::Result<()> {
             .ok_or_else(|| anyhow::anyhow!("stdout"))?,
     )
     .lines();
-    let addr = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
-        .await??
-        .and_then(|l| l.strip_prefix("listening ").map(str::to_owned))
-        .ok_or_else(|| anyhow::anyhow!("the gateway process did not start"))?;
+    // Its address, on the first line it prints (a wrapper may print first).
+    let listening = async {
+        while let Some(line) = lines.next_line().await? {
+            if let Some(addr) = line.strip_prefix("listening ") {
+                return Ok(addr.to_owned());
+            }
+        }
+        anyhow::bail!("the gateway process ended before it listened")
+    };
+    let addr = tokio::time::timeout(Duration::from_secs(30), listening)
+        .await
+        .map_err(|_| anyhow::anyhow!("the gateway process did not start within 30 s"))??;
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     automesh_e2e_tests::wait_for_health(&addr, Duration::from_secs(30), true).await?;
 
@@ -227,16 +235,16 @@ async fn main() -> anyhow::Result<()> {
 
     // Idle streams, in two stages.
     let mut held = 0;
-    let mut idle_figures = vec![];
     for total in [streams, more] {
         let t = Instant::now();
         for token in tokens.by_ref().take(total - held) {
             connect(token);
             held += 1;
-            if held % 200 == 0 {
-                // Pace the connects a little: a real fleet does not arrive
-                // in one instant.
-                tokio::time::sleep(Duration::from_millis(20)).await;
+            if held % 100 == 0 {
+                // Pace the connects (2,000 a second): a real fleet does not
+                // arrive in one instant, and these stub runners, unlike
+                // real ones, never reconnect.
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
         let expected = latency_users + held;
@@ -267,7 +275,10 @@ async fn main() -> anyhow::Result<()> {
             rss_before as f64 / 1024.0,
             rss as f64 / 1024.0,
         );
-        idle_figures.push((alive, per_stream, per_10k));
+        let causes = runners.ended_causes();
+        if !causes.is_empty() {
+            println!("streams   ended, by cause: {causes}");
+        }
         if total == streams {
             let (p50, p99, n) =
                 due_latency(&store, latency_runs, latency_users, &mut assigned_rx).await?;

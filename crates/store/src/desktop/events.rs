@@ -114,7 +114,7 @@ impl Job for Append {
 
     fn signal(&self, appended: &usize) -> Option<DesktopNote> {
         let run_id = self.run_id.clone();
-        (*appended > 0).then_some(DesktopNote::Changed { run_id })
+        (*appended > 0).then_some(DesktopNote::Changed { run_id, now: None })
     }
 
     fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<usize>> {

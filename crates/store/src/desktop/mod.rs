@@ -17,7 +17,7 @@ use sqlx::AnyConnection;
 use sqlx::any::AnyRow;
 
 use crate::rows::{self, micros, to_hex};
-use crate::signal::DesktopNote;
+use crate::signal::{AssignmentState, DesktopNote};
 use crate::writer::Job;
 use crate::{Result, Store};
 
@@ -82,15 +82,32 @@ const OFFER: &str = "INSERT INTO desktop_assignments \
 /// accepted, and not for the runner that already sat on it.
 /// Returns the assignment as claimed, so the replica that claimed an
 /// offer it was told of has the spec to send without another read.
-const CLAIM: &str = concat!(
-    "UPDATE desktop_assignments SET runner_id = $2, stream_id = $3, \
-     claimed_at = $4, updated_at = $4 \
-     WHERE run_id = $1 AND phase = 'admitted' AND cancel_requested = 0 \
-     AND (runner_id IS NULL OR runner_id = $2) \
-     AND (passed_over IS NULL OR passed_over <> $2) \
-     AND EXISTS (SELECT 1 FROM runner_streams s WHERE s.runner_id = $2 AND s.stream_id = $3) \
-     RETURNING ",
-    assignment_columns!()
+macro_rules! claim {
+    ($with:literal, $and:literal) => {
+        concat!(
+            $with,
+            "UPDATE desktop_assignments SET runner_id = $2, stream_id = $3, \
+             claimed_at = $4, updated_at = $4 \
+             WHERE run_id = $1 AND phase = 'admitted' AND cancel_requested = 0 \
+             AND (runner_id IS NULL OR runner_id = $2) \
+             AND (passed_over IS NULL OR passed_over <> $2) \
+             AND EXISTS (SELECT 1 FROM runner_streams s WHERE s.runner_id = $2 AND s.stream_id = $3)",
+            $and,
+            " RETURNING ",
+            assignment_columns!()
+        )
+    };
+}
+const CLAIM: &str = claim!("", "");
+/// PostgreSQL: the same claim, committed asynchronously (no wait for the
+/// WAL flush on the dispatch path). Safe: a claim lost with a database
+/// crash only makes the runner's acceptance fail its guard (the runner
+/// starts nothing before `AssignmentConfirmed`, whose acceptance commits
+/// durably, and so flushes the claim before it), and the run is offered
+/// again.
+const CLAIM_PG: &str = claim!(
+    "WITH async_commit AS (SELECT set_config('synchronous_commit', 'off', true)) ",
+    " AND EXISTS (SELECT 1 FROM async_commit)"
 );
 
 const RELEASE_UNACCEPTED: &str = "UPDATE desktop_assignments \
@@ -112,16 +129,42 @@ const EXPIRE_ORPHANED_CLAIMS: &str = "UPDATE desktop_assignments \
      WHERE phase = 'admitted' AND runner_id IS NOT NULL AND claimed_at < $1 RETURNING run_id";
 
 /// A cancelled assignment is not accepted: its runner is told to drop it.
-const ACCEPTED: &str = "UPDATE desktop_assignments SET phase = 'running', updated_at = $4 \
+/// What a report leaves, for the note that tells the run's observers.
+macro_rules! state_after {
+    () => {
+        " RETURNING phase, idle, event_count, passed_over, outcome"
+    };
+}
+
+const ACCEPTED: &str = concat!(
+    "UPDATE desktop_assignments SET phase = 'running', updated_at = $4 \
      WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3 AND phase = 'admitted' \
-     AND cancel_requested = 0";
+     AND cancel_requested = 0",
+    state_after!()
+);
 
-const FINISHED: &str = "UPDATE desktop_assignments \
+const FINISHED: &str = concat!(
+    "UPDATE desktop_assignments \
      SET phase = 'finished', idle = 1, outcome = $4, updated_at = $5 \
-     WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3 AND phase <> 'finished'";
+     WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3 AND phase <> 'finished'",
+    state_after!()
+);
 
-const IDLE: &str = "UPDATE desktop_assignments SET idle = 1, updated_at = $4 \
-     WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3";
+const IDLE: &str = concat!(
+    "UPDATE desktop_assignments SET idle = 1, updated_at = $4 \
+     WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3",
+    state_after!()
+);
+
+fn decode_state(row: &AnyRow) -> Result<AssignmentState> {
+    Ok(AssignmentState {
+        phase: rows::col(row, "phase")?,
+        idle: rows::col(row, "idle")?,
+        event_count: rows::col(row, "event_count")?,
+        passed_over: rows::col::<Option<String>>(row, "passed_over")?.is_some(),
+        outcome_hex: rows::col(row, "outcome")?,
+    })
+}
 
 /// A run no runner holds is idle the moment it is cancelled.
 const CANCEL: &str = "UPDATE desktop_assignments SET cancel_requested = 1, \
@@ -256,7 +299,13 @@ impl Store {
         let params = (run_id, runner_id, stream_id, micros(now));
         Ok(match claim {
             // A claim is only this replica's business until it is accepted.
-            Claim::Take => rows::optional(self.db(), CLAIM, params, decode).await?,
+            Claim::Take => {
+                let claim = match self.backend() {
+                    crate::Backend::Postgres => CLAIM_PG,
+                    crate::Backend::Sqlite => CLAIM,
+                };
+                rows::optional(self.db(), claim, params, decode).await?
+            }
             Claim::Expire => {
                 let given_back = rows::optional(self.db(), EXPIRE_CLAIM, params, decode).await?;
                 if given_back.is_some() {
@@ -341,7 +390,7 @@ impl Store {
             write,
             at: micros(now),
         };
-        self.writer().write(job).await
+        Ok(self.writer().write(job).await?.changed)
     }
 
     /// Asks for the run to be cancelled; returns the assignment as it now is
@@ -396,17 +445,35 @@ struct Write {
     at: i64,
 }
 
+/// What a desktop write did: rows changed, and for a runner's report what
+/// the assignment now is.
+struct Written {
+    changed: u64,
+    now: Option<AssignmentState>,
+}
+
+impl Written {
+    fn rows(changed: u64) -> Self {
+        Written { changed, now: None }
+    }
+
+    fn report(now: Option<AssignmentState>) -> Self {
+        let changed = u64::from(now.is_some());
+        Written { changed, now }
+    }
+}
+
 impl Job for Write {
-    type Output = u64;
+    type Output = Written;
 
     fn key(&self) -> &str {
         &self.run_id
     }
 
-    fn signal(&self, changed: &u64) -> Option<DesktopNote> {
+    fn signal(&self, written: &Written) -> Option<DesktopNote> {
         let run_id = self.run_id.clone();
         let note = match &self.write {
-            _ if *changed == 0 => return None,
+            _ if written.changed == 0 => return None,
             DesktopWrite::Offer {
                 org_id, owner_id, ..
             } => DesktopNote::Offered {
@@ -414,13 +481,16 @@ impl Job for Write {
                 org_id: org_id.clone(),
                 owner_id: owner_id.clone(),
             },
-            DesktopWrite::Report { .. } => DesktopNote::Changed { run_id },
+            DesktopWrite::Report { .. } => DesktopNote::Changed {
+                run_id,
+                now: written.now.clone(),
+            },
             DesktopWrite::Cancel { .. } => DesktopNote::Cancelled { run_id },
         };
         Some(note)
     }
 
-    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<u64>> {
+    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<Written>> {
         let (run_id, at) = (self.run_id.as_str(), self.at);
         Box::pin(async move {
             match &self.write {
@@ -428,28 +498,36 @@ impl Job for Write {
                     org_id,
                     owner_id,
                     spec,
-                } => rows::execute(db, OFFER, (run_id, org_id, owner_id, spec, at)).await,
+                } => {
+                    let params = (run_id, org_id, owner_id, spec, at);
+                    rows::execute(db, OFFER, params).await.map(Written::rows)
+                }
                 DesktopWrite::Report {
                     runner_id,
                     stream_id,
                     outcome,
                 } => {
                     let holder = (run_id, runner_id, stream_id);
-                    match outcome {
+                    let (r, runner, stream) = holder;
+                    let now = match outcome {
                         Reported::Accepted => {
-                            rows::execute(db, ACCEPTED, (holder.0, holder.1, holder.2, at)).await
+                            let params = (r, runner, stream, at);
+                            rows::optional(db, ACCEPTED, params, decode_state).await?
                         }
                         Reported::Finished(outcome) => {
-                            let params = (holder.0, holder.1, holder.2, outcome, at);
-                            rows::execute(db, FINISHED, params).await
+                            let params = (r, runner, stream, outcome, at);
+                            rows::optional(db, FINISHED, params, decode_state).await?
                         }
                         Reported::Idle => {
-                            rows::execute(db, IDLE, (holder.0, holder.1, holder.2, at)).await
+                            let params = (r, runner, stream, at);
+                            rows::optional(db, IDLE, params, decode_state).await?
                         }
-                    }
+                    };
+                    Ok(Written::report(now))
                 }
                 DesktopWrite::Cancel { reason } => {
-                    rows::execute(db, CANCEL, (run_id, reason, at)).await
+                    let params = (run_id, reason, at);
+                    rows::execute(db, CANCEL, params).await.map(Written::rows)
                 }
             }
         })
