@@ -81,6 +81,22 @@ pub async fn yardstick(url: &str, secs: f64) -> anyhow::Result<f64> {
     Ok(pg_commits_per_sec(url, 32, secs).await? / 3.0)
 }
 
+/// L measured now, the median of `repeats` (short under `--quick`), and
+/// printed as the benchmark's baseline line.
+pub async fn baseline_yardstick(url: &str, repeats: usize) -> anyhow::Result<f64> {
+    let secs = if quick() { 0.5 } else { 3.0 };
+    let mut ls = vec![];
+    for _ in 0..repeats.max(1) {
+        ls.push(yardstick(url, secs).await?);
+    }
+    let l = median(ls);
+    println!(
+        "baseline  L = PostgreSQL single-row commits/s with 32 clients ÷ 3: {l:>9.0}   ({:.0} commits/s)",
+        3.0 * l
+    );
+    Ok(l)
+}
+
 /// What the database has done so far: transactions committed (read-only
 /// ones too) and transactions that wrote (each took a transaction id).
 #[derive(Debug, Clone, Copy)]

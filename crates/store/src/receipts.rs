@@ -14,6 +14,36 @@ use sqlx::AnyConnection;
 use crate::rows::{self, col, micros};
 use crate::{Result, Store, StoreError};
 
+/// A receipt's columns from `placement` to its price, as query parameters
+/// between `before` and `after`: the one list both ways of writing a
+/// receipt bind.
+macro_rules! receipt_params {
+    ($r:expr; $($before:expr),* ; $($after:expr),*) => {
+        (
+            $($before,)*
+            $r.placement.as_str(),
+            $r.engine.as_deref(),
+            $r.queued_micros,
+            $r.wake_micros,
+            $r.admission_micros,
+            $r.execution_micros,
+            $r.usage.input_tokens,
+            $r.usage.output_tokens,
+            $r.usage.cost_micros,
+            $r.worker_id.as_deref(),
+            $r.workspace_id.as_deref(),
+            $r.thread_id.as_deref(),
+            $r.message_id.as_deref(),
+            micros($r.created_at),
+            $r.model.as_deref(),
+            $r.provider_model.as_deref(),
+            $r.price.map(|p| p.input_micros_per_million_tokens),
+            $r.price.map(|p| p.output_micros_per_million_tokens),
+            $($after,)*
+        )
+    };
+}
+
 const INSERT: &str = "INSERT INTO receipts (run_id, outcome, error_code, error_message, placement, \
      engine, queued_us, wake_us, admission_us, execution_us, input_tokens, output_tokens, \
      cost_micros, worker_id, workspace_id, thread_id, message_id, created_at, model, \
@@ -131,34 +161,10 @@ impl crate::writer::Job for Finish {
             let automation = if rows::is_postgres(db) {
                 let (id, kind, payload) = crate::events::columns(&event)?;
                 let params = self.end_params();
-                let params = (
-                    params.0,
-                    params.1,
-                    params.2,
-                    params.3,
-                    params.4,
-                    params.5,
-                    r.placement.as_str(),
-                    r.engine.as_deref(),
-                    r.queued_micros,
-                    r.wake_micros,
-                    r.admission_micros,
-                    r.execution_micros,
-                    r.usage.input_tokens,
-                    r.usage.output_tokens,
-                    r.usage.cost_micros,
-                    r.worker_id.as_deref(),
-                    r.workspace_id.as_deref(),
-                    r.thread_id.as_deref(),
-                    r.message_id.as_deref(),
-                    micros(r.created_at),
-                    r.model.as_deref(),
-                    r.provider_model.as_deref(),
-                    r.price.map(|p| p.input_micros_per_million_tokens),
-                    r.price.map(|p| p.output_micros_per_million_tokens),
-                    id,
-                    kind,
-                    payload,
+                let params = receipt_params!(
+                    r;
+                    params.0, params.1, params.2, params.3, params.4, params.5;
+                    id, kind, payload
                 );
                 let ended = rows::optional(&mut *db, crate::runs::END_PG, params, |row| {
                     col::<AutomationState>(row, "automation_state")
@@ -248,29 +254,9 @@ pub(crate) async fn created_terminal(tx: &mut AnyConnection, r: &Receipt) -> Res
 /// Inserts the receipt unless the run has one; true when it did.
 async fn insert(tx: &mut AnyConnection, r: &Receipt) -> Result<bool> {
     let terminal: RunState = r.outcome;
-    let params = (
-        &r.run_id,
-        terminal.as_str(),
-        r.error_code.map(|c| c.as_str()),
-        r.error_message.as_deref(),
-        r.placement.as_str(),
-        r.engine.as_deref(),
-        r.queued_micros,
-        r.wake_micros,
-        r.admission_micros,
-        r.execution_micros,
-        r.usage.input_tokens,
-        r.usage.output_tokens,
-        r.usage.cost_micros,
-        r.worker_id.as_deref(),
-        r.workspace_id.as_deref(),
-        r.thread_id.as_deref(),
-        r.message_id.as_deref(),
-        micros(r.created_at),
-        r.model.as_deref(),
-        r.provider_model.as_deref(),
-        r.price.map(|p| p.input_micros_per_million_tokens),
-        r.price.map(|p| p.output_micros_per_million_tokens),
+    let params = receipt_params!(
+        r;
+        &r.run_id, terminal.as_str(), r.error_code.map(|c| c.as_str()), r.error_message.as_deref();
     );
     rows::changed_one(&mut *tx, INSERT, params).await
 }

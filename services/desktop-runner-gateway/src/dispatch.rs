@@ -341,7 +341,7 @@ impl Dispatch {
                         let (dispatch, store) = (self.clone(), store.clone());
                         tokio::spawn(async move {
                             if let Err(error) =
-                                dispatch.deliver_offer(&store, &session, &run_id).await
+                                dispatch.offer(&store, &session, &run_id, false).await
                             {
                                 tracing::warn!(%error, run_id, "delivering an offered run failed; the delivery pass retries");
                                 dispatch.poke();
@@ -457,7 +457,7 @@ impl Dispatch {
             else {
                 continue;
             };
-            self.offer(store, &session, &a, false).await?;
+            self.offer(store, &session, &a.run_id, false).await?;
         }
         for a in store.cancelling_desktop_runs(PASS_LIMIT).await? {
             let Some(runner_id) = a.runner_id.as_deref() else {
@@ -483,61 +483,36 @@ impl Dispatch {
 }
 
 impl Dispatch {
-    /// Delivers a run this replica was told was offered to the runner of
-    /// `session` (its owner's): one claim, which returns the spec, then the
-    /// stream. Nothing when another replica or runner was faster.
-    async fn deliver_offer(
-        &self,
-        store: &Store,
-        session: &crate::stream::Session,
-        run_id: &str,
-    ) -> Result<(), automesh_store::StoreError> {
-        let Some(_claiming) = Claiming::start(self, run_id) else {
-            return Ok(());
-        };
-        let (runner_id, stream_id) = (&session.runner_id, &session.stream_id);
-        let claimed = store.desktop_claim(Claim::Take, run_id, runner_id, stream_id, Utc::now());
-        let Some(a) = claimed.await? else {
-            return Ok(());
-        };
-        let span = run_span("automesh.desktop.deliver", &a);
-        self.send_claimed(store, session, &a, false)
-            .instrument(span)
-            .await?;
-        Ok(())
-    }
-
-    /// Claims `a` for `session`'s stream and sends it; gives the claim back
-    /// when the stream does not take it, so the next pass (or another
-    /// runner) can. A sent assignment the runner does not accept within the
-    /// bound is given back too.
+    /// Claims `run_id` for `session`'s stream (the claim returns the spec)
+    /// and sends it; gives the claim back when the stream does not take it,
+    /// so the next pass (or another runner) can. A sent assignment the
+    /// runner does not accept within the bound is given back too. False
+    /// when another replica or runner was faster, or it was sent on this
+    /// stream already. `again`: a runner had it before.
     pub(crate) async fn offer(
         &self,
         store: &Store,
         session: &crate::stream::Session,
-        a: &DesktopAssignment,
+        run_id: &str,
         again: bool,
     ) -> Result<bool, automesh_store::StoreError> {
-        let Some(_claiming) = Claiming::start(self, &a.run_id) else {
+        let Some(_claiming) = Claiming::start(self, run_id) else {
             return Ok(false);
         };
-        // Sent on this stream already (by the one-hop delivery, after this
+        // Sent on this stream already (by the one-hop delivery, after a
         // pass read the run): a claim would apply again, a second send not.
-        if self.sent_on(&a.run_id, &session.stream_id) {
+        if self.sent_on(run_id, &session.stream_id) {
             return Ok(false);
         }
-        let span = run_span("automesh.desktop.deliver", a);
-        async {
-            let (runner_id, stream_id) = (&session.runner_id, &session.stream_id);
-            let claimed =
-                store.desktop_claim(Claim::Take, &a.run_id, runner_id, stream_id, Utc::now());
-            if claimed.await?.is_none() {
-                return Ok(false);
-            }
-            self.send_claimed(store, session, a, again).await
-        }
-        .instrument(span)
-        .await
+        let (runner_id, stream_id) = (&session.runner_id, &session.stream_id);
+        let claimed = store.desktop_claim(Claim::Take, run_id, runner_id, stream_id, Utc::now());
+        let Some(a) = claimed.await? else {
+            return Ok(false);
+        };
+        let span = run_span("automesh.desktop.deliver", &a);
+        self.send_claimed(store, session, &a, again)
+            .instrument(span)
+            .await
     }
 
     /// Sends `a`, claimed for `session`'s stream, and awaits its acceptance;

@@ -51,7 +51,7 @@ pub(crate) async fn reconcile(
             && a.phase == automesh_store::desktop::DesktopPhase::Admitted
             // A run no runner was sent before is a first delivery, not a
             // redelivery, however it reaches the runner.
-            && !dispatch.offer(store, session, a, a.runner_id.is_some()).await?
+            && !dispatch.offer(store, session, &a.run_id, a.runner_id.is_some()).await?
             && session.tx.is_closed()
         {
             // The stream is gone; what was not offered waits for the next.

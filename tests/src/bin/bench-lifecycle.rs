@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use automesh_domain::{Principal, Surface};
 use automesh_e2e_tests::bench::{
-    DbCounters, insert_due, median, percentile, quick, sized, yardstick,
+    DbCounters, baseline_yardstick, insert_due, median, percentile, quick, sized,
 };
 use automesh_e2e_tests::executor::{Behavior, TestExecutor};
 use automesh_e2e_tests::{Mesh, MeshOptions};
@@ -87,16 +87,7 @@ async fn main() -> anyhow::Result<()> {
 
     // The yardstick, measured now.
     let url = mesh.db.url.clone();
-    let secs = if quick() { 0.5 } else { 3.0 };
-    let mut ls = vec![];
-    for _ in 0..repeats {
-        ls.push(yardstick(&url, secs).await?);
-    }
-    let l = median(ls);
-    println!(
-        "baseline  L = PostgreSQL single-row commits/s with 32 clients ÷ 3: {l:>9.0}   ({:.0} commits/s)",
-        3.0 * l
-    );
+    let l = baseline_yardstick(&url, repeats).await?;
 
     // Latency: occurrences due one at a time, 25 ms apart.
     let dues = insert_due(

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use automesh_domain::{Principal, Surface};
 use automesh_e2e_tests::bench::{
-    DbCounters, StubRunners, insert_due, median, mint_runner, quick, sized, yardstick,
+    DbCounters, StubRunners, baseline_yardstick, insert_due, median, mint_runner, quick, sized,
 };
 use automesh_e2e_tests::{Mesh, MeshOptions};
 use automesh_store::{Backend, Store};
@@ -92,16 +92,7 @@ async fn main() -> anyhow::Result<()> {
     );
 
     // The yardstick, measured now.
-    let secs = if quick() { 0.5 } else { 3.0 };
-    let mut ls = vec![];
-    for _ in 0..repeats {
-        ls.push(yardstick(&url, secs).await?);
-    }
-    let l = median(ls);
-    println!(
-        "baseline  L = PostgreSQL single-row commits/s with 32 clients ÷ 3: {l:>9.0}   ({:.0} commits/s)",
-        3.0 * l
-    );
+    let l = baseline_yardstick(&url, repeats).await?;
 
     // The runners: one stream each, on the gateway replica runners dial.
     let (stubs, assigned) = StubRunners::new(true);
