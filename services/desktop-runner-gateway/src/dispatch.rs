@@ -13,14 +13,15 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use automesh_store::desktop::{Claim, DesktopAssignment};
+use automesh_proto::executor::v1 as epb;
+use automesh_store::desktop::Claim;
 use automesh_store::{AssignmentState, DesktopNote, Heard, Store};
 use chrono::Utc;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::outbound::{cancel_message, run_span, send, send_assignment};
+use crate::outbound::{cancel_message, run_span, send, send_assignment, spec_of};
 use crate::stream::Sessions;
 
 /// How often a replica looks for work even without a signal.
@@ -470,7 +471,7 @@ impl Dispatch {
                 continue;
             }
             let reason = a.cancel_reason.clone().unwrap_or_default();
-            let span = run_span("automesh.desktop.cancel", &a);
+            let span = run_span("automesh.desktop.cancel", &a.run_id, spec_of(&a).as_ref());
             if send(&session.tx, cancel_message(&a.run_id, &reason))
                 .instrument(span.clone())
                 .await
@@ -506,28 +507,28 @@ impl Dispatch {
         }
         let (runner_id, stream_id) = (&session.runner_id, &session.stream_id);
         let claimed = store.desktop_claim(Claim::Take, run_id, runner_id, stream_id, Utc::now());
-        let Some(a) = claimed.await? else {
+        let Some(spec) = claimed.await?.as_ref().and_then(spec_of) else {
             return Ok(false);
         };
-        let span = run_span("automesh.desktop.deliver", &a);
-        self.send_claimed(store, session, &a, again)
+        let span = run_span("automesh.desktop.deliver", run_id, Some(&spec));
+        self.send_claimed(store, session, &spec, again)
             .instrument(span)
             .await
     }
 
-    /// Sends `a`, claimed for `session`'s stream, and awaits its acceptance;
-    /// gives the claim back when the stream does not take it.
+    /// Sends `spec`, claimed for `session`'s stream, and awaits its
+    /// acceptance; gives the claim back when the stream does not take it.
     async fn send_claimed(
         &self,
         store: &Store,
         session: &crate::stream::Session,
-        a: &DesktopAssignment,
+        spec: &epb::RunSpec,
         again: bool,
     ) -> Result<bool, automesh_store::StoreError> {
-        let sent = send_assignment(store, session, a, again).await?;
+        let sent = send_assignment(store, session, spec, again).await?;
         if sent && let Ok(mut awaiting) = self.awaiting.lock() {
             awaiting.insert(
-                a.run_id.clone(),
+                spec.run_id.clone(),
                 Awaiting {
                     runner_id: session.runner_id.clone(),
                     stream_id: session.stream_id.clone(),

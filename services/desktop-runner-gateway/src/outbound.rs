@@ -15,37 +15,44 @@ use prost::Message as _;
 /// Bound on handing one message to a runner's stream.
 pub(crate) const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// A span of work on `a` in its run's trace (the traceparent its spec
-/// carries), so delivery and its log lines belong to the run.
-pub(crate) fn run_span(name: &'static str, a: &DesktopAssignment) -> tracing::Span {
-    let span = tracing::info_span!("automesh.desktop", otel.name = name, run_id = %a.run_id);
-    let traceparent = epb::RunSpec::decode(a.spec.as_slice())
+/// A run's spec, as its assignment stores it (`None`, logged, when it does
+/// not decode).
+pub(crate) fn spec_of(a: &DesktopAssignment) -> Option<epb::RunSpec> {
+    let spec = epb::RunSpec::decode(a.spec.as_slice());
+    spec.inspect_err(|_| tracing::error!(run_id = %a.run_id, "undecodable desktop run spec"))
         .ok()
-        .map(|s| s.traceparent)
+}
+
+/// A span of work on `run_id` in its run's trace (the traceparent its spec
+/// carries), so delivery and its log lines belong to the run.
+pub(crate) fn run_span(
+    name: &'static str,
+    run_id: &str,
+    spec: Option<&epb::RunSpec>,
+) -> tracing::Span {
+    let span = tracing::info_span!("automesh.desktop", otel.name = name, run_id = %run_id);
+    let traceparent = spec
+        .map(|s| s.traceparent.as_str())
         .filter(|t| !t.is_empty());
-    automesh_rpc::propagation::continue_trace(&span, traceparent.as_deref());
+    automesh_rpc::propagation::continue_trace(&span, traceparent);
     span
 }
 
-/// Sends `a`, claimed for `session`'s runner; gives the claim back when the
-/// stream does not take it.
+/// Sends `spec`, claimed for `session`'s runner; gives the claim back when
+/// the stream does not take it.
 pub(crate) async fn send_assignment(
     store: &Store,
     session: &crate::stream::Session,
-    a: &DesktopAssignment,
+    spec: &epb::RunSpec,
     again: bool,
 ) -> Result<bool, automesh_store::StoreError> {
-    let (runner_id, tx) = (session.runner_id.as_str(), &session.tx);
-    let Ok(spec) = epb::RunSpec::decode(a.spec.as_slice()) else {
-        tracing::error!(run_id = %a.run_id, "undecodable desktop run spec");
-        return Ok(false);
-    };
-    if send(tx, assignment(&spec)).await {
-        tracing::info!(run_id = %a.run_id, runner_id, again, "run assigned to a runner");
+    let (runner_id, tx, run_id) = (session.runner_id.as_str(), &session.tx, &spec.run_id);
+    if send(tx, assignment(spec)).await {
+        tracing::info!(%run_id, runner_id, again, "run assigned to a runner");
         crate::metrics::delivered(again);
         Ok(true)
     } else {
-        tracing::warn!(run_id = %a.run_id, runner_id, "the runner's stream did not take the assignment");
+        tracing::warn!(%run_id, runner_id, "the runner's stream did not take the assignment");
         store
             .release_unaccepted_desktop_runs(runner_id, &session.stream_id, Utc::now())
             .await?;
