@@ -858,6 +858,27 @@ fn the_readme_quick_start_is_what_the_binary_prints() {
 
     let (dev, gateway, _token) = start_dev_with("readme", &[], &[], true);
     let data_dir = dev.data_dir.display().to_string();
+    let ctl = |args: &[String]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_automesh"))
+            .env_clear()
+            .args(args)
+            .env("AUTOMESH_ADDR", format!("http://{gateway}"))
+            .env("AUTOMESH_DATA_DIR", &dev.data_dir)
+            .output()
+            .expect("run the README's command");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "`automesh {}` failed: {}{}",
+            args.join(" "),
+            text,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text
+    };
+    // `ctl watch` as the README shows it, run again once the run has ended:
+    // a watch attached after the end prints the same, the end last.
+    let mut watch_again = None;
     let mut ids: std::collections::BTreeMap<String, String> = Default::default();
     let mut compared = 0;
     let mut ran = 0;
@@ -900,21 +921,10 @@ fn the_readme_quick_start_is_what_the_binary_prints() {
                         },
                     )
                     .collect();
-                let out = Command::new(env!("CARGO_BIN_EXE_automesh"))
-                    .env_clear()
-                    .args(&args)
-                    .env("AUTOMESH_ADDR", format!("http://{gateway}"))
-                    .env("AUTOMESH_DATA_DIR", &dev.data_dir)
-                    .output()
-                    .expect("run the README's command");
-                let text = String::from_utf8_lossy(&out.stdout).into_owned();
-                assert!(
-                    out.status.success(),
-                    "`automesh {}` failed: {}{}",
-                    args.join(" "),
-                    text,
-                    String::from_utf8_lossy(&out.stderr)
-                );
+                let text = ctl(&args);
+                if args.get(1).map(String::as_str) == Some("watch") {
+                    watch_again = Some((args.clone(), expected.clone().unwrap_or_default()));
+                }
                 let field = |name: &str| {
                     text.lines()
                         .find_map(|l| l.strip_prefix(name))
@@ -947,6 +957,13 @@ fn the_readme_quick_start_is_what_the_binary_prints() {
     }
     assert!(ran >= 5, "ran {ran} commands");
     assert!(compared >= 4, "compared {compared} outputs");
+    let (args, expected) = watch_again.expect("the README watches its run");
+    assert_eq!(
+        normalize(&ctl(&args), &data_dir),
+        normalize(&expected, &data_dir),
+        "`automesh {}` on the ended run printed something else than the README shows",
+        args.join(" ")
+    );
     drop(dev);
 }
 

@@ -17,7 +17,8 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
 use print::{
-    automation_state, placement, print_automation, print_event, print_receipt, print_run, run_state,
+    automation_state, is_terminal, placement, print_automation, print_event, print_receipt,
+    print_run, print_state, run_state,
 };
 
 #[derive(Debug, Args)]
@@ -496,23 +497,22 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
                 .await
                 .map_err(explain)?
                 .into_inner();
+            // The stream opens with the run as it is; a watch attached after
+            // the end gets the terminal state before the events. The end is
+            // printed last either way: after every event, then the receipt.
+            let mut ended = None;
             while let Some(item) = stream.next().await {
                 match item.map_err(explain)?.update {
                     Some(pb::watch_run_response::Update::Event(e)) => print_event(&e),
-                    Some(pb::watch_run_response::Update::Run(r)) => {
-                        println!(
-                            "-- run {} is {}{}",
-                            r.id,
-                            run_state(r.state),
-                            if r.error_code.is_empty() {
-                                String::new()
-                            } else {
-                                format!(" ({})", r.error_code)
-                            }
-                        );
+                    Some(pb::watch_run_response::Update::Run(r)) if is_terminal(r.state) => {
+                        ended = Some(r);
                     }
+                    Some(pb::watch_run_response::Update::Run(r)) => print_state(&r),
                     None => {}
                 }
+            }
+            if let Some(r) = &ended {
+                print_state(r);
             }
             // The stream ends after the terminal state: the receipt is there.
             let run = runs

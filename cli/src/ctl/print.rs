@@ -95,6 +95,21 @@ pub(super) fn print_run(r: Option<pb::Run>) {
     }
 }
 
+/// A run's state as one line of `ctl watch`, with its error code if any.
+pub(super) fn print_state(r: &pb::Run) {
+    let error = if r.error_code.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", r.error_code)
+    };
+    println!("-- run {} is {}{error}", r.id, run_state(r.state));
+}
+
+/// Whether a run in this state has ended (and a watch of it will end).
+pub(super) fn is_terminal(state: i32) -> bool {
+    automesh_rpc::convert::run_state_from_pb(state).is_some_and(|s| s.is_terminal())
+}
+
 /// A receipt in two lines: what ran it, and what it used and cost.
 pub(super) fn print_receipt(receipt: &pb::Receipt) {
     let usage = receipt.usage.unwrap_or_default();
