@@ -171,6 +171,7 @@ impl Service {
         // streams (see `stream`).
         let mut server = GrpcServer::new(ServerSettings {
             keepalive: settings.keepalive(),
+            ping_grid: settings.ping_grid(),
             ..ServerSettings::default()
         })?;
         let mut internal = GrpcServer::new(ServerSettings::default())?;

@@ -1,7 +1,9 @@
 //! The one server builder every automesh service uses: gRPC health (NOT
 //! SERVING until the readiness probe passes), server reflection (v1 and
 //! v1alpha), a span per request that continues the caller's trace, request
-//! timeouts and connection limits, and graceful shutdown.
+//! timeouts and connection limits, and graceful shutdown. Connections are
+//! served by our own loop (`connections`), whose keepalive PINGs of many
+//! connections fire together.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -9,18 +11,19 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::body::Body;
 use tonic::server::NamedService;
 use tonic::service::RoutesBuilder;
-use tonic::transport::Server;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::propagation;
+
+mod connections;
+pub use connections::PING_GRID;
 
 /// Limits and timeouts of a server.
 #[derive(Debug, Clone)]
@@ -36,6 +39,9 @@ pub struct ServerSettings {
     /// HTTP/2 PINGs on a connection that has been silent this long, and how
     /// long an answer may take before the connection is closed as dead.
     pub keepalive: (Duration, Duration),
+    /// Keepalive deadlines are rounded up to a multiple of this, so that
+    /// the PINGs of many connections fire together (see `connections`).
+    pub ping_grid: Duration,
 }
 
 impl Default for ServerSettings {
@@ -46,6 +52,7 @@ impl Default for ServerSettings {
             concurrency_per_connection: 1024,
             readiness_interval: Duration::from_secs(2),
             keepalive: (Duration::from_secs(20), Duration::from_secs(10)),
+            ping_grid: PING_GRID,
         }
     }
 }
@@ -77,8 +84,6 @@ impl std::fmt::Debug for GrpcServer {
 pub enum ServeError {
     #[error("reflection descriptor set is invalid: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),
-    #[error("transport error: {0}")]
-    Transport(#[from] tonic::transport::Error),
 }
 
 impl GrpcServer {
@@ -181,22 +186,19 @@ impl GrpcServer {
             )
             .in_current_span(),
         );
-        let result = Server::builder()
-            .layer(tower::util::MapResponseLayer::new(
-                oversized_is_resource_exhausted,
-            ))
-            .timeout(settings.request_timeout)
-            .max_concurrent_streams(Some(settings.max_concurrent_streams))
-            .concurrency_limit_per_connection(settings.concurrency_per_connection)
-            .http2_keepalive_interval(Some(settings.keepalive.0))
-            .http2_keepalive_timeout(Some(settings.keepalive.1))
-            .tcp_nodelay(true)
-            .trace_fn(request_span)
-            .add_routes(routes.routes())
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown.cancelled())
-            .await;
+        let routes = tower::ServiceBuilder::new()
+            .map_response(oversized_is_resource_exhausted)
+            .service(routes.routes());
+        connections::serve(
+            listener,
+            connections::Routes::new(routes),
+            &settings,
+            request_span,
+            shutdown.cancelled(),
+        )
+        .await;
         readiness.abort();
-        Ok(result?)
+        Ok(())
     }
 }
 

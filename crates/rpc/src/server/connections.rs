@@ -1,0 +1,274 @@
+//! The connection loop of every automesh server: accepts TCP connections,
+//! serves each over HTTP/2 (hyper) under the server's per-connection limits,
+//! and drains them on shutdown.
+//!
+//! It does what tonic's own loop does (a span per request, a deadline per
+//! call from `grpc-timeout` and the server's bound, a concurrency limit per
+//! connection, errors answered as gRPC statuses), with one difference that is
+//! the reason it exists: the timer behind HTTP/2 keepalive PINGs rounds its
+//! deadlines up to a grid (`ServerSettings::ping_grid`, [`PING_GRID`] by
+//! default). Ten thousand idle connections,
+//! each PINGed every few seconds, then PING together a few times a second:
+//! the process wakes for a batch, not for every PING, which is most of what
+//! an idle connection costs (tonic's loop takes no timer). Rounding delays a
+//! PING and its timeout by at most one grid step each; the keepalive bounds
+//! leave room for that (see `desktop-runner-gateway`'s stream settings).
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::{Pin, pin};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use hyper::rt::{Sleep, Timer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tonic::body::Body;
+use tower::{Service, ServiceBuilder};
+use tracing::Instrument;
+
+use super::ServerSettings;
+
+/// Keepalive deadlines are rounded up to a multiple of this by default.
+pub const PING_GRID: Duration = Duration::from_millis(250);
+
+/// A boxed error, as hyper and tower pass them.
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// hyper's timer with deadlines rounded up to a grid shared by every
+/// connection of the process, so that timers set at nearby instants fire in
+/// one wake-up.
+#[derive(Debug, Clone)]
+pub(crate) struct GridTimer {
+    epoch: Instant,
+    grid: Duration,
+}
+
+impl GridTimer {
+    pub(crate) fn new(grid: Duration) -> Self {
+        static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        Self {
+            epoch: *EPOCH.get_or_init(Instant::now),
+            grid: grid.max(Duration::from_millis(1)),
+        }
+    }
+
+    /// The first grid point at or after `at`.
+    pub(crate) fn round(&self, at: Instant) -> Instant {
+        let since = at.saturating_duration_since(self.epoch).as_nanos();
+        let grid = self.grid.as_nanos();
+        let steps = since.div_ceil(grid);
+        self.epoch + Duration::from_nanos(u64::try_from(steps * grid).unwrap_or(u64::MAX))
+    }
+}
+
+impl Timer for GridTimer {
+    fn sleep(&self, duration: Duration) -> Pin<Box<dyn Sleep>> {
+        TokioTimer::new().sleep_until(self.round(Instant::now() + duration))
+    }
+
+    fn sleep_until(&self, deadline: Instant) -> Pin<Box<dyn Sleep>> {
+        TokioTimer::new().sleep_until(self.round(deadline))
+    }
+
+    fn reset(&self, sleep: &mut Pin<Box<dyn Sleep>>, new_deadline: Instant) {
+        TokioTimer::new().reset(sleep, self.round(new_deadline))
+    }
+}
+
+/// The routes, as one cloneable service.
+pub(crate) type Routes =
+    tower::util::BoxCloneSyncService<http::Request<Body>, http::Response<Body>, Infallible>;
+
+/// Serves `routes` on `listener` until `shutdown` resolves, then lets every
+/// connection finish its calls (new streams are refused) and returns once
+/// all have closed.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    routes: Routes,
+    settings: &ServerSettings,
+    span_of: fn(&http::Request<()>) -> tracing::Span,
+    shutdown: impl Future<Output = ()>,
+) {
+    let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    http2
+        .timer(GridTimer::new(settings.ping_grid))
+        .keep_alive_interval(Some(settings.keepalive.0))
+        .keep_alive_timeout(settings.keepalive.1)
+        .max_concurrent_streams(settings.max_concurrent_streams);
+    let (drain, draining) = tokio::sync::watch::channel(());
+    let mut shutdown = pin!(shutdown);
+    loop {
+        let (tcp, _) = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    // Out of file descriptors, or a connection reset before
+                    // it was accepted: not the listener's end. A short pause
+                    // keeps the loop from spinning while descriptors are out.
+                    tracing::debug!(%error, "accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = tcp.set_nodelay(true);
+        let calls = ServiceBuilder::new()
+            .map_request(|req: http::Request<hyper::body::Incoming>| req.map(Body::new))
+            .layer_fn(move |inner| Traced { inner, span_of })
+            .layer(tonic::service::RecoverErrorLayer::new())
+            .concurrency_limit(settings.concurrency_per_connection)
+            .layer_fn(|inner| Deadline {
+                inner,
+                bound: settings.request_timeout,
+            })
+            .service(routes.clone());
+        let connection = http2.serve_connection(TokioIo::new(tcp), TowerToHyperService::new(calls));
+        let mut draining = draining.clone();
+        tokio::spawn(async move {
+            let mut connection = pin!(connection);
+            tokio::select! {
+                ended = connection.as_mut() => {
+                    if let Err(error) = ended {
+                        tracing::debug!(%error, "connection ended");
+                    }
+                    return;
+                }
+                _ = draining.changed() => connection.as_mut().graceful_shutdown(),
+            }
+            if let Err(error) = connection.await {
+                tracing::debug!(%error, "connection ended while draining");
+            }
+        });
+    }
+    // Refuse new connections at once, then drain the open ones.
+    drop(listener);
+    drop(draining);
+    let _ = drain.send(());
+    drain.closed().await;
+}
+
+/// Runs each call inside the span `span_of` makes for it.
+#[derive(Clone)]
+struct Traced<S> {
+    inner: S,
+    span_of: fn(&http::Request<()>) -> tracing::Span,
+}
+
+impl<S> Service<http::Request<Body>> for Traced<S>
+where
+    S: Service<http::Request<Body>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = tracing::instrument::Instrumented<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        let (parts, body) = req.into_parts();
+        let bodyless = http::Request::from_parts(parts, ());
+        let span = (self.span_of)(&bodyless);
+        let (parts, ()) = bodyless.into_parts();
+        self.inner
+            .call(http::Request::from_parts(parts, body))
+            .instrument(span)
+    }
+}
+
+/// Bounds a call (until its response headers) by the shorter of the
+/// caller's `grpc-timeout` and the server's bound; past it the call is
+/// CANCELLED ("Timeout expired"), as tonic answers.
+#[derive(Clone)]
+struct Deadline<S> {
+    inner: S,
+    bound: Duration,
+}
+
+impl<S, B> Service<http::Request<B>> for Deadline<S>
+where
+    S: Service<http::Request<B>>,
+    S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let bound = grpc_timeout(req.headers()).map_or(self.bound, |t| t.min(self.bound));
+        let call = self.inner.call(req);
+        Box::pin(async move {
+            match tokio::time::timeout(bound, call).await {
+                Ok(answer) => answer.map_err(Into::into),
+                Err(_) => Err(Box::new(tonic::TimeoutExpired(())) as BoxError),
+            }
+        })
+    }
+}
+
+/// The caller's deadline from a `grpc-timeout` header (at most 8 digits and
+/// a unit: H, M, S, m, u or n); none when absent or malformed.
+fn grpc_timeout(headers: &http::HeaderMap) -> Option<Duration> {
+    let value = headers.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grid_deadlines_round_up_to_one_shared_grid() {
+        let timer = GridTimer::new(Duration::from_millis(250));
+        let now = Instant::now();
+        let a = timer.round(now + Duration::from_millis(4_010));
+        let b = timer.round(now + Duration::from_millis(4_200));
+        // Never early, at most one step late.
+        assert!(a >= now + Duration::from_millis(4_010));
+        assert!(a < now + Duration::from_millis(4_010 + 250));
+        // On the grid: rounding again changes nothing, and nearby
+        // deadlines share a point or are a whole number of steps apart.
+        assert_eq!(timer.round(a), a);
+        let apart = b.duration_since(a).as_millis();
+        assert!(apart == 0 || apart == 250, "{apart}");
+    }
+
+    #[test]
+    fn grpc_timeout_headers_are_read_as_the_protocol_spells_them() {
+        let at = |v: &str| {
+            let mut h = http::HeaderMap::new();
+            h.insert("grpc-timeout", v.parse().expect("header"));
+            grpc_timeout(&h)
+        };
+        assert_eq!(at("3S"), Some(Duration::from_secs(3)));
+        assert_eq!(at("250m"), Some(Duration::from_millis(250)));
+        assert_eq!(at("2H"), Some(Duration::from_secs(7200)));
+        assert_eq!(at("5u"), Some(Duration::from_micros(5)));
+        assert_eq!(at("123456789S"), None, "more than 8 digits");
+        assert_eq!(at("S"), None);
+        assert_eq!(at("10x"), None);
+        assert_eq!(grpc_timeout(&http::HeaderMap::new()), None);
+    }
+}
