@@ -461,6 +461,61 @@ async fn until_runner_streams(cluster: &Cluster, liveness: &str, want: f64, with
     }
 }
 
+/// A desktop runner whose gateway stalls (SIGSTOP: the connection stays
+/// open, nothing comes back) leaves it within its dead-after bound — it
+/// sends no PINGs of its own; it hears neither the gateway's PINGs nor an
+/// answer to the heartbeat it asks with — and reconnects to the other
+/// replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_leaves_a_stalled_gateway_and_reconnects_to_another_replica() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut w = world(|_, _| Reply::Json(text_completion("done")), |s, _| s).await;
+    let o = owner();
+    let runner = w
+        .cluster
+        .add_runner(&o.org_id, &o.user_id)
+        .await
+        .expect("runner");
+    until_runner_streams(&w.cluster, "ping", 1.0, Duration::from_secs(30)).await;
+    let held_by = |text: &str| {
+        automesh_e2e_tests::metric(text, "automesh_runner_streams", &[("liveness", "ping")])
+    };
+    let mut holder = None;
+    for replica in 0..2 {
+        let text = w.cluster.scrape(Kind::RunnerGateway, replica).await;
+        if held_by(&text.expect("scrape")) == 1.0 {
+            holder = Some(replica);
+        }
+    }
+    let holder = holder.expect("a replica holds the runner's stream");
+    let other = 1 - holder;
+
+    w.cluster.pause(Kind::RunnerGateway, holder);
+    // Dead-after is 4 s in the cluster; bounded generously for a loaded
+    // machine (the runner also backs off between attempts).
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let text = w.cluster.scrape(Kind::RunnerGateway, other).await;
+        if held_by(&text.expect("scrape")) == 1.0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "the runner did not move to the other replica; its log:\n{}",
+            tail(&w.cluster.runner_log(runner), 20)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let log = w.cluster.runner_log(runner);
+    assert!(
+        log.contains("the gateway sent nothing for"),
+        "the runner says why it left: {}",
+        tail(&log, 20)
+    );
+    w.cluster.resume(Kind::RunnerGateway, holder);
+    w.stop().await;
+}
+
 /// A desktop runner that stalls (SIGSTOP) on a stream kept alive by HTTP/2
 /// PING — it sends no heartbeats, so no silence gives it away — is declared
 /// dead by the runner gateway within the dead-after bound: its connection

@@ -5,9 +5,11 @@
 //! - says `Hello` with every run its local record still holds, then sends the
 //!   events and results of those runs again (event ids make that harmless);
 //! - asks for liveness by HTTP/2 PING (`Hello.ping_liveness`): when the
-//!   gateway grants it, neither side sends heartbeats and each PINGs the
-//!   connection, which ends when the other does not answer within
-//!   `dead_after`; otherwise (an older gateway) it heartbeats at the
+//!   gateway grants it, neither side sends heartbeats while idle; the
+//!   gateway PINGs the connection and ends it when the runner does not
+//!   answer, and the runner, which sends no PINGs, leaves a gateway it has
+//!   not heard a byte from for `dead_after` (after asking with one heartbeat
+//!   at three fifths of it; see `link`); otherwise (an older gateway) it heartbeats at the
 //!   interval the gateway asks for, and treats a stream on which the gateway
 //!   says nothing (not even heartbeat acks) for `dead_after` as dead, like
 //!   the gateway does;
@@ -27,6 +29,7 @@
 
 pub mod cli;
 mod execute;
+mod link;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -275,19 +278,15 @@ impl Runner {
     }
 
     async fn stream_once(&self, gateway: &str, shutdown: &CancellationToken) -> StreamEnd {
+        // No PINGs of our own: the connection notes the gateway's (`link`).
         let endpoint = match tonic::transport::Endpoint::from_shared(gateway.to_owned()) {
-            Ok(e) => e
-                .connect_timeout(self.settings.connect_timeout)
-                // A PING after half the dead-after bound of silence, answered
-                // within two fifths of it: a gateway that stalls is left
-                // within the bound.
-                .http2_keep_alive_interval(self.settings.dead_after / 2)
-                .keep_alive_timeout(self.settings.dead_after * 2 / 5)
-                .keep_alive_while_idle(true),
+            Ok(e) => e.connect_timeout(self.settings.connect_timeout),
             Err(e) => return StreamEnd::Connect(e.to_string()),
         };
-        let channel =
-            match tokio::time::timeout(self.settings.connect_timeout, endpoint.connect()).await {
+        let (channel, heard) =
+            match tokio::time::timeout(self.settings.connect_timeout, link::connect(&endpoint))
+                .await
+            {
                 Ok(Ok(c)) => c,
                 Ok(Err(e)) => return StreamEnd::Connect(e.to_string()),
                 Err(_) => return StreamEnd::Connect("timed out".into()),
@@ -338,17 +337,35 @@ impl Runner {
             tokio::spawn(heartbeats(tx.clone(), interval, stream_done.clone()));
         }
         self.resend_held(&tx).await;
-        // With PING liveness the gateway is quiet while idle: the
-        // connection's keepalive, not silence, tells that it is gone.
+        // With PING liveness the gateway sends no messages while idle: the
+        // watch over the bytes it sends (its PINGs), not the silence of
+        // messages, tells that it is gone.
         let silence = if ping_liveness {
             Duration::from_secs(365 * 24 * 3600)
         } else {
             self.settings.dead_after
         };
+        let mut watch = link::Watch::new(heard, self.settings.dead_after);
+        let mut look = tokio::time::interval(watch.period());
+        look.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
         loop {
             let next = tokio::select! {
                 next = tokio::time::timeout(silence, inbound.message()) => next,
+                _ = look.tick(), if ping_liveness => {
+                    match watch.look() {
+                        link::Verdict::Fine => {}
+                        // Bounded like every send: a full queue means the
+                        // stream is busy, and the gateway will be heard.
+                        link::Verdict::Ask => {
+                            let _ = tx.try_send(up(Up::Heartbeat(rpb::Heartbeat {
+                                send_time: Some(now_ts()),
+                            })));
+                        }
+                        link::Verdict::Gone => return StreamEnd::Silent(self.settings.dead_after),
+                    }
+                    continue;
+                }
                 () = shutdown.cancelled() => return StreamEnd::Closed,
             };
             let message = match next {
