@@ -105,7 +105,7 @@ impl StreamSettings {
     /// The grid the runner listener rounds its keepalive deadlines up to,
     /// so the PINGs of many idle streams fire together: the PING and its
     /// timeout are each late by at most one step, a fortieth of the
-    /// dead-after bound at most (250 ms at the default 10 s), which keeps a
+    /// dead-after bound at most (50 ms at the default 10 s), which keeps a
     /// stalled stream's end within 95 % of the bound.
     pub fn ping_grid(&self) -> Duration {
         (self.dead_after / 40).min(automesh_rpc::server::PING_GRID)

@@ -51,6 +51,25 @@ fn rss_kib(pid: u32) -> anyhow::Result<u64> {
         .ok_or_else(|| anyhow::anyhow!("no VmRSS for {pid}"))
 }
 
+/// A log line without its terminal colours.
+fn plain(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // An escape sequence: up to and including its final letter.
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// CPU time (user + system) the process has used so far, in seconds.
 fn cpu_secs(pid: u32) -> anyhow::Result<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
@@ -136,7 +155,9 @@ async fn main() -> anyhow::Result<()> {
     let mut child = child
         .args(["--serve-gateway", &mesh.db.url])
         .stdout(std::process::Stdio::piped())
-        .env("RUST_LOG", "error")
+        // Errors, and why the gateway ended a connection with an error (a
+        // keepalive PING unanswered, a broken pipe), counted below.
+        .env("RUST_LOG", "error,automesh_rpc::server::connections=debug")
         .kill_on_drop(true)
         .spawn()?;
     let pid = child.id().ok_or_else(|| anyhow::anyhow!("no child pid"))?;
@@ -159,7 +180,22 @@ async fn main() -> anyhow::Result<()> {
     let addr = tokio::time::timeout(Duration::from_secs(30), listening)
         .await
         .map_err(|_| anyhow::anyhow!("the gateway process did not start within 30 s"))??;
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let closed_by_gateway =
+        std::sync::Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::<
+            String,
+            usize,
+        >::new()));
+    let counting = closed_by_gateway.clone();
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            if let Some(at) = line.find("connection ended") {
+                let cause = plain(&line[at..]).chars().take(120).collect::<String>();
+                if let Ok(mut c) = counting.lock() {
+                    *c.entry(cause).or_default() += 1;
+                }
+            }
+        }
+    });
     automesh_e2e_tests::wait_for_health(&addr, Duration::from_secs(30), true).await?;
 
     // Baselines.
@@ -278,6 +314,11 @@ async fn main() -> anyhow::Result<()> {
         let causes = runners.ended_causes();
         if !causes.is_empty() {
             println!("streams   ended, by cause: {causes}");
+        }
+        if let Ok(c) = closed_by_gateway.lock()
+            && !c.is_empty()
+        {
+            println!("streams   connections the gateway ended with an error, by cause: {c:?}");
         }
         if total == streams {
             let (p50, p99, n) =

@@ -30,8 +30,13 @@ use tracing::Instrument;
 
 use super::ServerSettings;
 
-/// Keepalive deadlines are rounded up to a multiple of this by default.
-pub const PING_GRID: Duration = Duration::from_millis(250);
+/// Keepalive deadlines are rounded up to a multiple of this by default:
+/// 20 wake-ups a second for any number of idle connections, and bursts
+/// small enough (about 200 PINGs at 19,000 connections PINGed every 5 s)
+/// not to hold up other work for long. Coarser grids (100 ms, 250 ms)
+/// saved little more CPU but their bursts delayed dispatch at 19,000
+/// streams (run-now → assignment p99 33-92 ms against 17-20 ms).
+pub const PING_GRID: Duration = Duration::from_millis(50);
 
 /// A boxed error, as hyper and tower pass them.
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
