@@ -92,6 +92,12 @@ fn cpu_secs(pid: u32) -> anyhow::Result<f64> {
 
 /// Child mode: one desktop-runner-gateway process on `url`.
 async fn serve_gateway(url: &str) -> anyhow::Result<()> {
+    // Its log on stdout, where the benchmark reads it (filtered by RUST_LOG).
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stdout)
+        .with_ansi(false)
+        .try_init();
     let store = Store::connect_lazy(url, StoreOptions::default())?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let internal = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
