@@ -51,25 +51,6 @@ fn rss_kib(pid: u32) -> anyhow::Result<u64> {
         .ok_or_else(|| anyhow::anyhow!("no VmRSS for {pid}"))
 }
 
-/// A log line without its terminal colours.
-fn plain(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            // An escape sequence: up to and including its final letter.
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
 /// CPU time (user + system) the process has used so far, in seconds.
 fn cpu_secs(pid: u32) -> anyhow::Result<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
@@ -195,7 +176,7 @@ async fn main() -> anyhow::Result<()> {
     tokio::spawn(async move {
         while let Ok(Some(line)) = lines.next_line().await {
             if let Some(at) = line.find("connection ended") {
-                let cause = plain(&line[at..]).chars().take(120).collect::<String>();
+                let cause = line[at..].chars().take(120).collect::<String>();
                 if let Ok(mut c) = counting.lock() {
                     *c.entry(cause).or_default() += 1;
                 }
