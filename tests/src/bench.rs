@@ -349,3 +349,70 @@ pub async fn insert_due(
     }
     Ok(dues)
 }
+
+/// When the last run of `prefix` was created, started and ended (its last
+/// transition), after `due`, in milliseconds.
+pub async fn last_times(
+    store: &automesh_store::Store,
+    prefix: &str,
+    due: chrono::DateTime<chrono::Utc>,
+) -> anyhow::Result<[f64; 3]> {
+    let (created, started, ended): (i64, Option<i64>, i64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT MAX(created_at), MAX(started_at), MAX(updated_at) FROM runs WHERE automation_id LIKE '{prefix}-%'"
+    )))
+    .fetch_one(store.pool())
+    .await?;
+    let after = |micros: i64| (micros - due.timestamp_micros()) as f64 / 1000.0;
+    Ok([
+        after(created),
+        after(started.unwrap_or(created)),
+        after(ended),
+    ])
+}
+
+/// CPU time used so far (user and system, in seconds) by every PostgreSQL
+/// process on this machine and by this process: where a run's cost goes,
+/// less sensitive to a shared machine's load than a rate.
+#[derive(Debug, Clone, Copy)]
+pub struct CpuTimes {
+    pub postgres: f64,
+    pub this: f64,
+}
+
+impl CpuTimes {
+    pub fn now() -> CpuTimes {
+        // The kernel's clock ticks are 1/100 s on Linux.
+        let secs = |stat: &str| -> Option<(String, f64)> {
+            let (head, rest) = stat.rsplit_once(") ")?;
+            let comm = head.split_once(" (")?.1.to_owned();
+            let f: Vec<&str> = rest.split(' ').collect();
+            let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+            Some((comm, ticks as f64 / 100.0))
+        };
+        let this = std::fs::read_to_string("/proc/self/stat")
+            .ok()
+            .and_then(|s| secs(&s))
+            .map_or(0.0, |(_, s)| s);
+        let mut postgres = 0.0;
+        if let Ok(dir) = std::fs::read_dir("/proc") {
+            for entry in dir.flatten() {
+                let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+                if let Some((comm, s)) = secs(&stat)
+                    && comm == "postgres"
+                {
+                    postgres += s;
+                }
+            }
+        }
+        CpuTimes { postgres, this }
+    }
+
+    /// Milliseconds of CPU per run since `before`: (PostgreSQL, this process).
+    pub fn per_run(&self, before: CpuTimes, runs: usize) -> (f64, f64) {
+        let n = runs.max(1) as f64;
+        (
+            (self.postgres - before.postgres) * 1000.0 / n,
+            (self.this - before.this) * 1000.0 / n,
+        )
+    }
+}

@@ -130,6 +130,22 @@ const ADVANCE_PG: &str = "WITH moved AS (UPDATE runs SET state = $2, updated_at 
      INSERT INTO run_events (run_id, seq, event_id, kind, payload, created_at) \
      SELECT id, last_event_seq, $5, $6, $7, $4 FROM moved RETURNING seq";
 
+/// Many runs' single moves forward and their status events in one
+/// statement (PostgreSQL): `$1` a JSON array of the moves, one per run,
+/// each as [`ADVANCE_PG`] takes its values. Each run's guard is its own
+/// (the states it may move from); a run whose guard does not hold is left
+/// as it is. Answers the ids of the runs that moved.
+const ADVANCE_MANY_PG: &str = "WITH input AS (SELECT * FROM json_to_recordset($1::json) \
+       AS i(id TEXT, state TEXT, froms TEXT, at BIGINT, event_id TEXT, kind TEXT, payload TEXT)), \
+     moved AS (UPDATE runs r SET state = i.state, updated_at = i.at, \
+       admitted_at = CASE WHEN i.state = 'admitted' THEN i.at ELSE r.admitted_at END, \
+       started_at = CASE WHEN i.state = 'running' THEN i.at ELSE r.started_at END, \
+       last_event_seq = r.last_event_seq + 1 \
+       FROM input i WHERE r.id = i.id AND i.froms LIKE '%,' || r.state || ',%' \
+       RETURNING r.id, r.last_event_seq, i.at, i.event_id, i.kind, i.payload) \
+     INSERT INTO run_events (run_id, seq, event_id, kind, payload, created_at) \
+     SELECT id, last_event_seq, event_id, kind, payload, at FROM moved RETURNING run_id";
+
 /// [`TRANSITION`] forward, taking the sequence number of its status event.
 const ADVANCE: &str = "UPDATE runs SET state = $2, updated_at = $4, \
      admitted_at = CASE WHEN $2 = 'admitted' THEN $4 ELSE admitted_at END, \
@@ -239,6 +255,14 @@ impl crate::writer::Job for Advance {
         &self.id
     }
 
+    fn as_move(&self) -> Option<Move> {
+        self.one_move()
+    }
+
+    fn moved(&self, made: bool) -> Option<Vec<RunState>> {
+        Some(if made { self.targets.clone() } else { vec![] })
+    }
+
     fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<Vec<RunState>>> {
         Box::pin(async move {
             let mut moved = vec![];
@@ -270,6 +294,51 @@ impl crate::writer::Job for Advance {
             Ok(moved)
         })
     }
+}
+
+/// One run's single move forward, as a batch runs many of them at once.
+#[derive(Debug)]
+pub(crate) struct Move {
+    pub(crate) run_id: String,
+    row: serde_json::Value,
+}
+
+impl Advance {
+    /// The move, when the job is one move (the common case: each status
+    /// an executor reports moves its run one step).
+    fn one_move(&self) -> Option<Move> {
+        let [to] = self.targets.as_slice() else {
+            return None;
+        };
+        let event = crate::events::status_event(*to, None, None);
+        let (event_id, kind, payload) = crate::events::columns(&event).ok()?;
+        Some(Move {
+            run_id: self.id.clone(),
+            row: serde_json::json!({
+                "id": self.id,
+                "state": to.as_str(),
+                "froms": predecessors(*to),
+                "at": micros(self.now),
+                "event_id": event_id,
+                "kind": kind,
+                "payload": payload,
+            }),
+        })
+    }
+}
+
+/// Makes `moves` (of distinct runs, in the batch's key order) in one
+/// statement (PostgreSQL); the ids of the runs that moved, each guard
+/// deciding for its own run as [`ADVANCE_PG`] would.
+pub(crate) async fn advance_many(
+    db: &mut AnyConnection,
+    moves: &[&Move],
+) -> Result<std::collections::HashSet<String>> {
+    let input = serde_json::Value::Array(moves.iter().map(|m| m.row.clone()).collect());
+    let moved = rows::all(db, ADVANCE_MANY_PG, (input.to_string(),), |r| {
+        col::<String>(r, "run_id")
+    });
+    Ok(moved.await?.into_iter().collect())
 }
 
 /// The states a run may move to `to` from, as [`TRANSITION`] takes them.

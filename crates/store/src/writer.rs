@@ -16,6 +16,11 @@
 //! run again one job per transaction: a job commits all of its writes or
 //! none, and one bad write never fails another.
 //!
+//! On PostgreSQL the batch's single moves forward of runs (to admitted, to
+//! running, each with its status event) are one statement for all of them,
+//! each row still guarded by its own run's state; a run another job of the
+//! batch also writes moves in its own statement, in order.
+//!
 //! The desktop notes a batch's jobs ask for are sent (NOTIFY) inside the
 //! batch's transaction, so they are delivered at its commit, packed into as
 //! few payloads as they fit.
@@ -59,6 +64,19 @@ pub(crate) trait Job: Send + Sync + 'static {
         None
     }
 
+    /// The job as one run's single move forward, which a batch on
+    /// PostgreSQL makes together with its other such moves, in one
+    /// statement (none, unless a job says so).
+    fn as_move(&self) -> Option<crate::runs::Move> {
+        None
+    }
+
+    /// Its answer when its move was made (`made`) or its guard held it off,
+    /// in a batch's statement of moves.
+    fn moved(&self, _made: bool) -> Option<Self::Output> {
+        None
+    }
+
     fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<Self::Output>>;
 }
 
@@ -75,12 +93,24 @@ struct Pending {
 
 trait Erased: Send + Sync {
     fn key(&self) -> &str;
+    fn as_move(&self) -> Option<crate::runs::Move>;
+    fn moved(&self, made: bool) -> Option<Done>;
     fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Done>;
 }
 
 impl<J: Job> Erased for J {
     fn key(&self) -> &str {
         Job::key(self)
+    }
+
+    fn as_move(&self) -> Option<crate::runs::Move> {
+        Job::as_move(self)
+    }
+
+    fn moved(&self, made: bool) -> Option<Done> {
+        let out = Job::moved(self, made)?;
+        let signal = self.signal(&out);
+        Some(Ok((Box::new(out) as Box<dyn Any + Send>, signal)))
     }
 
     fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Done> {
@@ -171,6 +201,13 @@ pub fn written() -> (u64, u64) {
     )
 }
 
+/// How many runs' moves forward the writers of this process made together
+/// with others, in one statement per batch.
+pub fn moved_at_once() -> u64 {
+    MOVED_AT_ONCE.load(Ordering::Relaxed)
+}
+
+static MOVED_AT_ONCE: AtomicU64 = AtomicU64::new(0);
 static BATCHES: AtomicU64 = AtomicU64::new(0);
 static JOBS: AtomicU64 = AtomicU64::new(0);
 
@@ -236,9 +273,18 @@ async fn commit(store: &Db, batch: &[Pending]) -> std::result::Result<Vec<Answer
         Ok(tx) => tx,
         Err(e) => return Ok(failed_all(&e)),
     };
-    let mut answers = Vec::with_capacity(batch.len());
+    let mut answers: Vec<Option<Answer>> = batch.iter().map(|_| None).collect();
     let mut notes = vec![];
-    for pending in batch {
+    if store.backend == Backend::Postgres
+        && let Err(error) = moves_at_once(&mut tx, batch, &mut answers, &mut notes).await
+    {
+        let _ = tx.rollback().await;
+        return Err(Poisoned(error));
+    }
+    for (pending, answer) in batch.iter().zip(answers.iter_mut()) {
+        if answer.is_some() {
+            continue;
+        }
         // A job that fails may have written part of what it writes: the
         // batch goes back, and every job runs alone.
         let (out, signal) = match pending.job.run(&mut tx).await {
@@ -249,7 +295,7 @@ async fn commit(store: &Db, batch: &[Pending]) -> std::result::Result<Vec<Answer
             }
         };
         notes.extend(signal);
-        answers.push(Ok(out));
+        *answer = Some(Ok(out));
     }
     if store.backend == Backend::Postgres {
         for payload in DesktopNote::payloads(&notes) {
@@ -270,7 +316,45 @@ async fn commit(store: &Db, batch: &[Pending]) -> std::result::Result<Vec<Answer
     if store.backend == Backend::Sqlite && !notes.is_empty() {
         crate::signal::notes_local(&notes);
     }
-    Ok(answers)
+    Ok(answers
+        .into_iter()
+        .map(|a| a.unwrap_or_else(|| Err(gone())))
+        .collect())
+}
+
+/// Makes the batch's single moves forward in one statement, answering
+/// their jobs: only moves of runs no other job of the batch writes (so a
+/// run's writes keep their order), and only when there are several.
+async fn moves_at_once(
+    tx: &mut AnyConnection,
+    batch: &[Pending],
+    answers: &mut [Option<Answer>],
+    notes: &mut Vec<DesktopNote>,
+) -> Result<()> {
+    let mut jobs_of = std::collections::HashMap::<&str, usize>::new();
+    for pending in batch {
+        *jobs_of.entry(pending.job.key()).or_default() += 1;
+    }
+    let moves: Vec<(usize, crate::runs::Move)> = batch
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| jobs_of.get(p.job.key()) == Some(&1))
+        .filter_map(|(i, p)| p.job.as_move().map(|m| (i, m)))
+        .collect();
+    if moves.len() < 2 {
+        return Ok(());
+    }
+    let rows: Vec<&crate::runs::Move> = moves.iter().map(|(_, m)| m).collect();
+    let made = crate::runs::advance_many(tx, &rows).await?;
+    MOVED_AT_ONCE.fetch_add(rows.len() as u64, Ordering::Relaxed);
+    for (i, m) in &moves {
+        if let Some(done) = batch[*i].job.moved(made.contains(&m.run_id)) {
+            let (out, signal) = done?;
+            notes.extend(signal);
+            answers[*i] = Some(Ok(out));
+        }
+    }
+    Ok(())
 }
 
 /// A database error again, for every job of a batch that failed as one

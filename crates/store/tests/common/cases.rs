@@ -554,6 +554,95 @@ pub async fn concurrent_event_appenders_get_contiguous_sequences(store: &Store) 
     assert_eq!(seqs, (1..=70).collect::<Vec<_>>());
 }
 
+/// Many runs moved forward at once (on PostgreSQL, one statement per
+/// batch): each run by its own guard, with its own status event next in
+/// its log, whatever the other runs of the batch do.
+pub async fn many_runs_moved_at_once_each_by_its_own_guard(store: &Store) {
+    let a = create(store, &alice(), "a1", t(0)).await;
+    let ids: Vec<String> = (0..60).map(|i| format!("r{i:02}")).collect();
+    for (i, id) in ids.iter().enumerate() {
+        store
+            .create_run(&new_run(&a, id), t(1))
+            .await
+            .expect("create");
+        match i % 3 {
+            // There already: its move to admitted is skipped.
+            0 => {
+                store
+                    .transition_run(id, RunState::Admitted, None, t(2))
+                    .await
+                    .expect("admit");
+            }
+            // Ended: it never moves again.
+            1 => {
+                store
+                    .finish_run(&receipt(id, RunState::Succeeded), t(2))
+                    .await
+                    .expect("finish");
+            }
+            _ => {}
+        }
+    }
+    let before = automesh_store::moved_at_once();
+    let moves = |to: RunState, at: DateTime<Utc>| {
+        let tasks: Vec<_> = ids
+            .iter()
+            .map(|id| {
+                let (store, id) = (store.clone(), id.clone());
+                tokio::spawn(async move { store.advance_run(&id, &[to], at).await })
+            })
+            .collect();
+        async move {
+            let mut moved = vec![];
+            for task in tasks {
+                moved.push(task.await.expect("mover").expect("advance"));
+            }
+            moved
+        }
+    };
+    let admitted = moves(RunState::Admitted, t(5)).await;
+    let running = moves(RunState::Running, t(6)).await;
+    for (i, id) in ids.iter().enumerate() {
+        let run = store.internal().get_run(id).await.expect("get");
+        let events = store.internal().events(id, 0, 100).await.expect("events");
+        let seqs: Vec<i64> = events.iter().map(|e| e.sequence).collect();
+        assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>(), "{id}");
+        let statuses: Vec<String> = events
+            .iter()
+            .filter_map(|e| match &e.payload {
+                automesh_domain::RunEventPayload::StatusChange { state, .. } => Some(state.clone()),
+                _ => None,
+            })
+            .collect();
+        match i % 3 {
+            0 => {
+                assert_eq!(admitted[i], Vec::<RunState>::new(), "{id}");
+                assert_eq!(running[i], vec![RunState::Running], "{id}");
+                assert_eq!(run.state, RunState::Running);
+                assert_eq!(statuses, ["running"], "{id}");
+            }
+            1 => {
+                assert_eq!(admitted[i], Vec::<RunState>::new(), "{id}");
+                assert_eq!(running[i], Vec::<RunState>::new(), "{id}");
+                assert_eq!(run.state, RunState::Succeeded);
+                assert!(!statuses.contains(&"running".to_owned()), "{id}");
+            }
+            _ => {
+                assert_eq!(admitted[i], vec![RunState::Admitted], "{id}");
+                assert_eq!(running[i], vec![RunState::Running], "{id}");
+                assert_eq!(run.state, RunState::Running);
+                assert_eq!(run.admitted_at, Some(t(5)), "{id}");
+                assert_eq!(run.started_at, Some(t(6)), "{id}");
+                assert_eq!(statuses, ["admitted", "running"], "{id}");
+            }
+        }
+    }
+    // PostgreSQL made (some of) them in batches' single statements.
+    if store.backend() == automesh_store::Backend::Postgres {
+        assert!(automesh_store::moved_at_once() > before);
+    }
+}
+
 pub async fn runs_are_scoped_and_listed(store: &Store) {
     let a = create(store, &alice(), "a1", t(0)).await;
     let b = create(store, &alice(), "a2", t(0)).await;

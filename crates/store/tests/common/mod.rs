@@ -23,6 +23,7 @@ macro_rules! conformance_suite {
             a_run_ends_with_its_receipt_and_status_event_or_not_at_all,
             events_are_ordered_and_deduplicated,
             concurrent_event_appenders_get_contiguous_sequences,
+            many_runs_moved_at_once_each_by_its_own_guard,
             runs_are_scoped_and_listed,
             workers_register_once_per_owner,
             runner_tokens_resolve_until_revoked,
