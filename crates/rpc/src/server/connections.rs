@@ -137,14 +137,14 @@ pub(crate) async fn serve(
             tokio::select! {
                 ended = connection.as_mut() => {
                     if let Err(error) = ended {
-                        tracing::debug!(%error, "connection ended");
+                        tracing::debug!(%error, cause = causes(&error), "connection ended");
                     }
                     return;
                 }
                 _ = draining.changed() => connection.as_mut().graceful_shutdown(),
             }
             if let Err(error) = connection.await {
-                tracing::debug!(%error, "connection ended while draining");
+                tracing::debug!(%error, cause = causes(&error), "connection ended while draining");
             }
         });
     }
@@ -238,6 +238,18 @@ fn grpc_timeout(headers: &http::HeaderMap) -> Option<Duration> {
         "n" => Duration::from_nanos(n),
         _ => return None,
     })
+}
+
+/// What lies under a connection's error (hyper's own says only "http2
+/// error"): its sources, outermost first.
+fn causes(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut causes = vec![];
+    let mut source = error.source();
+    while let Some(cause) = source {
+        causes.push(cause.to_string());
+        source = cause.source();
+    }
+    causes.join(": ")
 }
 
 #[cfg(test)]
