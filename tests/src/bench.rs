@@ -350,24 +350,52 @@ pub async fn insert_due(
     Ok(dues)
 }
 
-/// When the last run of `prefix` was created, started and ended (its last
-/// transition), after `due`, in milliseconds.
-pub async fn last_times(
+/// When the last run of a burst was created, started and ended (its last
+/// transition), in milliseconds after the burst's due instant.
+#[derive(Debug, Clone, Copy)]
+pub struct LastRun {
+    pub created: f64,
+    pub started: f64,
+    pub ended: f64,
+}
+
+/// [`LastRun`] of the runs of `prefix`, due at `due`.
+pub async fn last_run(
     store: &automesh_store::Store,
     prefix: &str,
     due: chrono::DateTime<chrono::Utc>,
-) -> anyhow::Result<[f64; 3]> {
+) -> anyhow::Result<LastRun> {
     let (created, started, ended): (i64, Option<i64>, i64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT MAX(created_at), MAX(started_at), MAX(updated_at) FROM runs WHERE automation_id LIKE '{prefix}-%'"
     )))
     .fetch_one(store.pool())
     .await?;
     let after = |micros: i64| (micros - due.timestamp_micros()) as f64 / 1000.0;
-    Ok([
-        after(created),
-        after(started.unwrap_or(created)),
-        after(ended),
-    ])
+    Ok(LastRun {
+        created: after(created),
+        started: after(started.unwrap_or(created)),
+        ended: after(ended),
+    })
+}
+
+impl LastRun {
+    /// Runs per second of a burst of `runs` that ended with this run.
+    pub fn rate(&self, runs: usize) -> f64 {
+        runs as f64 / (self.ended / 1000.0).max(1e-3)
+    }
+}
+
+/// A process's command name and CPU time (user + system, in seconds) so
+/// far, from its `/proc/<pid>/stat` text.
+pub fn proc_cpu(stat: &str) -> Option<(&str, f64)> {
+    // The command name is in parentheses and may hold spaces.
+    let (head, rest) = stat.rsplit_once(')')?;
+    let comm = head.split_once('(')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime: fields 14 and 15 of the whole line, in the kernel's
+    // clock ticks (1/100 s on Linux).
+    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some((comm, ticks as f64 / 100.0))
 }
 
 /// CPU time used so far (user and system, in seconds) by every PostgreSQL
@@ -381,26 +409,16 @@ pub struct CpuTimes {
 
 impl CpuTimes {
     pub fn now() -> CpuTimes {
-        // The kernel's clock ticks are 1/100 s on Linux.
-        let secs = |stat: &str| -> Option<(String, f64)> {
-            let (head, rest) = stat.rsplit_once(") ")?;
-            let comm = head.split_once(" (")?.1.to_owned();
-            let f: Vec<&str> = rest.split(' ').collect();
-            let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
-            Some((comm, ticks as f64 / 100.0))
-        };
         let this = std::fs::read_to_string("/proc/self/stat")
             .ok()
-            .and_then(|s| secs(&s))
-            .map_or(0.0, |(_, s)| s);
+            .and_then(|s| proc_cpu(&s).map(|(_, secs)| secs))
+            .unwrap_or(0.0);
         let mut postgres = 0.0;
         if let Ok(dir) = std::fs::read_dir("/proc") {
             for entry in dir.flatten() {
                 let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
-                if let Some((comm, s)) = secs(&stat)
-                    && comm == "postgres"
-                {
-                    postgres += s;
+                if let Some(("postgres", secs)) = proc_cpu(&stat) {
+                    postgres += secs;
                 }
             }
         }

@@ -255,8 +255,26 @@ impl crate::writer::Job for Advance {
         &self.id
     }
 
+    /// The move, when the job is one move (the common case: each status
+    /// an executor reports moves its run one step).
     fn as_move(&self) -> Option<Move> {
-        self.one_move()
+        let [to] = self.targets.as_slice() else {
+            return None;
+        };
+        let event = crate::events::status_event(*to, None, None);
+        let (event_id, kind, payload) = crate::events::columns(&event).ok()?;
+        Some(Move {
+            run_id: self.id.clone(),
+            row: serde_json::json!({
+                "id": self.id,
+                "state": to.as_str(),
+                "froms": predecessors(*to),
+                "at": micros(self.now),
+                "event_id": event_id,
+                "kind": kind,
+                "payload": payload,
+            }),
+        })
     }
 
     fn moved(&self, made: bool) -> Option<Vec<RunState>> {
@@ -301,30 +319,6 @@ impl crate::writer::Job for Advance {
 pub(crate) struct Move {
     pub(crate) run_id: String,
     row: serde_json::Value,
-}
-
-impl Advance {
-    /// The move, when the job is one move (the common case: each status
-    /// an executor reports moves its run one step).
-    fn one_move(&self) -> Option<Move> {
-        let [to] = self.targets.as_slice() else {
-            return None;
-        };
-        let event = crate::events::status_event(*to, None, None);
-        let (event_id, kind, payload) = crate::events::columns(&event).ok()?;
-        Some(Move {
-            run_id: self.id.clone(),
-            row: serde_json::json!({
-                "id": self.id,
-                "state": to.as_str(),
-                "froms": predecessors(*to),
-                "at": micros(self.now),
-                "event_id": event_id,
-                "kind": kind,
-                "payload": payload,
-            }),
-        })
-    }
 }
 
 /// Makes `moves` (of distinct runs, in the batch's key order) in one

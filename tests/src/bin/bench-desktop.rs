@@ -54,21 +54,9 @@ fn rss_kib(pid: u32) -> anyhow::Result<u64> {
 /// CPU time (user + system) the process has used so far, in seconds.
 fn cpu_secs(pid: u32) -> anyhow::Result<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // The fields after the command name (which may hold spaces).
-    let rest = stat
-        .rsplit_once(')')
-        .map(|(_, r)| r)
-        .ok_or_else(|| anyhow::anyhow!("odd /proc/{pid}/stat"))?;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| -> anyhow::Result<f64> {
-        Ok(fields
-            .get(i)
-            .ok_or_else(|| anyhow::anyhow!("short /proc/{pid}/stat"))?
-            .parse::<f64>()?)
-    };
-    // utime and stime: fields 14 and 15 of the whole line.
-    let hz = 100.0;
-    Ok((ticks(11)? + ticks(12)?) / hz)
+    automesh_e2e_tests::bench::proc_cpu(&stat)
+        .map(|(_, secs)| secs)
+        .ok_or_else(|| anyhow::anyhow!("odd /proc/{pid}/stat"))
 }
 
 /// Child mode: one desktop-runner-gateway process on `url`.

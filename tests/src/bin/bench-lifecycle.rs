@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 
 use automesh_domain::{Principal, Surface};
 use automesh_e2e_tests::bench::{
-    CpuTimes, DbCounters, baseline_yardstick, insert_due, last_times, median, percentile, quick,
-    sized,
+    CpuTimes, DbCounters, LastRun, baseline_yardstick, insert_due, last_run, median, percentile,
+    quick, sized,
 };
 use automesh_e2e_tests::executor::{Behavior, TestExecutor};
 use automesh_e2e_tests::{Mesh, MeshOptions};
@@ -177,8 +177,8 @@ async fn main() -> anyhow::Result<()> {
         // Timed from the due instant to the last run's end as the runs
         // record it, not to the look (every 50 ms) that saw it.
         cpus.push(CpuTimes::now().per_run(cpu_before, runs));
-        let last = last_times(&store, &prefix, due).await?;
-        rates.push(runs as f64 / (last[2] / 1000.0).max(1e-3));
+        let last = last_run(&store, &prefix, due).await?;
+        rates.push(last.rate(runs));
         lasts.push(last);
         // The statistics of idle sessions settle within a second.
         tokio::time::sleep(Duration::from_millis(1100)).await;
@@ -191,12 +191,12 @@ async fn main() -> anyhow::Result<()> {
         "throughput runs/s (due → receipt, {runs} at once)   {rate:>9.0}   = {:.3} × L",
         rate / l
     );
-    let last = |i: usize| median(lasts.iter().map(|l: &[f64; 3]| l[i]).collect());
+    let last = |of: fn(&LastRun) -> f64| median(lasts.iter().map(of).collect());
     println!(
         "          the last run created {:.0} ms after the due instant, started {:.0} ms, ended {:.0} ms",
-        last(0),
-        last(1),
-        last(2)
+        last(|l| l.created),
+        last(|l| l.started),
+        last(|l| l.ended)
     );
     println!(
         "cpu       per run: PostgreSQL {:.2} ms (all its processes), scheduler + coordinator + test executor {:.2} ms",

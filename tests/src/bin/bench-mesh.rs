@@ -30,8 +30,8 @@ use std::time::{Duration, Instant};
 
 use automesh_domain::{Principal, Surface};
 use automesh_e2e_tests::bench::{
-    DbCounters, StubRunners, baseline_yardstick, insert_due, last_times, median, mint_runner,
-    quick, sized,
+    DbCounters, StubRunners, baseline_yardstick, insert_due, last_run, median, mint_runner, quick,
+    sized,
 };
 use automesh_e2e_tests::{Mesh, MeshOptions};
 use automesh_store::{Backend, Store};
@@ -157,17 +157,17 @@ async fn main() -> anyhow::Result<()> {
         }
         // Timed from the due instant to the last run's end as the runs
         // record it, not to the look (every 50 ms) that saw it.
-        let last = last_times(&store, &prefix, dues[0]).await?;
-        let rate = runs as f64 / (last[2] / 1000.0).max(1e-3);
+        let last = last_run(&store, &prefix, dues[0]).await?;
+        let rate = last.rate(runs);
         tokio::time::sleep(Duration::from_millis(1100)).await;
         let (commits, writes) = DbCounters::read(&url).await?.per_run(before, runs);
         let bad = without_one_receipt(&store, &prefix).await?;
         println!(
             "repeat {r}  {rate:>7.0} runs/s = {:.3} × L (the last run created {:.0} ms after the due instant, started {:.0} ms, ended {:.0} ms); {commits:.2} commits, {writes:.2} writing transactions per run; {bad} runs without exactly one receipt",
             rate / l,
-            last[0],
-            last[1],
-            last[2]
+            last.created,
+            last.started,
+            last.ended
         );
         rates.push(rate);
         per_run.push((commits, writes));
