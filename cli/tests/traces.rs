@@ -425,6 +425,16 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
         ) >= 1.0,
         "{scheduler}"
     );
+    // The scheduled run's occurrence: how late after its due instant the
+    // run was committed.
+    assert!(
+        metric(
+            scheduler,
+            "automesh_occurrence_fire_duration_seconds_count",
+            &[]
+        ) >= 1.0,
+        "{scheduler}"
+    );
     let runners = &scraped[&Kind::RunnerGateway];
     assert_eq!(
         metric(runners, "automesh_runner_streams", &[]),

@@ -26,7 +26,7 @@ use chrono::{DateTime, Utc};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::Created;
+use crate::metrics::{Created, Path};
 
 /// Automations claimed per transaction.
 const BATCH: u32 = 200;
@@ -225,13 +225,14 @@ async fn fire_ahead(
             trigger: RunTrigger::Schedule,
             state: RunState::Pending,
             code: None,
+            due: Some(*fire),
         }))
     });
     let mut created = vec![];
     for c in futures_util::future::join_all(fired).await {
         created.extend(c?);
     }
-    crate::metrics::count(&created);
+    crate::metrics::count(&created, Path::AtInstant);
     Ok(())
 }
 
@@ -309,7 +310,7 @@ async fn batch(store: &Store, settings: &Settings) -> Result<usize, StoreError> 
         materialize(&mut tx, d, now, settings, &mut created).await?;
     }
     tx.commit().await?;
-    crate::metrics::count(&created);
+    crate::metrics::count(&created, Path::Pass);
     Ok(due.len())
 }
 
@@ -376,6 +377,7 @@ async fn materialize(
                         trigger: RunTrigger::Schedule,
                         state: RunState::Pending,
                         code: None,
+                        due: Some(at),
                     });
                 }
                 return Ok(());
@@ -387,6 +389,7 @@ async fn materialize(
                     trigger: RunTrigger::Schedule,
                     state: RunState::Pending,
                     code: None,
+                    due: Some(at),
                 });
             }
         }
@@ -442,6 +445,7 @@ async fn record_terminal(
             trigger: RunTrigger::Schedule,
             state,
             code: Some(code),
+            due: None,
         });
     }
     Ok(())
