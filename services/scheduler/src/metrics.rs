@@ -48,8 +48,6 @@ pub(crate) enum Path {
     /// By a scheduling pass (the instant's fire did not apply, a burst, a
     /// catch-up after downtime).
     Pass,
-    /// Not an occurrence: a manual run.
-    Manual,
 }
 
 impl Path {
@@ -57,7 +55,6 @@ impl Path {
         match self {
             Path::AtInstant => "at_instant",
             Path::Pass => "pass",
-            Path::Manual => "manual",
         }
     }
 }
@@ -69,17 +66,18 @@ pub(crate) struct Created {
     pub trigger: RunTrigger,
     pub state: RunState,
     pub code: Option<ErrorCode>,
-    /// The due instant of the occurrence whose pending run this is; `None`
-    /// for a manual run and for one created already ended.
-    pub due: Option<DateTime<Utc>>,
+    /// The due instant of the occurrence whose pending run this is, and the
+    /// path that fired it; `None` for a manual run and for one created
+    /// already ended.
+    pub fired: Option<(DateTime<Utc>, Path)>,
 }
 
-/// Counts runs whose transaction has just committed, which `path` created;
-/// an occurrence's pending run also records its fire delay, measured now.
-pub(crate) fn count(created: &[Created], path: Path) {
+/// Counts runs whose transaction has just committed; an occurrence's
+/// pending run also records its fire delay, measured now.
+pub(crate) fn count(created: &[Created]) {
     let now = Utc::now();
     for c in created {
-        if let Some(due) = c.due {
+        if let Some((due, path)) = c.fired {
             let late = (now - due).to_std().unwrap_or_default().as_secs_f64();
             fire_delay().record(
                 late,

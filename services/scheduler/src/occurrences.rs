@@ -225,14 +225,14 @@ async fn fire_ahead(
             trigger: RunTrigger::Schedule,
             state: RunState::Pending,
             code: None,
-            due: Some(*fire),
+            fired: Some((*fire, Path::AtInstant)),
         }))
     });
     let mut created = vec![];
     for c in futures_util::future::join_all(fired).await {
         created.extend(c?);
     }
-    crate::metrics::count(&created, Path::AtInstant);
+    crate::metrics::count(&created);
     Ok(())
 }
 
@@ -310,7 +310,7 @@ async fn batch(store: &Store, settings: &Settings) -> Result<usize, StoreError> 
         materialize(&mut tx, d, now, settings, &mut created).await?;
     }
     tx.commit().await?;
-    crate::metrics::count(&created, Path::Pass);
+    crate::metrics::count(&created);
     Ok(due.len())
 }
 
@@ -377,7 +377,7 @@ async fn materialize(
                         trigger: RunTrigger::Schedule,
                         state: RunState::Pending,
                         code: None,
-                        due: Some(at),
+                        fired: Some((at, Path::Pass)),
                     });
                 }
                 return Ok(());
@@ -389,7 +389,7 @@ async fn materialize(
                     trigger: RunTrigger::Schedule,
                     state: RunState::Pending,
                     code: None,
-                    due: Some(at),
+                    fired: Some((at, Path::Pass)),
                 });
             }
         }
@@ -445,7 +445,7 @@ async fn record_terminal(
             trigger: RunTrigger::Schedule,
             state,
             code: Some(code),
-            due: None,
+            fired: None,
         });
     }
     Ok(())

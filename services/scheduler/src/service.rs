@@ -209,16 +209,13 @@ impl Scheduler {
         let (run, created) = self.store.create_run(&run, now).await?;
         if created {
             tracing::info!(run_id = %run.id, automation_id = %run.automation_id, "manual run created");
-            crate::metrics::count(
-                &[crate::metrics::Created {
-                    placement: run.placement,
-                    trigger: RunTrigger::Manual,
-                    state: run.state,
-                    code: None,
-                    due: None,
-                }],
-                crate::metrics::Path::Manual,
-            );
+            crate::metrics::count(&[crate::metrics::Created {
+                placement: run.placement,
+                trigger: RunTrigger::Manual,
+                state: run.state,
+                code: None,
+                fired: None,
+            }]);
         }
         Ok(run)
     }
