@@ -75,6 +75,20 @@ pub fn connection_lost(what: &str) -> Status {
     Status::unavailable(format!("{what}: the connection was lost"))
 }
 
+/// What a request stream's reader hears when the stream was reset
+/// (RST_STREAM with the HTTP/2 error code `reason`), as gRPC maps HTTP/2
+/// codes: CANCEL is CANCELLED (a call its caller abandoned), any other code
+/// INTERNAL. `by_peer`: the caller reset it, not this server.
+pub fn stream_reset(reason: &str, by_peer: bool) -> Status {
+    let who = if by_peer { "the caller" } else { "this server" };
+    let message = format!("{who} reset the stream (RST_STREAM {reason})");
+    if reason == "CANCEL" {
+        Status::cancelled(message)
+    } else {
+        Status::internal(message)
+    }
+}
+
 /// The one answer to a failure of kind `kind` while doing `context`
 /// (`error` says what exactly; it is logged, and for bad input shown). A
 /// missing thing is named by `context`.

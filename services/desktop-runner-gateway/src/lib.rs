@@ -172,6 +172,8 @@ impl Service {
         let mut server = GrpcServer::new(ServerSettings {
             keepalive: settings.keepalive(),
             ping_grid: settings.ping_grid(),
+            // Thousands of idle runner connections: no buffers while idle.
+            lean_http2: true,
             ..ServerSettings::default()
         })?;
         let mut internal = GrpcServer::new(ServerSettings::default())?;

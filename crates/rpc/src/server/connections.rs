@@ -86,14 +86,18 @@ impl Timer for GridTimer {
 pub(crate) type Routes =
     tower::util::BoxCloneSyncService<http::Request<Body>, http::Response<Body>, Infallible>;
 
+/// Makes the span of one request.
+pub(crate) type SpanOf = fn(&http::Request<()>) -> tracing::Span;
+
 /// Serves `routes` on `listener` until `shutdown` resolves, then lets every
 /// connection finish its calls (new streams are refused) and returns once
-/// all have closed.
+/// all have closed. Connections are served by hyper's HTTP/2, or by the
+/// lean one (`super::http2`) when the settings ask for it.
 pub(crate) async fn serve(
     listener: TcpListener,
     routes: Routes,
     settings: &ServerSettings,
-    span_of: fn(&http::Request<()>) -> tracing::Span,
+    span_of: SpanOf,
     shutdown: impl Future<Output = ()>,
 ) {
     let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
@@ -102,6 +106,11 @@ pub(crate) async fn serve(
         .keep_alive_interval(Some(settings.keepalive.0))
         .keep_alive_timeout(settings.keepalive.1)
         .max_concurrent_streams(settings.max_concurrent_streams);
+    let limits = super::http2::Limits {
+        max_concurrent_streams: settings.max_concurrent_streams,
+        keepalive: settings.keepalive,
+        ping_grid: settings.ping_grid,
+    };
     let (drain, draining) = tokio::sync::watch::channel(());
     let mut shutdown = pin!(shutdown);
     loop {
@@ -120,33 +129,20 @@ pub(crate) async fn serve(
             },
         };
         let _ = tcp.set_nodelay(true);
-        let calls = ServiceBuilder::new()
-            .map_request(|req: http::Request<hyper::body::Incoming>| req.map(Body::new))
-            .layer_fn(move |inner| Traced { inner, span_of })
-            .layer(tonic::service::RecoverErrorLayer::new())
-            .concurrency_limit(settings.concurrency_per_connection)
-            .layer_fn(|inner| Deadline {
-                inner,
-                bound: settings.request_timeout,
-            })
-            .service(routes.clone());
-        let connection = http2.serve_connection(TokioIo::new(tcp), TowerToHyperService::new(calls));
-        let mut draining = draining.clone();
-        tokio::spawn(async move {
-            let mut connection = pin!(connection);
-            tokio::select! {
-                ended = connection.as_mut() => {
-                    if let Err(error) = ended {
-                        tracing::debug!(%error, cause = causes(&error), "connection ended");
-                    }
-                    return;
-                }
-                _ = draining.changed() => connection.as_mut().graceful_shutdown(),
-            }
-            if let Err(error) = connection.await {
-                tracing::debug!(%error, cause = causes(&error), "connection ended while draining");
-            }
-        });
+        let draining = draining.clone();
+        if settings.lean_http2 {
+            let calls = calls(&routes, settings, span_of);
+            let connection = super::http2::Connection::new(tcp, calls, limits);
+            tokio::spawn(drive(
+                connection,
+                |c| c.get_mut().graceful_shutdown(),
+                draining,
+            ));
+        } else {
+            let calls = TowerToHyperService::new(calls(&routes, settings, span_of));
+            let connection = http2.serve_connection(TokioIo::new(tcp), calls);
+            tokio::spawn(drive(connection, |c| c.graceful_shutdown(), draining));
+        }
     }
     // Refuse new connections at once, then drain the open ones.
     drop(listener);
@@ -155,11 +151,69 @@ pub(crate) async fn serve(
     drain.closed().await;
 }
 
+/// The layers every call goes through, whatever serves the connection:
+/// its span, errors as gRPC statuses, the per-connection concurrency limit
+/// and the deadline.
+fn calls<B>(
+    routes: &Routes,
+    settings: &ServerSettings,
+    span_of: SpanOf,
+) -> impl Service<
+    http::Request<B>,
+    Response = http::Response<
+        impl http_body::Body<Data = bytes::Bytes, Error: Into<BoxError>> + Send + Unpin + 'static,
+    >,
+    Error: Into<BoxError>,
+    Future: Send + 'static,
+> + Clone
++ Send
++ Unpin
++ 'static
+where
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    ServiceBuilder::new()
+        .map_request(|req: http::Request<B>| req.map(Body::new))
+        .layer_fn(move |inner| Traced { inner, span_of })
+        .layer(tonic::service::RecoverErrorLayer::new())
+        .concurrency_limit(settings.concurrency_per_connection)
+        .layer_fn(|inner| Deadline {
+            inner,
+            bound: settings.request_timeout,
+        })
+        .service(routes.clone())
+}
+
+/// Runs one connection to its end; a drain signal lets its calls finish.
+async fn drive<C, E>(
+    connection: C,
+    drain: impl FnOnce(Pin<&mut C>),
+    mut draining: tokio::sync::watch::Receiver<()>,
+) where
+    C: Future<Output = Result<(), E>>,
+    E: std::error::Error + 'static,
+{
+    let mut connection = pin!(connection);
+    tokio::select! {
+        ended = connection.as_mut() => {
+            if let Err(error) = ended {
+                tracing::debug!(%error, cause = causes(&error), "connection ended");
+            }
+            return;
+        }
+        _ = draining.changed() => drain(connection.as_mut()),
+    }
+    if let Err(error) = connection.await {
+        tracing::debug!(%error, cause = causes(&error), "connection ended while draining");
+    }
+}
+
 /// Runs each call inside the span `span_of` makes for it.
 #[derive(Clone)]
 struct Traced<S> {
     inner: S,
-    span_of: fn(&http::Request<()>) -> tracing::Span,
+    span_of: SpanOf,
 }
 
 impl<S> Service<http::Request<Body>> for Traced<S>

@@ -23,6 +23,7 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 use crate::propagation;
 
 mod connections;
+mod http2;
 pub use connections::PING_GRID;
 
 /// Limits and timeouts of a server.
@@ -42,6 +43,11 @@ pub struct ServerSettings {
     /// Keepalive deadlines are rounded up to a multiple of this, so that
     /// the PINGs of many connections fire together (see `connections`).
     pub ping_grid: Duration,
+    /// Serve connections with the lean HTTP/2 implementation (`http2`),
+    /// which keeps no buffers on an idle connection: for listeners that
+    /// hold many idle connections (the desktop runner listener). Otherwise
+    /// hyper's.
+    pub lean_http2: bool,
 }
 
 impl Default for ServerSettings {
@@ -53,6 +59,7 @@ impl Default for ServerSettings {
             readiness_interval: Duration::from_secs(2),
             keepalive: (Duration::from_secs(20), Duration::from_secs(10)),
             ping_grid: PING_GRID,
+            lean_http2: false,
         }
     }
 }
