@@ -269,6 +269,60 @@ fn grpcurl_with_reflection_drives_the_dev_mesh() {
     );
     assert!(!ok && anonymous.contains("Unauthenticated"), "{anonymous}");
 
+    // The runner listener (served by the lean HTTP/2 connection, not
+    // hyper's) to grpc-go's client: reflection, health, and a Connect
+    // stream whose token is refused with a status grpcurl can read.
+    let runners = dev.runners.trim_start_matches("http://").to_owned();
+    let (ok, listing) = grpc(&tool, &["-plaintext", &runners, "list"]);
+    assert!(ok, "{listing}");
+    for service in [
+        "automesh.runner.v1.DesktopRunnerService",
+        "grpc.health.v1.Health",
+    ] {
+        assert!(
+            listing.lines().any(|l| l.trim() == service),
+            "{service} missing from:\n{listing}"
+        );
+    }
+    let (ok, described) = grpc(
+        &tool,
+        &[
+            "-plaintext",
+            &runners,
+            "describe",
+            "automesh.runner.v1.ConnectRequest",
+        ],
+    );
+    assert!(ok && described.contains("hello"), "{described}");
+    let (ok, health) = grpc(
+        &tool,
+        &[
+            "-plaintext",
+            "-d",
+            "{}",
+            &runners,
+            "grpc.health.v1.Health/Check",
+        ],
+    );
+    assert!(ok && health.contains("SERVING"), "{health}");
+    let (ok, refused) = grpc(
+        &tool,
+        &[
+            "-plaintext",
+            "-H",
+            "authorization: Bearer not-a-runner-token",
+            "-d",
+            r#"{"hello":{"runnerVersion":"grpcurl"}}"#,
+            &runners,
+            "automesh.runner.v1.DesktopRunnerService/Connect",
+        ],
+    );
+    assert!(
+        !ok && refused.contains("Unauthenticated")
+            && refused.contains("unknown or revoked runner token"),
+        "{refused}"
+    );
+
     // SIGTERM drains and exits on its own, bounded.
     let pid = dev.child.id().to_string();
     assert!(

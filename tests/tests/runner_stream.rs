@@ -598,6 +598,7 @@ async fn two_replicas(run_deadline: Duration) -> Mesh {
                 dead_after: Duration::from_secs(3),
                 hello_timeout: Duration::from_secs(2),
                 accept_within: Duration::from_secs(1),
+                ..Default::default()
             },
             ..MeshOptions::default()
         },
@@ -875,5 +876,77 @@ async fn large_events_are_cut_and_their_history_still_pages() {
         assert!(output.contains("cut to"), "the cut is said");
     }
     drop(tx);
+    mesh.stop().await.expect("stop");
+}
+
+/// Python with grpcio (grpc C-core): `AUTOMESH_GRPCIO_PYTHON`, else the
+/// `.tools/venv` `scripts/test` installs it into. The test fails without it.
+fn grpcio_python() -> std::path::PathBuf {
+    if let Ok(p) = std::env::var("AUTOMESH_GRPCIO_PYTHON") {
+        return p.into();
+    }
+    let local = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.tools/venv/bin/python3");
+    assert!(
+        local.exists(),
+        "Python with grpcio missing at {} (scripts/test installs it)",
+        local.display()
+    );
+    local
+}
+
+/// A runner on another gRPC stack entirely (C-core's HTTP/2, HPACK and
+/// flow control, with its BDP PINGs) is served by the runner listener's
+/// lean HTTP/2 like ours: health, a refused token with its status, then
+/// Hello → Welcome and heartbeats → acks, and a clean end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_on_grpc_core_is_welcomed_and_kept_alive() {
+    use prost::Message as _;
+    let mesh = mesh().await;
+    let minted = mint(&mesh).await;
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/peers/grpcio_runner.py");
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(grpcio_python())
+            .arg(script)
+            .arg(mesh.runner_gateway.trim_start_matches("http://"))
+            .arg(&minted.token)
+            .arg(hex::encode(hello().encode_to_vec()))
+            .arg(hex::encode(heartbeat().encode_to_vec()))
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the grpcio runner ends in time")
+    .expect("python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let said = format!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{said}");
+    let lines: Vec<&str> = stdout.lines().collect();
+    // SERVING is status 1 (field 1, varint).
+    assert_eq!(lines.first(), Some(&"health 0801"), "{said}");
+    assert_eq!(lines.get(1), Some(&"refused UNAUTHENTICATED"), "{said}");
+    let got: Vec<rpb::ConnectResponse> = lines
+        .iter()
+        .filter_map(|l| l.strip_prefix("got "))
+        .map(|h| rpb::ConnectResponse::decode(&*hex::decode(h).expect("hex")).expect("a message"))
+        .collect();
+    let Some(rpb::connect_response::Message::Welcome(welcome)) =
+        got.first().and_then(|m| m.message.clone())
+    else {
+        panic!("expected Welcome first: {said}");
+    };
+    assert_eq!(welcome.runner_id, minted.runner_id);
+    let acks = got
+        .iter()
+        .filter(|m| {
+            matches!(
+                m.message,
+                Some(rpb::connect_response::Message::HeartbeatAck(_))
+            )
+        })
+        .count();
+    assert_eq!(acks, 3, "{said}");
+    assert_eq!(lines.last(), Some(&"ended OK"), "{said}");
     mesh.stop().await.expect("stop");
 }

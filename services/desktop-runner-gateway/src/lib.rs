@@ -173,7 +173,7 @@ impl Service {
             keepalive: settings.keepalive(),
             ping_grid: settings.ping_grid(),
             // Thousands of idle runner connections: no buffers while idle.
-            lean_http2: true,
+            lean_http2: settings.http2 == stream::Http2::Lean,
             ..ServerSettings::default()
         })?;
         let mut internal = GrpcServer::new(ServerSettings::default())?;

@@ -58,6 +58,20 @@ pub struct StreamSettings {
     /// it).
     #[arg(long = "accept-within", env = "AUTOMESH_RUNNER_ACCEPT_WITHIN", default_value = "10s", value_parser = automesh_rpc::runtime::parse_duration)]
     pub accept_within: Duration,
+    /// What serves the runner listener's HTTP/2 connections: `lean` (ours,
+    /// which keeps no buffers on an idle connection: about 12 KiB per idle
+    /// runner instead of about 31) or `hyper` (hyper's, as every other
+    /// listener), a fallback should a runner's HTTP/2 client disagree with
+    /// the lean one.
+    #[arg(long = "runner-http2", env = "AUTOMESH_RUNNER_HTTP2", default_value = "lean")]
+    pub http2: Http2,
+}
+
+/// An HTTP/2 implementation for the runner listener.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Http2 {
+    Lean,
+    Hyper,
 }
 
 impl Default for StreamSettings {

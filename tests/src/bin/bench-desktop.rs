@@ -1,6 +1,6 @@
 //! Benchmark of the desktop path on PostgreSQL.
 //!
-//!   cargo run --release -p automesh-e2e-tests --bin bench-desktop [-- --streams 10000 --more 19000 --latency-runs 100 --heartbeats]
+//!   cargo run --release -p automesh-e2e-tests --bin bench-desktop [-- --streams 10000 --more 19000 --latency-runs 100 --heartbeats --runner-http2 hyper]
 //!   cargo run -p automesh-e2e-tests --bin bench-desktop -- --quick
 //!
 //! Prints, from one run on this machine:
@@ -59,8 +59,9 @@ fn cpu_secs(pid: u32) -> anyhow::Result<f64> {
         .ok_or_else(|| anyhow::anyhow!("odd /proc/{pid}/stat"))
 }
 
-/// Child mode: one desktop-runner-gateway process on `url`.
-async fn serve_gateway(url: &str) -> anyhow::Result<()> {
+/// Child mode: one desktop-runner-gateway process on `url`, its runner
+/// listener served by `http2` (`lean` or `hyper`).
+async fn serve_gateway(url: &str, http2: &str) -> anyhow::Result<()> {
     // Its log on stdout, where the benchmark reads it (filtered by RUST_LOG).
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -72,7 +73,8 @@ async fn serve_gateway(url: &str) -> anyhow::Result<()> {
     let internal = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     println!("listening http://{}", listener.local_addr()?);
     let credential = automesh_rpc::InternalCredential::new("test-internal-credential-0123")?;
-    let config = automesh_rpc::runtime::config_from_args(&["--database-url", url])?;
+    let config =
+        automesh_rpc::runtime::config_from_args(&["--database-url", url, "--runner-http2", http2])?;
     automesh_desktop_runner_gateway::Service::new(&config, store, credential)?
         .serve(
             automesh_desktop_runner_gateway::Listeners {
@@ -89,8 +91,16 @@ async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if let Some(i) = args.iter().position(|a| a == "--serve-gateway") {
         let url = args.get(i + 1).cloned().unwrap_or_default();
-        return serve_gateway(&url).await;
+        let http2 = args.get(i + 2).cloned().unwrap_or_else(|| "lean".into());
+        return serve_gateway(&url, &http2).await;
     }
+    // `--runner-http2 hyper`: the runner listener served by hyper's HTTP/2
+    // instead of the lean one (to compare them in one sitting).
+    let http2 = args
+        .iter()
+        .position(|a| a == "--runner-http2")
+        .and_then(|i| args.get(i + 1).cloned())
+        .unwrap_or_else(|| "lean".into());
     let streams = sized("--streams", 10_000, 500);
     let more = sized("--more", 19_000, 950).max(streams);
     let latency_runs = sized("--latency-runs", 100, 20);
@@ -106,7 +116,7 @@ async fn main() -> anyhow::Result<()> {
     .await?;
     let store = mesh.store().clone();
     println!(
-        "automesh desktop benchmark (PostgreSQL, {} cores{}; liveness by {})",
+        "automesh desktop benchmark (PostgreSQL, {} cores{}; liveness by {}; runner listener on {http2} HTTP/2)",
         std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1),
@@ -128,7 +138,7 @@ async fn main() -> anyhow::Result<()> {
         Err(_) => tokio::process::Command::new(std::env::current_exe()?),
     };
     let mut child = child
-        .args(["--serve-gateway", &mesh.db.url])
+        .args(["--serve-gateway", &mesh.db.url, &http2])
         .stdout(std::process::Stdio::piped())
         // Errors, and why the gateway ended a connection with an error (a
         // keepalive PING unanswered, a broken pipe), counted below.

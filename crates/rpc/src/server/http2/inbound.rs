@@ -7,8 +7,8 @@ use bytes::Bytes;
 use super::frame::{self, Head, PREFACE, Reason, flag, kind, setting};
 use super::stream::{End, RecvBody, StreamShared};
 use super::{
-    BoxError, ConnError, Connection, MAX_HEADER_BLOCK, MAX_HEADER_LIST, Out, PartialBlock, Phase,
-    Stream,
+    BoxError, ConnError, Connection, MAX_CONTINUATIONS, MAX_HEADER_BLOCK, MAX_HEADER_LIST, Out,
+    PartialBlock, Phase, Stream,
 };
 
 type Result<T = ()> = std::result::Result<T, ConnError>;
@@ -197,6 +197,7 @@ where
         }
         let block = PartialBlock {
             stream: head.stream,
+            continuations: 0,
             end_stream: head.has(flag::END_STREAM),
             self_dependent,
             octets: fragment.to_vec(),
@@ -217,7 +218,8 @@ where
             ));
         };
         block.octets.extend_from_slice(payload);
-        if block.octets.len() > MAX_HEADER_BLOCK {
+        block.continuations += 1;
+        if block.octets.len() > MAX_HEADER_BLOCK || block.continuations > MAX_CONTINUATIONS {
             return Err(error(
                 Reason::ENHANCE_YOUR_CALM,
                 "a header block over the size limit",
@@ -366,6 +368,9 @@ where
         ]));
         match self.stream_index(head.stream) {
             Some(i) => {
+                if !matches!(self.streams[i].out, Out::Done) {
+                    self.count_early_reset()?;
+                }
                 self.streams[i].shared.end(End::Reset(reason));
                 self.remove_stream(i);
                 self.remember(head.stream, true);
@@ -377,6 +382,25 @@ where
             )),
             None => Ok(()),
         }
+    }
+
+    /// One more stream the peer reset before its answer was over; too many
+    /// in a second end the connection.
+    fn count_early_reset(&mut self) -> Result {
+        let now = std::time::Instant::now();
+        let (since, count) = &mut self.early_resets;
+        if now.duration_since(*since) >= std::time::Duration::from_secs(1) {
+            *since = now;
+            *count = 0;
+        }
+        *count += 1;
+        if *count > super::MAX_EARLY_RESETS {
+            return Err(error(
+                Reason::ENHANCE_YOUR_CALM,
+                "too many streams reset before their answer",
+            ));
+        }
+        Ok(())
     }
 
     fn on_settings(&mut self, head: Head, payload: &[u8]) -> Result {

@@ -67,6 +67,16 @@ const MAX_HEADER_LIST: usize = 16 * 1024;
 /// block that would decode within [`MAX_HEADER_LIST`] so far.
 const MAX_HEADER_BLOCK: usize = 4 * MAX_HEADER_LIST;
 
+/// CONTINUATION frames one header block may take (an endless run of
+/// empty ones costs a server time without memory: CVE-2024-27316's flood).
+const MAX_CONTINUATIONS: u32 = 64;
+
+/// Streams the peer may reset before their answer is over, within one
+/// second, before the connection ends ENHANCE_YOUR_CALM (a stream opened
+/// and reset at once costs the server a call each: CVE-2023-44487's
+/// "rapid reset").
+const MAX_EARLY_RESETS: u32 = 200;
+
 /// Output waiting to be written past which the connection reads nothing
 /// and polls no response body, until the peer reads.
 const OUT_HIGH: usize = 64 * 1024;
@@ -120,6 +130,35 @@ impl ConnError {
     fn protocol(reason: Reason, why: &'static str) -> Self {
         ConnError::Protocol { reason, why }
     }
+
+    /// The `cause` label of `automesh.http2.connections_ended`.
+    fn cause(&self) -> &'static str {
+        match self {
+            ConnError::KeepAlive(_) => "keepalive",
+            ConnError::Protocol { .. } => "protocol",
+            ConnError::PeerGoAway { .. } => "peer_error",
+            ConnError::Preface | ConnError::ClosedEarly => "not_http2",
+            ConnError::Service(_) => "service",
+            ConnError::Io(_) => "io",
+        }
+    }
+}
+
+/// Counts a lean connection's end by cause (`closed` for a clean end).
+fn count_end(ended: &Result<(), ConnError>) {
+    static ENDED: std::sync::OnceLock<opentelemetry::metrics::Counter<u64>> =
+        std::sync::OnceLock::new();
+    let counter = ENDED.get_or_init(|| {
+        crate::metrics::counter(
+            "automesh.http2.connections_ended",
+            "Connections of the lean HTTP/2 server (the runner listener) that ended, by cause: \
+             closed (by the peer, or drained), keepalive (a PING unanswered within the bound), \
+             protocol (a breach of HTTP/2, answered with GOAWAY), peer_error (the peer's GOAWAY \
+             with an error), not_http2 (no HTTP/2 preface), io, service",
+        )
+    });
+    let cause = ended.as_ref().err().map_or("closed", ConnError::cause);
+    counter.add(1, &[opentelemetry::KeyValue::new("cause", cause)]);
 }
 
 /// Where a connection is in its life.
@@ -169,6 +208,8 @@ struct Stream<F, B> {
 /// A header block waiting for its CONTINUATION frames.
 struct PartialBlock {
     stream: u32,
+    /// CONTINUATION frames so far.
+    continuations: u32,
     end_stream: bool,
     /// Its priority names the stream itself (a stream error once decoded).
     self_dependent: bool,
@@ -215,6 +256,9 @@ where
     starved: bool,
     /// The last stream id a GOAWAY of ours named.
     goaway: Option<u32>,
+    /// Streams the peer reset before their answer was over, in the second
+    /// that started at the instant given.
+    early_resets: (Instant, u32),
     keepalive: Keepalive,
     /// Why the connection is closing, and until when it may take.
     ending: Option<(Option<ConnError>, Instant)>,
@@ -270,6 +314,7 @@ where
             recv_released: 0,
             starved: false,
             goaway: None,
+            early_resets: (Instant::now(), 0),
             ending: None,
         }
     }
@@ -360,29 +405,30 @@ where
     /// complete frame. `Ready(Ok(false))` at end of input.
     fn poll_input(&mut self, cx: &mut Context<'_>) -> Poll<Result<bool, ConnError>> {
         let mut budget = READ_BUDGET;
-        let mut stack = [0u8; READ_CHUNK];
+        let mut stack = [std::mem::MaybeUninit::<u8>::uninit(); READ_CHUNK];
         loop {
             if self.out.len() - self.written > OUT_HIGH || self.ending.is_some() {
                 // The peer is not reading: read nothing more until it does.
                 return Poll::Pending;
             }
-            let mut buf = ReadBuf::new(&mut stack);
+            let mut buf = ReadBuf::uninit(&mut stack);
             match Pin::new(&mut self.io).poll_read(cx, &mut buf) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
                 Poll::Ready(Ok(())) => {}
             }
-            let n = buf.filled().len();
+            let read = buf.filled();
+            let n = read.len();
             if n == 0 {
                 return Poll::Ready(Ok(false));
             }
             self.keepalive.heard();
             if self.input.is_empty() {
-                let used = self.on_input(&stack[..n])?;
-                self.input.extend_from_slice(&stack[used..n]);
+                let used = self.on_input(read)?;
+                self.input.extend_from_slice(&read[used..]);
             } else {
                 let mut input = std::mem::take(&mut self.input);
-                input.extend_from_slice(&stack[..n]);
+                input.extend_from_slice(read);
                 let used = self.on_input(&input)?;
                 input.drain(..used);
                 self.input = input;
@@ -466,6 +512,16 @@ where
 
     fn poll_connection(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ConnError>> {
         self.shared.register(cx);
+        self.shared.enter();
+        let polled = self.poll_rounds(cx);
+        // A stream that woke after the last look is looked at now.
+        if self.shared.leave() && polled.is_pending() {
+            cx.waker().wake_by_ref();
+        }
+        polled
+    }
+
+    fn poll_rounds(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ConnError>> {
         for _ in 0..ROUNDS {
             if self.phase == Phase::Closing {
                 return self.poll_closing(cx);
@@ -529,7 +585,9 @@ where
     type Output = Result<(), ConnError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.get_mut().poll_connection(cx)
+        let ended = std::task::ready!(self.get_mut().poll_connection(cx));
+        count_end(&ended);
+        Poll::Ready(ended)
     }
 }
 

@@ -20,9 +20,26 @@ use super::frame::Reason;
 pub(super) struct ConnShared {
     ready: Mutex<Vec<u32>>,
     waker: Mutex<Option<Waker>>,
+    /// The connection task is polling: it looks at the ready list before it
+    /// sleeps, so a stream woken meanwhile needs no wake-up of the task
+    /// (which tokio would hand to another worker, a thread wake-up per
+    /// call).
+    polling: AtomicBool,
 }
 
 impl ConnShared {
+    /// The connection task starts polling.
+    pub fn enter(&self) {
+        self.polling.store(true, Ordering::SeqCst);
+    }
+
+    /// The connection task is about to sleep: `true` when a stream woke
+    /// meanwhile and it must look again. Wakes after this wake the task.
+    pub fn leave(&self) -> bool {
+        self.polling.store(false, Ordering::SeqCst);
+        !lock(&self.ready).is_empty()
+    }
+
     /// Remembers the connection task's waker.
     pub fn register(&self, cx: &Context<'_>) {
         let mut waker = lock(&self.waker);
@@ -37,6 +54,11 @@ impl ConnShared {
     }
 
     fn wake(&self) {
+        // Pushed to the ready list before this load (under its lock): a
+        // task leaving its poll either sees the push or is woken here.
+        if self.polling.load(Ordering::SeqCst) {
+            return;
+        }
         if let Some(w) = lock(&self.waker).as_ref() {
             w.wake_by_ref();
         }

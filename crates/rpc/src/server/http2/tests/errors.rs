@@ -188,6 +188,30 @@ async fn connection_errors_end_it_with_the_code_the_rfc_names() {
             R::FLOW_CONTROL_ERROR,
         ),
     ];
+    let empty_continuations: Vec<Frame> =
+        std::iter::once((kind::HEADERS, 0, 1, open[..2].to_vec()))
+            .chain((0..100).map(|_| (kind::CONTINUATION, 0, 1, vec![])))
+            .collect();
+    let rapid_resets: Vec<Frame> = (0..300u32)
+        .flat_map(|i| {
+            [
+                headers(2 * i + 1),
+                (kind::RST_STREAM, 0, 2 * i + 1, u32s(8)),
+            ]
+        })
+        .collect();
+    let cases = cases.into_iter().chain([
+        (
+            "a flood of empty CONTINUATIONs",
+            empty_continuations,
+            R::ENHANCE_YOUR_CALM,
+        ),
+        (
+            "streams opened and reset at once",
+            rapid_resets,
+            R::ENHANCE_YOUR_CALM,
+        ),
+    ]);
     for (what, frames, want) in cases {
         let mut c = Client::connect(server.addr).await;
         for (k, flags, stream, payload) in &frames {
