@@ -70,6 +70,37 @@ async fn an_offer_elsewhere_is_heard_as_a_note_naming_its_owner() {
         owner_id: owner.into(),
     };
     assert_eq!(heard, vec![offered("run-n1"), offered("run-n2")]);
+    // One offer alone in its batch is one statement, its note in it; it
+    // is heard alike, and offered again it changes nothing and says
+    // nothing.
+    let alone = automesh_store::written_alone();
+    let offer = other.offer_desktop_run("run-n3", "org-n", owner, b"spec", now);
+    assert!(offer.await.expect("offer"));
+    assert!(
+        automesh_store::written_alone() > alone,
+        "the offer was written alone"
+    );
+    let again = other.offer_desktop_run("run-n3", "org-n", owner, b"other", now);
+    assert!(!again.await.expect("offer again"));
+    let mut heard = vec![];
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(3);
+    while tokio::time::Instant::now() < give_up {
+        if let Heard::Notes(notes) = listener.next(Duration::from_millis(500)).await {
+            heard.extend(notes);
+        }
+    }
+    assert_eq!(
+        heard,
+        vec![offered("run-n3")],
+        "one note, for the offer made"
+    );
+    let spec = db
+        .store
+        .desktop_run("run-n3")
+        .await
+        .expect("read")
+        .expect("offered");
+    assert_eq!(spec.spec, b"spec", "the first offer stands");
     db.remove().await.expect("remove");
 }
 

@@ -19,6 +19,7 @@ pub mod executor;
 mod metrics;
 mod outbound;
 mod reports;
+pub mod settings;
 pub mod stream;
 
 use std::net::SocketAddr;

@@ -32,6 +32,7 @@ use crate::dispatch::Dispatch;
 use crate::hash_token;
 use crate::outbound::send;
 use crate::reports::{Answer, reconcile, record};
+pub use crate::settings::{Http2, StreamSettings};
 
 /// Messages queued towards one runner before the sender waits.
 const OUTBOUND: usize = 32;
@@ -40,91 +41,12 @@ const OUTBOUND: usize = 32;
 /// closes too when the connection was lost, not when the runner ended.
 const LOST_GRACE: Duration = Duration::from_millis(200);
 
-/// Bounds of a runner stream: flags of the gateway's configuration, whose
-/// defaults are [`StreamSettings::default`].
-#[derive(Debug, Clone, clap::Args)]
-pub struct StreamSettings {
-    /// How often runners must send a heartbeat (told to them in `Welcome`).
-    #[arg(long = "heartbeat-interval", env = "AUTOMESH_RUNNER_HEARTBEAT", default_value = "3s", value_parser = automesh_rpc::runtime::parse_duration)]
-    pub heartbeat_interval: Duration,
-    /// Silence after which a runner's stream is declared dead.
-    #[arg(long = "dead-after", env = "AUTOMESH_RUNNER_DEAD_AFTER", default_value = "10s", value_parser = automesh_rpc::runtime::parse_duration)]
-    pub dead_after: Duration,
-    /// How long a new stream may take to say `Hello`.
-    #[arg(long = "hello-timeout", env = "AUTOMESH_RUNNER_HELLO_TIMEOUT", default_value = "5s", value_parser = automesh_rpc::runtime::parse_duration)]
-    pub hello_timeout: Duration,
-    /// How long a runner may hold an assignment without accepting it before
-    /// it goes to the owner's other runners (and the runner is told to drop
-    /// it).
-    #[arg(long = "accept-within", env = "AUTOMESH_RUNNER_ACCEPT_WITHIN", default_value = "10s", value_parser = automesh_rpc::runtime::parse_duration)]
-    pub accept_within: Duration,
-    /// What serves the runner listener's HTTP/2 connections: `lean` (ours,
-    /// which keeps no buffers on an idle connection: about 12 KiB per idle
-    /// runner instead of about 31) or `hyper` (hyper's, as every other
-    /// listener), a fallback should a runner's HTTP/2 client disagree with
-    /// the lean one.
-    #[arg(long = "runner-http2", env = "AUTOMESH_RUNNER_HTTP2", default_value = "lean")]
-    pub http2: Http2,
-}
-
-/// An HTTP/2 implementation for the runner listener.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Http2 {
-    Lean,
-    Hyper,
-}
-
-impl Default for StreamSettings {
-    /// The flags' defaults.
-    fn default() -> Self {
-        automesh_rpc::runtime::config_from_args(&[]).expect("the stream flags' defaults parse")
-    }
-}
-
-impl StreamSettings {
-    /// Refuses bounds that would declare every stream dead or never.
-    pub fn check(&self) -> anyhow::Result<()> {
-        anyhow::ensure!(
-            !self.heartbeat_interval.is_zero() && self.heartbeat_interval < self.dead_after,
-            "the runner heartbeat ({:?}, AUTOMESH_RUNNER_HEARTBEAT) must be longer than 0 and \
-             shorter than the dead-after bound ({:?}, AUTOMESH_RUNNER_DEAD_AFTER)",
-            self.heartbeat_interval,
-            self.dead_after
-        );
-        for (bound, what) in [
-            (self.hello_timeout, "AUTOMESH_RUNNER_HELLO_TIMEOUT"),
-            (self.accept_within, "AUTOMESH_RUNNER_ACCEPT_WITHIN"),
-        ] {
-            anyhow::ensure!(!bound.is_zero(), "{what} must be longer than 0");
-        }
-        Ok(())
-    }
-}
-
 /// What goes to one runner: its messages, and the status that ends its
 /// stream (boxed, so the queue of an idle stream is a few hundred bytes).
 pub type Outgoing = Result<Box<rpb::ConnectResponse>, Box<Status>>;
 
 /// Messages towards one runner.
 pub type ToRunner = mpsc::Sender<Outgoing>;
-
-impl StreamSettings {
-    /// The runner listener's HTTP/2 keepalive: a PING after half the
-    /// dead-after bound of silence, answered within two fifths of it, so a
-    /// stalled PING-liveness stream is closed within the bound.
-    pub fn keepalive(&self) -> (Duration, Duration) {
-        (self.dead_after / 2, self.dead_after * 2 / 5)
-    }
-
-    /// The grid the runner listener rounds its keepalive deadlines up to,
-    /// so the PINGs of many idle streams fire together: the PING and its
-    /// timeout are each late by at most one step, a fortieth of the
-    /// dead-after bound at most (50 ms at the default 10 s), which keeps a
-    /// stalled stream's end within 95 % of the bound.
-    pub fn ping_grid(&self) -> Duration {
-        (self.dead_after / 40).min(automesh_rpc::server::PING_GRID)
-    }
-}
 
 /// One connected runner.
 #[derive(Debug, Clone)]

@@ -74,9 +74,22 @@ macro_rules! assignment_columns {
 
 const COLUMNS: &str = assignment_columns!();
 
-const OFFER: &str = "INSERT INTO desktop_assignments \
-     (run_id, org_id, owner_id, spec, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $5) \
-     ON CONFLICT (run_id) DO NOTHING";
+macro_rules! offer {
+    () => {
+        "INSERT INTO desktop_assignments \
+         (run_id, org_id, owner_id, spec, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $5) \
+         ON CONFLICT (run_id) DO NOTHING"
+    };
+}
+const OFFER: &str = offer!();
+/// PostgreSQL: the offer and its note in one statement, for an offer
+/// written alone (its own transaction): a row for the offer made, the note
+/// (`$7` on channel `$6`) sent only then.
+const OFFER_NOTIFIED_PG: &str = concat!(
+    "WITH offered AS (",
+    offer!(),
+    " RETURNING run_id) SELECT pg_notify($6, $7) FROM offered"
+);
 
 /// Only the runner's newest stream may claim, only a run no runner has
 /// accepted, and not for the runner that already sat on it.
@@ -488,6 +501,41 @@ impl Job for Write {
             DesktopWrite::Cancel { .. } => DesktopNote::Cancelled { run_id },
         };
         Some(note)
+    }
+
+    fn runs_alone(&self) -> bool {
+        matches!(self.write, DesktopWrite::Offer { .. })
+    }
+
+    fn run_alone<'c>(
+        &'c self,
+        db: &'c mut AnyConnection,
+        channel: &'static str,
+    ) -> Option<BoxFuture<'c, Result<Written>>> {
+        let DesktopWrite::Offer {
+            org_id,
+            owner_id,
+            spec,
+        } = &self.write
+        else {
+            return None;
+        };
+        // The note an offer made asks for, as one payload.
+        let note = self.signal(&Written::rows(1))?;
+        let payload = DesktopNote::payloads(&[note]).pop()?;
+        Some(Box::pin(async move {
+            let params = (
+                &self.run_id,
+                org_id,
+                owner_id,
+                spec,
+                self.at,
+                channel,
+                payload,
+            );
+            let made = rows::all(db, OFFER_NOTIFIED_PG, params, |_| Ok(())).await?;
+            Ok(Written::rows(made.len() as u64))
+        }))
     }
 
     fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<Written>> {
