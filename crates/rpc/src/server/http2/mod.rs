@@ -326,6 +326,11 @@ where
     /// the PING is answered (everything sent before it has been read), the
     /// GOAWAY naming the last stream taken.
     pub(crate) fn graceful_shutdown(&mut self) {
+        if matches!(self.phase, Phase::Preface | Phase::Settings) {
+            // Nothing asked yet: nothing to finish.
+            self.close(None);
+            return;
+        }
         if self.goaway.is_none() && self.ending.is_none() {
             frame::goaway(&mut self.out, frame::MAX_STREAM, Reason::NO_ERROR, "");
             frame::ping(&mut self.out, false, keepalive::DRAINING);

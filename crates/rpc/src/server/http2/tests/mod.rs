@@ -225,6 +225,18 @@ async fn graceful_shutdown_finishes_open_streams_and_refuses_new_ones() {
 }
 
 #[tokio::test]
+async fn a_connection_drained_before_its_preface_just_closes() {
+    let mut server = Server::start().await;
+    let mut c = Client::raw(server.addr).await;
+    // The server's preface arrives; the client has sent nothing yet.
+    let (head, _) = c.frame().await.expect("SETTINGS");
+    assert_eq!(head.kind, kind::SETTINGS);
+    server.drain();
+    assert!(c.eof().await, "closed, nothing to finish");
+    assert_eq!(server.ended().await, "ok");
+}
+
+#[tokio::test]
 async fn streams_past_the_limit_are_refused() {
     let server = Server::start().await;
     let mut c = Client::connect(server.addr).await;
