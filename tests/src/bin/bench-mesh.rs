@@ -30,8 +30,8 @@ use std::time::{Duration, Instant};
 
 use automesh_domain::{Principal, Surface};
 use automesh_e2e_tests::bench::{
-    DbCounters, StubRunners, baseline_yardstick, insert_due, last_run, median, mint_runner, quick,
-    sized,
+    CpuTimes, DbCounters, StubRunners, baseline_yardstick, insert_due, last_run, median,
+    mint_runner, quick, sized,
 };
 use automesh_e2e_tests::{Mesh, MeshOptions};
 use automesh_store::{Backend, Store};
@@ -131,6 +131,7 @@ async fn main() -> anyhow::Result<()> {
 
     let mut rates = vec![];
     let mut per_run = vec![];
+    let mut cpus = vec![];
     let mut wrong = 0;
     for r in 0..repeats {
         let prefix = format!("mesh{r}");
@@ -146,6 +147,7 @@ async fn main() -> anyhow::Result<()> {
         // The statistics of idle sessions settle within a second.
         tokio::time::sleep(Duration::from_millis(1100)).await;
         let before = DbCounters::read(&url).await?;
+        let cpu_before = CpuTimes::now();
         while chrono::Utc::now() < dues[0] {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
@@ -171,6 +173,7 @@ async fn main() -> anyhow::Result<()> {
         // record it, not to the look (every 50 ms) that saw it.
         let last = last_run(&store, &prefix, dues[0]).await?;
         let rate = last.rate(runs);
+        cpus.push(CpuTimes::now().per_run(cpu_before, runs));
         tokio::time::sleep(Duration::from_millis(1100)).await;
         let (commits, writes) = DbCounters::read(&url).await?.per_run(before, runs);
         let bad = without_one_receipt(&store, &prefix).await?;
@@ -194,6 +197,11 @@ async fn main() -> anyhow::Result<()> {
     );
     println!(
         "database  per run: {commits:>5.2} commits (read-only included; goal ≤ 3), {writes:>5.2} writing transactions"
+    );
+    println!(
+        "cpu       per run: PostgreSQL {:.2} ms (all its processes), the mesh and its runners {:.2} ms (this process)",
+        median(cpus.iter().map(|c| c.0).collect()),
+        median(cpus.iter().map(|c| c.1).collect())
     );
     println!(
         "receipts  {wrong} of {} runs without exactly one receipt matching their end",
