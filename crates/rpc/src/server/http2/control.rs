@@ -1,28 +1,13 @@
 //! The connection-level frames (RFC 9113 §6.5-§6.9): SETTINGS, PING,
 //! GOAWAY and WINDOW_UPDATE, and the rapid-reset bound.
 
-use bytes::Bytes;
-
 use super::frame::{self, Head, Reason, flag, setting};
-use super::stream::RecvBody;
-use super::{BoxError, ConnError, Connection, Phase};
+use super::{Calls, ConnError, Connection, Handled, Phase, SendBody};
 
-type Result<T = ()> = std::result::Result<T, ConnError>;
-
-fn error(reason: Reason, why: &'static str) -> ConnError {
-    ConnError::protocol(reason, why)
-}
-
-impl<S, B> Connection<S, B>
-where
-    S: tower::Service<http::Request<RecvBody>, Response = http::Response<B>> + Unpin,
-    S::Error: Into<BoxError>,
-    B: http_body::Body<Data = Bytes> + Unpin,
-    B::Error: Into<BoxError>,
-{
+impl<S: Calls<B>, B: SendBody> Connection<S, B> {
     /// One more stream the peer reset before its answer was over; too many
     /// in a second end the connection.
-    pub(super) fn count_early_reset(&mut self) -> Result {
+    pub(super) fn count_early_reset(&mut self) -> Handled {
         let now = std::time::Instant::now();
         let (since, count) = &mut self.early_resets;
         if now.duration_since(*since) >= std::time::Duration::from_secs(1) {
@@ -31,7 +16,7 @@ where
         }
         *count += 1;
         if *count > super::MAX_EARLY_RESETS {
-            return Err(error(
+            return Err(ConnError::protocol(
                 Reason::ENHANCE_YOUR_CALM,
                 "too many streams reset before their answer",
             ));
@@ -39,22 +24,25 @@ where
         Ok(())
     }
 
-    pub(super) fn on_settings(&mut self, head: Head, payload: &[u8]) -> Result {
+    pub(super) fn on_settings(&mut self, head: Head, payload: &[u8]) -> Handled {
         if head.stream != 0 {
-            return Err(error(Reason::PROTOCOL_ERROR, "SETTINGS on a stream"));
+            return Err(ConnError::protocol(
+                Reason::PROTOCOL_ERROR,
+                "SETTINGS on a stream",
+            ));
         }
         if head.has(flag::ACK) {
             return if payload.is_empty() {
                 Ok(())
             } else {
-                Err(error(
+                Err(ConnError::protocol(
                     Reason::FRAME_SIZE_ERROR,
                     "a SETTINGS acknowledgement with a payload",
                 ))
             };
         }
         if !payload.len().is_multiple_of(6) {
-            return Err(error(
+            return Err(ConnError::protocol(
                 Reason::FRAME_SIZE_ERROR,
                 "SETTINGS of a length that is not a multiple of 6",
             ));
@@ -64,7 +52,7 @@ where
             let value = u32::from_be_bytes([entry[2], entry[3], entry[4], entry[5]]);
             match id {
                 setting::ENABLE_PUSH if value > 1 => {
-                    return Err(error(
+                    return Err(ConnError::protocol(
                         Reason::PROTOCOL_ERROR,
                         "SETTINGS_ENABLE_PUSH other than 0 or 1",
                     ));
@@ -72,7 +60,7 @@ where
                 setting::INITIAL_WINDOW_SIZE => {
                     let value = i64::from(value);
                     if value > frame::MAX_WINDOW {
-                        return Err(error(
+                        return Err(ConnError::protocol(
                             Reason::FLOW_CONTROL_ERROR,
                             "SETTINGS_INITIAL_WINDOW_SIZE above 2^31-1",
                         ));
@@ -82,7 +70,7 @@ where
                     for s in &mut self.streams {
                         s.send_window += delta;
                         if s.send_window > frame::MAX_WINDOW {
-                            return Err(error(
+                            return Err(ConnError::protocol(
                                 Reason::FLOW_CONTROL_ERROR,
                                 "a stream's window above 2^31-1",
                             ));
@@ -94,7 +82,7 @@ where
                 }
                 setting::MAX_FRAME_SIZE => {
                     if !(frame::DEFAULT_MAX_FRAME..1 << 24).contains(&value) {
-                        return Err(error(
+                        return Err(ConnError::protocol(
                             Reason::PROTOCOL_ERROR,
                             "SETTINGS_MAX_FRAME_SIZE out of range",
                         ));
@@ -114,12 +102,15 @@ where
         Ok(())
     }
 
-    pub(super) fn on_ping(&mut self, head: Head, payload: &[u8]) -> Result {
+    pub(super) fn on_ping(&mut self, head: Head, payload: &[u8]) -> Handled {
         if head.stream != 0 {
-            return Err(error(Reason::PROTOCOL_ERROR, "PING on a stream"));
+            return Err(ConnError::protocol(
+                Reason::PROTOCOL_ERROR,
+                "PING on a stream",
+            ));
         }
         let Ok(payload) = <[u8; 8]>::try_from(payload) else {
-            return Err(error(
+            return Err(ConnError::protocol(
                 Reason::FRAME_SIZE_ERROR,
                 "PING of a length other than 8",
             ));
@@ -137,12 +128,18 @@ where
         Ok(())
     }
 
-    pub(super) fn on_goaway(&mut self, head: Head, payload: &[u8]) -> Result {
+    pub(super) fn on_goaway(&mut self, head: Head, payload: &[u8]) -> Handled {
         if head.stream != 0 {
-            return Err(error(Reason::PROTOCOL_ERROR, "GOAWAY on a stream"));
+            return Err(ConnError::protocol(
+                Reason::PROTOCOL_ERROR,
+                "GOAWAY on a stream",
+            ));
         }
         if payload.len() < 8 {
-            return Err(error(Reason::FRAME_SIZE_ERROR, "GOAWAY shorter than 8"));
+            return Err(ConnError::protocol(
+                Reason::FRAME_SIZE_ERROR,
+                "GOAWAY shorter than 8",
+            ));
         }
         let reason = Reason(u32::from_be_bytes([
             payload[4], payload[5], payload[6], payload[7],
@@ -160,9 +157,9 @@ where
         Ok(())
     }
 
-    pub(super) fn on_window_update(&mut self, head: Head, payload: &[u8]) -> Result {
+    pub(super) fn on_window_update(&mut self, head: Head, payload: &[u8]) -> Handled {
         if payload.len() != 4 {
-            return Err(error(
+            return Err(ConnError::protocol(
                 Reason::FRAME_SIZE_ERROR,
                 "WINDOW_UPDATE of a length other than 4",
             ));
@@ -170,14 +167,14 @@ where
         let increment = i64::from(frame::u31(payload));
         if head.stream == 0 {
             if increment == 0 {
-                return Err(error(
+                return Err(ConnError::protocol(
                     Reason::PROTOCOL_ERROR,
                     "a WINDOW_UPDATE of 0 for the connection",
                 ));
             }
             self.send_window += increment;
             if self.send_window > frame::MAX_WINDOW {
-                return Err(error(
+                return Err(ConnError::protocol(
                     Reason::FLOW_CONTROL_ERROR,
                     "the connection's window above 2^31-1",
                 ));
@@ -187,7 +184,7 @@ where
         }
         let Some(i) = self.stream_index(head.stream) else {
             if head.stream > self.last_stream {
-                return Err(error(
+                return Err(ConnError::protocol(
                     Reason::PROTOCOL_ERROR,
                     "WINDOW_UPDATE on an idle stream",
                 ));

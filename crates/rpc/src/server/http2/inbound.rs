@@ -7,27 +7,15 @@ use bytes::Bytes;
 use super::frame::{self, Head, PREFACE, Reason, flag, kind};
 use super::stream::{End, RecvBody, StreamShared};
 use super::{
-    BoxError, ConnError, Connection, MAX_CONTINUATIONS, MAX_HEADER_BLOCK, MAX_HEADER_LIST, Out,
-    PartialBlock, Phase, Stream,
+    Calls, ConnError, Connection, Handled, MAX_CONTINUATIONS, MAX_HEADER_BLOCK, MAX_HEADER_LIST,
+    Out, PartialBlock, Phase, SendBody, Stream,
 };
 
-type Result<T = ()> = std::result::Result<T, ConnError>;
-
-fn error(reason: Reason, why: &'static str) -> ConnError {
-    ConnError::protocol(reason, why)
-}
-
-impl<S, B> Connection<S, B>
-where
-    S: tower::Service<http::Request<RecvBody>, Response = http::Response<B>> + Unpin,
-    S::Error: Into<BoxError>,
-    B: http_body::Body<Data = Bytes> + Unpin,
-    B::Error: Into<BoxError>,
-{
+impl<S: Calls<B>, B: SendBody> Connection<S, B> {
     /// Handles the preface and every complete frame at the start of
     /// `input`; returns how many octets it used (the rest is kept until
     /// more arrives).
-    pub(super) fn on_input(&mut self, input: &[u8]) -> Result<usize> {
+    pub(super) fn on_input(&mut self, input: &[u8]) -> Handled<usize> {
         let mut at = 0;
         if self.phase == Phase::Preface {
             let n = input.len().min(PREFACE.len());
@@ -47,7 +35,7 @@ where
             }
             let head = Head::parse(rest);
             if head.len > frame::DEFAULT_MAX_FRAME as usize {
-                return Err(error(
+                return Err(ConnError::protocol(
                     Reason::FRAME_SIZE_ERROR,
                     "a frame larger than SETTINGS_MAX_FRAME_SIZE",
                 ));
@@ -62,18 +50,18 @@ where
         Ok(at)
     }
 
-    fn on_frame(&mut self, head: Head, payload: &[u8]) -> Result {
+    fn on_frame(&mut self, head: Head, payload: &[u8]) -> Handled {
         if let Some(block) = &self.block
             && (head.kind != kind::CONTINUATION || head.stream != block.stream)
         {
-            return Err(error(
+            return Err(ConnError::protocol(
                 Reason::PROTOCOL_ERROR,
                 "a frame other than its CONTINUATION inside a header block",
             ));
         }
         if self.phase == Phase::Settings {
             if head.kind != kind::SETTINGS || head.has(flag::ACK) {
-                return Err(error(
+                return Err(ConnError::protocol(
                     Reason::PROTOCOL_ERROR,
                     "the client's preface must go on with SETTINGS",
                 ));
@@ -86,7 +74,10 @@ where
             kind::PRIORITY => self.on_priority(head, payload),
             kind::RST_STREAM => self.on_rst_stream(head, payload),
             kind::SETTINGS => self.on_settings(head, payload),
-            kind::PUSH_PROMISE => Err(error(Reason::PROTOCOL_ERROR, "a client may not push")),
+            kind::PUSH_PROMISE => Err(ConnError::protocol(
+                Reason::PROTOCOL_ERROR,
+                "a client may not push",
+            )),
             kind::PING => self.on_ping(head, payload),
             kind::GOAWAY => self.on_goaway(head, payload),
             kind::WINDOW_UPDATE => self.on_window_update(head, payload),
@@ -96,20 +87,23 @@ where
         }
     }
 
-    fn on_data(&mut self, head: Head, payload: &[u8]) -> Result {
+    fn on_data(&mut self, head: Head, payload: &[u8]) -> Handled {
         if head.stream == 0 {
-            return Err(error(Reason::PROTOCOL_ERROR, "DATA on stream 0"));
+            return Err(ConnError::protocol(
+                Reason::PROTOCOL_ERROR,
+                "DATA on stream 0",
+            ));
         }
         let len = payload.len() as i64;
         if len > self.recv_window {
-            return Err(error(
+            return Err(ConnError::protocol(
                 Reason::FLOW_CONTROL_ERROR,
                 "DATA beyond the connection's window",
             ));
         }
         self.recv_window -= len;
         let Some(content) = frame::unpadded(&head, payload) else {
-            return Err(error(
+            return Err(ConnError::protocol(
                 Reason::PROTOCOL_ERROR,
                 "padding as long as the frame",
             ));
@@ -161,9 +155,12 @@ where
 
     /// A DATA, WINDOW_UPDATE or RST_STREAM frame for a stream that is not
     /// open.
-    fn on_frame_of_no_stream(&mut self, id: u32) -> Result {
+    fn on_frame_of_no_stream(&mut self, id: u32) -> Handled {
         if id > self.last_stream {
-            return Err(error(Reason::PROTOCOL_ERROR, "a frame on an idle stream"));
+            return Err(ConnError::protocol(
+                Reason::PROTOCOL_ERROR,
+                "a frame on an idle stream",
+            ));
         }
         if self.recently(id) != Some(true) {
             // Closed, and not by a reset of ours whose news is on its way.
@@ -173,12 +170,15 @@ where
         Ok(())
     }
 
-    fn on_headers(&mut self, head: Head, payload: &[u8]) -> Result {
+    fn on_headers(&mut self, head: Head, payload: &[u8]) -> Handled {
         if head.stream == 0 {
-            return Err(error(Reason::PROTOCOL_ERROR, "HEADERS on stream 0"));
+            return Err(ConnError::protocol(
+                Reason::PROTOCOL_ERROR,
+                "HEADERS on stream 0",
+            ));
         }
         let Some(range) = frame::unpadded(&head, payload) else {
-            return Err(error(
+            return Err(ConnError::protocol(
                 Reason::PROTOCOL_ERROR,
                 "padding as long as the frame",
             ));
@@ -187,7 +187,7 @@ where
         let mut self_dependent = false;
         if head.has(flag::PRIORITY) {
             if fragment.len() < 5 {
-                return Err(error(
+                return Err(ConnError::protocol(
                     Reason::FRAME_SIZE_ERROR,
                     "HEADERS too short for its priority",
                 ));
@@ -210,9 +210,9 @@ where
         }
     }
 
-    fn on_continuation(&mut self, head: Head, payload: &[u8]) -> Result {
+    fn on_continuation(&mut self, head: Head, payload: &[u8]) -> Handled {
         let Some(mut block) = self.block.take() else {
-            return Err(error(
+            return Err(ConnError::protocol(
                 Reason::PROTOCOL_ERROR,
                 "CONTINUATION without HEADERS",
             ));
@@ -220,7 +220,7 @@ where
         block.octets.extend_from_slice(payload);
         block.continuations += 1;
         if block.octets.len() > MAX_HEADER_BLOCK || block.continuations > MAX_CONTINUATIONS {
-            return Err(error(
+            return Err(ConnError::protocol(
                 Reason::ENHANCE_YOUR_CALM,
                 "a header block over the size limit",
             ));
@@ -234,7 +234,7 @@ where
     }
 
     /// A whole header block: a new request, or trailers.
-    fn on_block(&mut self, block: PartialBlock) -> Result {
+    fn on_block(&mut self, block: PartialBlock) -> Handled {
         let id = block.stream;
         let open = self.stream_index(id);
         // Decoded whatever becomes of it, so the table stays in step.
@@ -245,7 +245,7 @@ where
             open.is_some(),
         )
         .map_err(|_| {
-            error(
+            ConnError::protocol(
                 Reason::COMPRESSION_ERROR,
                 "a header block that does not decode",
             )
@@ -271,15 +271,18 @@ where
         if id <= self.last_stream {
             return match self.recently(id) {
                 Some(true) => Ok(()),
-                Some(false) => Err(error(Reason::STREAM_CLOSED, "HEADERS on a closed stream")),
-                None => Err(error(
+                Some(false) => Err(ConnError::protocol(
+                    Reason::STREAM_CLOSED,
+                    "HEADERS on a closed stream",
+                )),
+                None => Err(ConnError::protocol(
                     Reason::PROTOCOL_ERROR,
                     "a stream id not above the ones before it",
                 )),
             };
         }
         if id.is_multiple_of(2) {
-            return Err(error(
+            return Err(ConnError::protocol(
                 Reason::PROTOCOL_ERROR,
                 "an even stream id from a client",
             ));
@@ -339,9 +342,12 @@ where
         Ok(())
     }
 
-    fn on_priority(&mut self, head: Head, payload: &[u8]) -> Result {
+    fn on_priority(&mut self, head: Head, payload: &[u8]) -> Handled {
         if head.stream == 0 {
-            return Err(error(Reason::PROTOCOL_ERROR, "PRIORITY on stream 0"));
+            return Err(ConnError::protocol(
+                Reason::PROTOCOL_ERROR,
+                "PRIORITY on stream 0",
+            ));
         }
         if payload.len() != 5 {
             return self.refuse_any(head.stream, Reason::FRAME_SIZE_ERROR);
@@ -353,12 +359,15 @@ where
         Ok(())
     }
 
-    fn on_rst_stream(&mut self, head: Head, payload: &[u8]) -> Result {
+    fn on_rst_stream(&mut self, head: Head, payload: &[u8]) -> Handled {
         if head.stream == 0 {
-            return Err(error(Reason::PROTOCOL_ERROR, "RST_STREAM on stream 0"));
+            return Err(ConnError::protocol(
+                Reason::PROTOCOL_ERROR,
+                "RST_STREAM on stream 0",
+            ));
         }
         if payload.len() != 4 {
-            return Err(error(
+            return Err(ConnError::protocol(
                 Reason::FRAME_SIZE_ERROR,
                 "RST_STREAM of a length other than 4",
             ));
@@ -376,7 +385,7 @@ where
                 self.remember(head.stream, true);
                 Ok(())
             }
-            None if head.stream > self.last_stream => Err(error(
+            None if head.stream > self.last_stream => Err(ConnError::protocol(
                 Reason::PROTOCOL_ERROR,
                 "RST_STREAM on an idle stream",
             )),
@@ -385,14 +394,14 @@ where
     }
 
     /// A stream error on a stream that never opened (or is not open).
-    fn refuse(&mut self, id: u32, reason: Reason) -> Result {
+    fn refuse(&mut self, id: u32, reason: Reason) -> Handled {
         frame::rst_stream(&mut self.out, id, reason);
         self.remember(id, true);
         Ok(())
     }
 
     /// A stream error on any stream, open or not.
-    fn refuse_any(&mut self, id: u32, reason: Reason) -> Result {
+    fn refuse_any(&mut self, id: u32, reason: Reason) -> Handled {
         match self.stream_index(id) {
             Some(i) => {
                 self.reset_stream(i, reason);

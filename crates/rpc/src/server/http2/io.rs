@@ -6,19 +6,11 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-use super::stream::RecvBody;
-use super::{BoxError, ConnError, Connection, OUT_HIGH, READ_BUDGET, READ_CHUNK};
+use super::{Calls, ConnError, Connection, OUT_HIGH, READ_BUDGET, READ_CHUNK, SendBody};
 
-impl<S, B> Connection<S, B>
-where
-    S: tower::Service<http::Request<RecvBody>, Response = http::Response<B>> + Unpin,
-    S::Error: Into<BoxError>,
-    B: http_body::Body<Data = Bytes> + Unpin,
-    B::Error: Into<BoxError>,
-{
+impl<S: Calls<B>, B: SendBody> Connection<S, B> {
     /// Reads what the socket has, up to the budget, and handles every
     /// complete frame. `Ready(Ok(false))` at end of input.
     pub(super) fn poll_input(&mut self, cx: &mut Context<'_>) -> Poll<Result<bool, ConnError>> {

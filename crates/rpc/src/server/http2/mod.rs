@@ -100,6 +100,30 @@ pub(crate) const CLOSE_WITHIN: Duration = Duration::from_secs(1);
 /// before it heard are told apart from a peer's mistakes.
 const RECENT: usize = 16;
 
+/// What a connection serves: a service of requests whose bodies are
+/// [`RecvBody`], answering with response bodies `B`.
+pub(crate) trait Calls<B>:
+    Service<http::Request<RecvBody>, Response = http::Response<B>, Error: Into<BoxError>> + Unpin
+{
+}
+
+impl<S, B> Calls<B> for S where
+    S: Service<http::Request<RecvBody>, Response = http::Response<B>, Error: Into<BoxError>>
+        + Unpin
+{
+}
+
+/// A response body a connection sends.
+pub(crate) trait SendBody:
+    http_body::Body<Data = Bytes, Error: Into<BoxError>> + Unpin
+{
+}
+
+impl<B> SendBody for B where B: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Unpin {}
+
+/// What handling a frame comes to: go on, or the connection's error.
+type Handled<T = ()> = std::result::Result<T, ConnError>;
+
 /// A connection's bounds, from the server's settings.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Limits {
@@ -265,13 +289,7 @@ where
     ending: Option<(Option<ConnError>, Instant)>,
 }
 
-impl<S, B> Connection<S, B>
-where
-    S: Service<http::Request<RecvBody>, Response = http::Response<B>> + Unpin,
-    S::Error: Into<BoxError>,
-    B: http_body::Body<Data = Bytes> + Unpin,
-    B::Error: Into<BoxError>,
-{
+impl<S: Calls<B>, B: SendBody> Connection<S, B> {
     pub(crate) fn new(io: TcpStream, service: S, limits: Limits) -> Self {
         let mut decoder = loona_hpack::Decoder::new();
         // Our SETTINGS_HEADER_TABLE_SIZE is the default, 4096.
@@ -472,13 +490,7 @@ where
     }
 }
 
-impl<S, B> Future for Connection<S, B>
-where
-    S: Service<http::Request<RecvBody>, Response = http::Response<B>> + Unpin,
-    S::Error: Into<BoxError>,
-    B: http_body::Body<Data = Bytes> + Unpin,
-    B::Error: Into<BoxError>,
-{
+impl<S: Calls<B>, B: SendBody> Future for Connection<S, B> {
     type Output = Result<(), ConnError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {

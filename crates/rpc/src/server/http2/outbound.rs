@@ -6,19 +6,15 @@
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
 
-use bytes::{Buf, Bytes};
+use bytes::Buf;
 
 use super::frame::{self, Reason};
-use super::stream::{End, RecvBody};
-use super::{BoxError, CONN_WINDOW, ConnError, Connection, OUT_HIGH, Out, STREAM_WINDOW};
+use super::stream::End;
+use super::{
+    BoxError, CONN_WINDOW, Calls, ConnError, Connection, OUT_HIGH, Out, STREAM_WINDOW, SendBody,
+};
 
-impl<S, B> Connection<S, B>
-where
-    S: tower::Service<http::Request<RecvBody>, Response = http::Response<B>> + Unpin,
-    S::Error: Into<BoxError>,
-    B: http_body::Body<Data = Bytes> + Unpin,
-    B::Error: Into<BoxError>,
-{
+impl<S: Calls<B>, B: SendBody> Connection<S, B> {
     /// Starts what waits for the service, then looks at every stream that
     /// is ready.
     pub(super) fn poll_streams(&mut self, cx: &mut Context<'_>) -> Result<(), ConnError> {

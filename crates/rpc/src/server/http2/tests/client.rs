@@ -81,6 +81,18 @@ impl Server {
             .expect("the server runs")
     }
 
+    /// The held stream's reader heard it cancelled, and its response was
+    /// dropped (in either order).
+    pub async fn cancelled_and_dropped(&mut self) {
+        let mut events = vec![self.event().await, self.event().await];
+        events.sort_by_key(|e| format!("{e:?}"));
+        let want = [
+            Event::BodyEnded(Err(tonic::Code::Cancelled)),
+            Event::ResponseDropped,
+        ];
+        assert_eq!(events, want);
+    }
+
     /// How the next connection ended: "ok", or its error.
     pub async fn ended(&mut self) -> String {
         tokio::time::timeout(WAIT, self.ended.recv())
@@ -296,6 +308,12 @@ impl Client {
         Reason(u32::from_be_bytes([
             payload[0], payload[1], payload[2], payload[3],
         ]))
+    }
+
+    /// The connection still answers: a request on stream `id` is served.
+    pub async fn still_serves(&mut self, id: u32) {
+        self.request(id, "/echo", true).await;
+        assert_eq!(self.response(id).await.status, "200", "stream {id}");
     }
 
     /// The response on stream `id`, read to its end.
