@@ -1,5 +1,7 @@
 //! Helpers the benchmark binaries share.
 
+use automesh_desktop_runner_gateway::stream::Http2;
+
 /// The value after `name` on the command line, or `default`.
 pub fn arg(name: &str, default: usize) -> usize {
     let args: Vec<String> = std::env::args().collect();
@@ -8,6 +10,27 @@ pub fn arg(name: &str, default: usize) -> usize {
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+/// `--runner-http2 lean|hyper` (lean unless given): what serves the runner
+/// listener, so that the two can be measured in one sitting; with its name
+/// as the flag spells it. Any other value is refused, naming the two.
+pub fn runner_http2() -> anyhow::Result<(Http2, String)> {
+    use clap::ValueEnum as _;
+    let args: Vec<String> = std::env::args().collect();
+    let http2 = match args.iter().position(|a| a == "--runner-http2") {
+        None => Http2::Lean,
+        Some(i) => {
+            let value = args.get(i + 1).map(String::as_str).unwrap_or_default();
+            Http2::from_str(value, false)
+                .map_err(|_| anyhow::anyhow!("--runner-http2 takes lean or hyper, not {value:?}"))?
+        }
+    };
+    let name = http2
+        .to_possible_value()
+        .map(|v| v.get_name().to_owned())
+        .unwrap_or_default();
+    Ok((http2, name))
 }
 
 /// The median (the upper one of an even count).

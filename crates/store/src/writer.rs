@@ -93,12 +93,11 @@ pub(crate) trait Job: Send + Sync + 'static {
     }
 
     /// The job as one statement outside any transaction (so it commits by
-    /// itself), sending the note [`Job::signal`] would ask for itself, on
-    /// `channel`: exactly what `run` writes, then a NOTIFY at its commit.
+    /// itself), sending the note [`Job::signal`] would ask for itself:
+    /// exactly what `run` writes, then a NOTIFY at its commit.
     fn run_alone<'c>(
         &'c self,
         _db: &'c mut AnyConnection,
-        _channel: &'static str,
     ) -> Option<BoxFuture<'c, Result<Self::Output>>> {
         None
     }
@@ -124,7 +123,6 @@ trait Erased: Send + Sync {
     fn run_alone<'c>(
         &'c self,
         db: &'c mut AnyConnection,
-        channel: &'static str,
     ) -> Option<BoxFuture<'c, Result<Box<dyn Any + Send>>>>;
 }
 
@@ -136,9 +134,8 @@ impl<J: Job> Erased for J {
     fn run_alone<'c>(
         &'c self,
         db: &'c mut AnyConnection,
-        channel: &'static str,
     ) -> Option<BoxFuture<'c, Result<Box<dyn Any + Send>>>> {
-        let alone = Job::run_alone(self, db, channel)?;
+        let alone = Job::run_alone(self, db)?;
         Some(Box::pin(async move {
             alone.await.map(|out| Box::new(out) as Box<dyn Any + Send>)
         }))
@@ -330,7 +327,7 @@ async fn commit(store: &Db, batch: &[Pending]) -> std::result::Result<Vec<Answer
             Ok(db) => db,
             Err(e) => return Ok(failed_all(&StoreError::Database(e))),
         };
-        if let Some(alone) = only.job.run_alone(&mut db, Topic::Desktop.pg_channel()) {
+        if let Some(alone) = only.job.run_alone(&mut db) {
             ALONE.fetch_add(1, Ordering::Relaxed);
             // One statement: it wrote everything or nothing.
             return Ok(vec![alone.await]);

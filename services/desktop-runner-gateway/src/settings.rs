@@ -63,9 +63,7 @@ impl StreamSettings {
         }
         Ok(())
     }
-}
 
-impl StreamSettings {
     /// The runner listener's HTTP/2 keepalive: a PING after half the
     /// dead-after bound of silence, answered within two fifths of it, so a
     /// stalled PING-liveness stream is closed within the bound.

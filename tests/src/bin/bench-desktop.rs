@@ -94,13 +94,7 @@ async fn main() -> anyhow::Result<()> {
         let http2 = args.get(i + 2).cloned().unwrap_or_else(|| "lean".into());
         return serve_gateway(&url, &http2).await;
     }
-    // `--runner-http2 hyper`: the runner listener served by hyper's HTTP/2
-    // instead of the lean one (to compare them in one sitting).
-    let http2 = args
-        .iter()
-        .position(|a| a == "--runner-http2")
-        .and_then(|i| args.get(i + 1).cloned())
-        .unwrap_or_else(|| "lean".into());
+    let (_, http2) = automesh_e2e_tests::bench::runner_http2()?;
     let streams = sized("--streams", 10_000, 500);
     let more = sized("--more", 19_000, 950).max(streams);
     let latency_runs = sized("--latency-runs", 100, 20);

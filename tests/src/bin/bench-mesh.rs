@@ -72,19 +72,13 @@ async fn main() -> anyhow::Result<()> {
     let runs = sized("--runs", 1000, 100);
     let runners = sized("--runners", 64, 16).max(1);
     let repeats = sized("--repeats", 3, 1).max(1);
-    // `--runner-http2 hyper`: the runner listener on hyper's HTTP/2 (to
-    // compare with the lean one in one sitting).
-    let hyper = std::env::args().any(|a| a == "hyper");
+    let (http2, http2_name) = automesh_e2e_tests::bench::runner_http2()?;
     let mesh = Mesh::start_with(
         Backend::Postgres,
         MeshOptions {
             desktop_via_runner_gateway: true,
             runner_streams: automesh_desktop_runner_gateway::stream::StreamSettings {
-                http2: if hyper {
-                    automesh_desktop_runner_gateway::stream::Http2::Hyper
-                } else {
-                    automesh_desktop_runner_gateway::stream::Http2::Lean
-                },
+                http2,
                 ..Default::default()
             },
             // The coordinator's production lease (tests use a short one).
@@ -96,12 +90,11 @@ async fn main() -> anyhow::Result<()> {
     let store = mesh.store().clone();
     let url = mesh.db.url.clone();
     println!(
-        "automesh whole-mesh benchmark (PostgreSQL, {} cores{}; {runs} runs at once on {runners} runner streams; runner listener on {} HTTP/2)",
+        "automesh whole-mesh benchmark (PostgreSQL, {} cores{}; {runs} runs at once on {runners} runner streams; runner listener on {http2_name} HTTP/2)",
         std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1),
         if quick() { ", --quick" } else { "" },
-        if hyper { "hyper's" } else { "the lean" },
     );
 
     // The yardstick, measured now.

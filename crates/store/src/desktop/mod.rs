@@ -510,7 +510,6 @@ impl Job for Write {
     fn run_alone<'c>(
         &'c self,
         db: &'c mut AnyConnection,
-        channel: &'static str,
     ) -> Option<BoxFuture<'c, Result<Written>>> {
         let DesktopWrite::Offer {
             org_id,
@@ -523,6 +522,7 @@ impl Job for Write {
         // The note an offer made asks for, as one payload.
         let note = self.signal(&Written::rows(1))?;
         let payload = DesktopNote::payloads(&[note]).pop()?;
+        let channel = crate::signal::Topic::Desktop.pg_channel();
         Some(Box::pin(async move {
             let params = (
                 &self.run_id,

@@ -49,7 +49,7 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
         }
         for entry in payload.chunks_exact(6) {
             let id = u16::from_be_bytes([entry[0], entry[1]]);
-            let value = u32::from_be_bytes([entry[2], entry[3], entry[4], entry[5]]);
+            let value = frame::u32_at(&entry[2..]);
             match id {
                 setting::ENABLE_PUSH if value > 1 => {
                     return Err(ConnError::protocol(
@@ -90,11 +90,8 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
                     self.peer_max_frame = value as usize;
                 }
                 // Our encoder keeps no table and pushes nothing; the other
-                // settings bind the peer's side only.
-                setting::HEADER_TABLE_SIZE
-                | setting::ENABLE_PUSH
-                | setting::MAX_CONCURRENT_STREAMS
-                | setting::MAX_HEADER_LIST_SIZE => {}
+                // settings bind the peer's side only (unknown ones are
+                // ignored, RFC 9113 §6.5.2).
                 _ => {}
             }
         }
@@ -141,9 +138,7 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
                 "GOAWAY shorter than 8",
             ));
         }
-        let reason = Reason(u32::from_be_bytes([
-            payload[4], payload[5], payload[6], payload[7],
-        ]));
+        let reason = Reason(frame::u32_at(&payload[4..]));
         if reason != Reason::NO_ERROR {
             let debug = String::from_utf8_lossy(&payload[8..payload.len().min(8 + 128)]);
             self.close(Some(ConnError::PeerGoAway {

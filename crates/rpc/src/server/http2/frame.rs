@@ -45,7 +45,6 @@ pub(super) mod flag {
 }
 
 pub(super) mod setting {
-    pub const HEADER_TABLE_SIZE: u16 = 0x1;
     pub const ENABLE_PUSH: u16 = 0x2;
     pub const MAX_CONCURRENT_STREAMS: u16 = 0x3;
     pub const INITIAL_WINDOW_SIZE: u16 = 0x4;
@@ -113,7 +112,7 @@ impl Head {
             kind: b[3],
             flags: b[4],
             // The reserved bit is ignored on receipt (RFC 9113 §4.1).
-            stream: u32::from_be_bytes([b[5], b[6], b[7], b[8]]) & 0x7fff_ffff,
+            stream: u31(&b[5..]),
         }
     }
 
@@ -122,9 +121,14 @@ impl Head {
     }
 }
 
+/// A 32-bit value from the first four octets of `b`.
+pub(super) fn u32_at(b: &[u8]) -> u32 {
+    u32::from_be_bytes([b[0], b[1], b[2], b[3]])
+}
+
 /// A 31-bit value from four octets (its reserved bit ignored).
 pub(super) fn u31(b: &[u8]) -> u32 {
-    u32::from_be_bytes([b[0], b[1], b[2], b[3]]) & 0x7fff_ffff
+    u32_at(b) & 0x7fff_ffff
 }
 
 /// Writes a frame header.

@@ -372,9 +372,7 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
                 "RST_STREAM of a length other than 4",
             ));
         }
-        let reason = Reason(u32::from_be_bytes([
-            payload[0], payload[1], payload[2], payload[3],
-        ]));
+        let reason = Reason(frame::u32_at(payload));
         match self.stream_index(head.stream) {
             Some(i) => {
                 if !matches!(self.streams[i].out, Out::Done) {

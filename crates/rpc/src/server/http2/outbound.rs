@@ -11,13 +11,14 @@ use bytes::Buf;
 use super::frame::{self, Reason};
 use super::stream::End;
 use super::{
-    BoxError, CONN_WINDOW, Calls, ConnError, Connection, OUT_HIGH, Out, STREAM_WINDOW, SendBody,
+    BoxError, CONN_WINDOW, Calls, ConnError, Connection, Handled, OUT_HIGH, Out, STREAM_WINDOW,
+    SendBody,
 };
 
 impl<S: Calls<B>, B: SendBody> Connection<S, B> {
     /// Starts what waits for the service, then looks at every stream that
     /// is ready.
-    pub(super) fn poll_streams(&mut self, cx: &mut Context<'_>) -> Result<(), ConnError> {
+    pub(super) fn poll_streams(&mut self, cx: &mut Context<'_>) -> Handled {
         self.start_waiting(cx)?;
         self.shared.take_ready(&mut self.ready);
         let mut ready = std::mem::take(&mut self.ready);
@@ -39,7 +40,7 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
 
     /// Calls the service for waiting requests, oldest first, as long as it
     /// is ready.
-    fn start_waiting(&mut self, cx: &mut Context<'_>) -> Result<(), ConnError> {
+    fn start_waiting(&mut self, cx: &mut Context<'_>) -> Handled {
         while let Some(&id) = self.waiting.front() {
             let request = self
                 .stream_index(id)
@@ -219,10 +220,7 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
             self.remove_stream(i);
             self.remember(id, false);
         } else if dropped {
-            frame::rst_stream(&mut self.out, id, Reason::NO_ERROR);
-            self.streams[i].shared.end(End::Refused(Reason::NO_ERROR));
-            self.remove_stream(i);
-            self.remember(id, true);
+            self.reset_stream(i, Reason::NO_ERROR);
         }
     }
 }

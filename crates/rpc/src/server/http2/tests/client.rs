@@ -127,12 +127,7 @@ pub struct Client {
 pub fn settings_of(payload: &[u8]) -> Vec<(u16, u32)> {
     payload
         .chunks_exact(6)
-        .map(|e| {
-            (
-                u16::from_be_bytes([e[0], e[1]]),
-                u32::from_be_bytes([e[2], e[3], e[4], e[5]]),
-            )
-        })
+        .map(|e| (u16::from_be_bytes([e[0], e[1]]), frame::u32_at(&e[2..])))
         .collect()
 }
 
@@ -295,9 +290,7 @@ impl Client {
             }
         };
         assert!(self.eof().await, "the server closes after its GOAWAY");
-        Reason(u32::from_be_bytes([
-            payload[4], payload[5], payload[6], payload[7],
-        ]))
+        Reason(frame::u32_at(&payload[4..]))
     }
 
     /// The code of the RST_STREAM the server sends on `id`.
@@ -305,9 +298,7 @@ impl Client {
         let (_, payload) = self
             .until(|h| h.kind == kind::RST_STREAM && h.stream == id)
             .await;
-        Reason(u32::from_be_bytes([
-            payload[0], payload[1], payload[2], payload[3],
-        ]))
+        Reason(frame::u32_at(&payload))
     }
 
     /// The connection still answers: a request on stream `id` is served.

@@ -269,7 +269,7 @@ async fn what_the_reader_takes_is_given_back_as_window() {
         while windows.iter().any(|w| *w < chunk.len() as i64) {
             let (head, payload) = c.until(|h| h.kind == kind::WINDOW_UPDATE).await;
             assert_eq!(head.len, 4);
-            let increment = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
+            let increment = super::frame::u32_at(&payload);
             windows[head.stream.min(1) as usize] += i64::from(increment);
         }
         c.send(kind::DATA, 0, 1, &chunk).await;
