@@ -98,6 +98,41 @@ pub async fn pg_commits_per_sec(url: &str, clients: usize, secs: f64) -> anyhow:
     Ok(total as f64 / secs)
 }
 
+/// The floors of a dispatch, each the median of 500 in ms: a bare gRPC
+/// round trip (a health check) to `addr`, and a single-row commit through
+/// `store`'s pool, committed durably.
+pub async fn round_trips(addr: &str, store: &automesh_store::Store) -> anyhow::Result<(f64, f64)> {
+    let mut health =
+        tonic_health::pb::health_client::HealthClient::new(automesh_rpc::client::channel(addr)?);
+    let mut rtt = vec![];
+    for _ in 0..500 {
+        let t = std::time::Instant::now();
+        health
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: String::new(),
+            })
+            .await?;
+        rtt.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS bench_counter (id BIGINT PRIMARY KEY, n BIGINT NOT NULL)",
+    )
+    .execute(store.pool())
+    .await?;
+    sqlx::query("INSERT INTO bench_counter (id, n) VALUES (0, 0) ON CONFLICT (id) DO NOTHING")
+        .execute(store.pool())
+        .await?;
+    let mut tx = vec![];
+    for _ in 0..500 {
+        let t = std::time::Instant::now();
+        sqlx::query("UPDATE bench_counter SET n = n + 1 WHERE id = 0")
+            .execute(store.pool())
+            .await?;
+        tx.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    Ok((median(rtt), median(tx)))
+}
+
 /// The yardstick L: a third of PostgreSQL's single-row commit rate
 /// with 32 clients, measured now, on this machine.
 pub async fn yardstick(url: &str, secs: f64) -> anyhow::Result<f64> {
@@ -128,9 +163,23 @@ pub struct DbCounters {
     pub writes: i64,
 }
 
+/// How long the statistics of other sessions take, at most, to reach
+/// `pg_stat_database`: a session going idle flushes them unless it did less
+/// than a second ago, and then ten seconds later (PostgreSQL 15's
+/// `PGSTAT_IDLE_INTERVAL`). Read before and after the work, that long after
+/// everything else went quiet, the counters miss none of its commits.
+pub const STATS_SETTLE: std::time::Duration = std::time::Duration::from_millis(10_500);
+
+/// A due instant `ms` after [`STATS_SETTLE`]: the counters are read
+/// settled before the burst falls due.
+pub fn settle_then(ms: i64) -> chrono::Duration {
+    chrono::Duration::from_std(STATS_SETTLE).unwrap_or_default()
+        + chrono::Duration::milliseconds(ms)
+}
+
 impl DbCounters {
-    /// Now. The statistics of other sessions reach `pg_stat_database` when
-    /// they go idle (at most a second later): read after the work settled.
+    /// Now. Read [`STATS_SETTLE`] after the work (and anything before it)
+    /// went quiet.
     pub async fn read(url: &str) -> anyhow::Result<DbCounters> {
         use sqlx::Connection;
         let mut c = sqlx::PgConnection::connect(url).await?;

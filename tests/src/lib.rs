@@ -58,6 +58,10 @@ pub struct MeshOptions {
     /// The executor both placements use (a [`executor::TestExecutor`]).
     pub executor: Option<String>,
     pub lease: Duration,
+    /// The coordinators' safety poll (tests use a short one).
+    pub claim_poll: Duration,
+    /// How many runs each coordinator drives at once.
+    pub max_runs: usize,
     pub cancel_bound: Duration,
     pub run_deadline: Duration,
     pub catch_up_window: Duration,
@@ -104,11 +108,27 @@ pub fn lifecycle_config() -> automesh_cloud_worker_lifecycle::Config {
     }
 }
 
+impl MeshOptions {
+    /// The options of a benchmark: the coordinator's production lease and
+    /// safety poll, as its flags give them by default (tests use short ones).
+    pub fn benchmark() -> Self {
+        let production: automesh_run_coordinator::Config = service_config();
+        Self {
+            lease: production.lease,
+            claim_poll: production.claim_poll,
+            max_runs: production.max_runs,
+            ..Self::default()
+        }
+    }
+}
+
 impl Default for MeshOptions {
     fn default() -> Self {
         Self {
             executor: None,
             lease: Duration::from_secs(2),
+            claim_poll: Duration::from_millis(100),
+            max_runs: 1024,
             cancel_bound: Duration::from_secs(2),
             run_deadline: Duration::from_secs(1800),
             catch_up_window: Duration::from_secs(3600),
@@ -595,7 +615,8 @@ fn spawn_coordinator(
         placements,
         lease: options.lease,
         cancel_bound: options.cancel_bound,
-        claim_poll: Duration::from_millis(100),
+        claim_poll: options.claim_poll,
+        max_runs: options.max_runs,
         models: automesh_rpc::runtime::Models::of(options.models.clone()),
         ..service_config()
     };

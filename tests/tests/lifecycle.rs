@@ -623,3 +623,51 @@ async fn five_hundred_due_at_once_on_two_schedulers_and_two_coordinators() {
     );
     mesh.stop().await.expect("stop");
 }
+
+/// A coordinator driving as many runs as it may claims the next the moment
+/// one of its runs ends, not at its next safety poll (an hour here): three
+/// runs through a coordinator that drives one at a time, each started only
+/// after the one before it ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_coordinator_claims_the_next_run_as_one_ends() {
+    let (mesh, executor) = mesh_with(
+        Backend::Postgres,
+        Behavior::Complete {
+            after: Duration::from_millis(200),
+            events: 0,
+        },
+        MeshOptions {
+            max_runs: 1,
+            claim_poll: Duration::from_secs(3600),
+            ..MeshOptions::default()
+        },
+    )
+    .await;
+    let token = mesh.token("acme", "alice");
+    let mut runs = vec![];
+    for i in 0..3 {
+        let a = create(&mesh, &token, daily(6, 0)).await;
+        runs.push(run_now(&mesh, &token, &a.id, &format!("one-at-a-time-{i}")).await);
+    }
+    let mut ended = vec![];
+    for run in &runs {
+        ended.push(terminal(mesh.store(), &run.id, Duration::from_secs(30)).await);
+    }
+    assert!(
+        ended.iter().all(|r| r.state == RunState::Succeeded),
+        "every run succeeded: {ended:?}"
+    );
+    let starts = executor.first_starts();
+    let mut spans: Vec<_> = ended
+        .iter()
+        .map(|r| (starts[&r.id], r.updated_at))
+        .collect();
+    spans.sort();
+    for pair in spans.windows(2) {
+        assert!(
+            pair[1].0 >= pair[0].1,
+            "a run started before the one before it ended: {spans:?}"
+        );
+    }
+    mesh.stop().await.expect("stop");
+}

@@ -168,7 +168,8 @@ impl Store {
         let mut tx = self.begin_write().await?;
         let created = insert(&mut tx, new, now).await?;
         if created && !new.state.is_terminal() && self.backend() == crate::Backend::Postgres {
-            sqlx::query("SELECT pg_notify('automesh_runs', '')")
+            sqlx::query("SELECT pg_notify('automesh_runs', $1)")
+                .bind(crate::signal::process_token())
                 .execute(&mut *tx)
                 .await?;
         }

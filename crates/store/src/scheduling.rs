@@ -51,7 +51,7 @@ const FIRE_PG: &str = concat!(
     " RETURNING id), advanced AS (UPDATE automations SET next_run_at = $17, updated_at = $16, \
      version = version + 1 WHERE id = $2) \
      SELECT (SELECT COUNT(*) FROM created) AS created, \
-     (SELECT COUNT(*) FROM (SELECT pg_notify('automesh_runs', '') FROM created WHERE $18 = 1) w) \
+     (SELECT COUNT(*) FROM (SELECT pg_notify('automesh_runs', $19) FROM created WHERE $18 = 1) w) \
      AS woken"
 );
 
@@ -73,7 +73,7 @@ const FIRE_UNLOCKED_PG: &str = concat!(
     crate::runs::insert_run_values!(),
     " FROM advanced ON CONFLICT (id) DO NOTHING RETURNING id) \
      SELECT (SELECT COUNT(*) FROM created) AS created, \
-     (SELECT COUNT(*) FROM (SELECT pg_notify('automesh_runs', '') FROM created) w) AS woken, \
+     (SELECT COUNT(*) FROM (SELECT pg_notify('automesh_runs', $20) FROM created) w) AS woken, \
      (SELECT COUNT(*) FROM async_commit) AS settings"
 );
 
@@ -170,8 +170,15 @@ impl Store {
             return Ok(false);
         }
         let version = new.automation.version;
-        let params =
-            crate::runs::insert_run_params!(new, now, opt_micros(next), micros(due), version);
+        let token = crate::signal::process_token();
+        let params = crate::runs::insert_run_params!(
+            new,
+            now,
+            opt_micros(next),
+            micros(due),
+            version,
+            token
+        );
         let created = rows::optional(self.db(), FIRE_UNLOCKED_PG, params, |r| col(r, "created"));
         let created: Option<i64> = created.await?;
         let created = created.unwrap_or(0) > 0;
@@ -224,7 +231,8 @@ impl SchedulingTx {
             return Ok(created);
         }
         let live = i64::from(!new.state.is_terminal());
-        let params = crate::runs::insert_run_params!(new, now, opt_micros(next), live);
+        let token = crate::signal::process_token();
+        let params = crate::runs::insert_run_params!(new, now, opt_micros(next), live, token);
         let (created, woken): (i64, i64) = rows::optional(&mut *self.tx, FIRE_PG, params, |r| {
             Ok((col(r, "created")?, col(r, "woken")?))
         })
@@ -258,7 +266,8 @@ impl SchedulingTx {
     pub async fn commit(self) -> Result<bool> {
         let mut tx = self.tx;
         if self.created_pending && !self.notified && self.backend == Backend::Postgres {
-            sqlx::query("SELECT pg_notify('automesh_runs', '')")
+            sqlx::query("SELECT pg_notify('automesh_runs', $1)")
+                .bind(crate::signal::process_token())
                 .execute(&mut *tx)
                 .await?;
         }

@@ -326,6 +326,15 @@ pub(crate) fn runs_created() {
     Topic::Runs.signal_local();
 }
 
+/// The payload of this process's `automesh_runs` notifications: a token
+/// of its own, so that its watchers skip what they hear of their own
+/// process (every such notification goes with an in-process signal, which
+/// woke them already) instead of claiming a second time.
+pub(crate) fn process_token() -> &'static str {
+    static TOKEN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TOKEN.get_or_init(|| uuid::Uuid::new_v4().simple().to_string())
+}
+
 /// Waits for news on one topic.
 pub struct Watcher {
     topic: Topic,
@@ -419,8 +428,13 @@ impl Store {
     pub async fn signal(&self, topic: Topic) -> Result<()> {
         topic.signal_local();
         if self.backend() == Backend::Postgres {
-            sqlx::query("SELECT pg_notify($1, '')")
+            let payload = match topic {
+                Topic::Runs => process_token(),
+                Topic::Desktop => "",
+            };
+            sqlx::query("SELECT pg_notify($1, $2)")
                 .bind(topic.pg_channel())
+                .bind(payload)
                 .execute(self.db())
                 .await?;
         }
@@ -435,8 +449,20 @@ async fn connect_listener(url: &str, topic: Topic) -> std::result::Result<PgList
 }
 
 impl Watcher {
-    /// Returns when the topic was signalled since the last call, or after
-    /// `max`.
+    /// Takes every signal so far as seen: called just before reading what
+    /// the signals announce (a signal is sent after its commit, so the read
+    /// that follows sees it), so that the next [`Watcher::wait`] returns
+    /// only for news after the read.
+    pub fn consume(&mut self) {
+        self.seen = self.topic.channel().generation.load(Ordering::SeqCst);
+        if let Some(l) = self.listener.as_mut() {
+            while l.next_buffered().is_some() {}
+        }
+    }
+
+    /// Returns when the topic was signalled since the last call (or
+    /// [`Watcher::consume`]), or after `max`. A notification this process
+    /// sent is not news: its in-process signal came first.
     pub async fn wait(&mut self, max: Duration) {
         let channel = self.topic.channel();
         let notified = channel.notify.notified();
@@ -450,7 +476,14 @@ impl Watcher {
         let remote = async {
             match self.listener.as_mut() {
                 Some(l) => {
-                    if let Err(error) = l.recv().await {
+                    let lost = loop {
+                        match l.recv().await {
+                            Ok(n) if n.payload() == process_token() => {}
+                            Ok(_) => break None,
+                            Err(error) => break Some(error),
+                        }
+                    };
+                    if let Some(error) = lost {
                         tracing::warn!(%error, "LISTEN connection lost; polling only");
                         self.listener = None;
                         std::future::pending::<()>().await;

@@ -159,3 +159,9 @@ fn replace_database(url: &str, name: &str) -> Result<String> {
     }
     Ok(out)
 }
+
+/// The payload of this process's run notifications, which its own run
+/// watchers take as no news (tests send it from another pool).
+pub fn runs_notification_payload() -> &'static str {
+    crate::signal::process_token()
+}

@@ -177,3 +177,58 @@ async fn a_report_elsewhere_is_heard_with_what_the_assignment_now_is() {
     }
     db.remove().await.expect("remove");
 }
+
+/// A run watcher takes its own process's notification as no news (the
+/// in-process signal that goes with it woke it already), a notification
+/// from another process as news; and once it has consumed the signals so
+/// far (just before a claim reads what they announce), it waits for the
+/// next one instead of waking at once for the same runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_watcher_hears_other_processes_and_not_its_own_echo() {
+    let db = TestDatabase::new(Backend::Postgres)
+        .await
+        .expect("test database (is PostgreSQL running? see README)");
+    let mut watcher = db.store.watch_new_runs().await;
+    let other = Store::connect_lazy(&db.url, StoreOptions::default()).expect("pool");
+    // The signal in this process wakes it at once, however long it waits.
+    db.store.signal(Topic::Runs).await.expect("signal");
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        watcher.wait(Duration::from_secs(3600)),
+    )
+    .await
+    .expect("the in-process signal woke the watcher");
+    // Signalled again, then consumed: the next wait hears neither that
+    // signal nor the echo of its NOTIFY, nor more of this process's own.
+    db.store.signal(Topic::Runs).await.expect("signal");
+    watcher.consume();
+    let woken = tokio::spawn(async move {
+        watcher.wait(Duration::from_secs(3600)).await;
+    });
+    let own = automesh_store::testing::runs_notification_payload();
+    for _ in 0..5 {
+        sqlx::query("SELECT pg_notify('automesh_runs', $1)")
+            .bind(own)
+            .execute(other.pool())
+            .await
+            .expect("notify");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        !woken.is_finished(),
+        "the watcher woke for its own process's notifications"
+    );
+    // Another process's notification is news.
+    let heard = tokio::time::timeout(Duration::from_secs(30), async {
+        while !woken.is_finished() {
+            sqlx::query("SELECT pg_notify('automesh_runs', 'elsewhere')")
+                .execute(other.pool())
+                .await
+                .expect("notify");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert!(heard.is_ok(), "the watcher never heard another process");
+    db.remove().await.expect("remove");
+}

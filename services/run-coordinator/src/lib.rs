@@ -50,6 +50,10 @@ automesh_rpc::service_config! {
     /// loop (a safety net: new and released runs wake it at once).
     #[arg(long, env = "AUTOMESH_CLAIM_POLL", default_value = "500ms", value_parser = parse_duration)]
     pub claim_poll: Duration,
+    /// How many runs this replica drives at once; a full replica claims no
+    /// more until one of its runs ends (and claims the next at once then).
+    #[arg(long, env = "AUTOMESH_COORDINATOR_MAX_RUNS", default_value_t = 1024)]
+    pub max_runs: usize,
     #[command(flatten)]
     pub models: automesh_rpc::runtime::Models,
 }
@@ -104,6 +108,10 @@ impl Service {
         ] {
             anyhow::ensure!(!bound.is_zero(), "{what} must be longer than 0");
         }
+        anyhow::ensure!(
+            config.max_runs > 0,
+            "the most runs a replica drives (AUTOMESH_COORDINATOR_MAX_RUNS, --max-runs) must be at least 1"
+        );
         use automesh_proto::executor::v1::executor_service_client::ExecutorServiceClient;
         let client = |p: Placement, addr: &Option<String>| -> anyhow::Result<_> {
             Ok(match addr.as_deref().filter(|_| executes(p)) {
@@ -122,6 +130,7 @@ impl Service {
             lease: config.lease,
             cancel_bound: config.cancel_bound,
             poll: config.claim_poll,
+            max_concurrent: config.max_runs,
             models: Arc::new(config.models.catalog()),
             ..drive::Settings::default()
         };

@@ -122,12 +122,23 @@ pub async fn run_loop(
         let notified = wake.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        if let Some(at) = ahead_of.take()
-            && let Err(error) = fire_ahead(&store, &settings, at).await
-        {
-            tracing::warn!(%error, "firing at the due instant failed; the pass fires it");
-        }
-        let claimed = pass(&store, &settings).await;
+        // Everything due by the instant fired there: no locked pass now
+        // (it would only compete with the coordinators claiming those
+        // runs); anything due since is seen by the look below.
+        let fired = match ahead_of.take() {
+            Some(at) => match fire_ahead(&store, &settings, at).await {
+                Ok(fired) => fired,
+                Err(error) => {
+                    tracing::warn!(%error, "firing at the due instant failed; the pass fires it");
+                    None
+                }
+            },
+            None => None,
+        };
+        let claimed = match fired {
+            Some(n) => Ok(n),
+            None => pass(&store, &settings).await,
+        };
         if let Err(error) = claimed {
             tracing::warn!(%error, "scheduling pass failed; retrying");
             tokio::select! {
@@ -177,28 +188,29 @@ const AHEAD_LIMIT: usize = 8;
 /// statement (the automation still active, unchanged and due at the same
 /// instant, and no run of it live), concurrently. A guard that does not
 /// hold fires nothing: the pass that follows claims what is still due,
-/// with locks, and decides again. PostgreSQL only.
+/// with locks, and decides again. PostgreSQL only. How many fired when
+/// every occurrence due by `at` did (no pass is needed then), else `None`.
 async fn fire_ahead(
     store: &Store,
     settings: &Settings,
     at: DateTime<Utc>,
-) -> Result<(), StoreError> {
+) -> Result<Option<usize>, StoreError> {
     if store.backend() != automesh_store::Backend::Postgres {
-        return Ok(());
+        return Ok(None);
     }
     let due = store.due_by(at, AHEAD_LIMIT as u32 + 1).await?;
     if due.is_empty() || due.len() > AHEAD_LIMIT || due.iter().any(|d| d.live_run) {
-        return Ok(());
+        return Ok(None);
     }
     let mut fires = vec![];
     for d in &due {
         let a = &d.automation;
         let Some(first_due) = a.next_run_at else {
-            return Ok(());
+            return Ok(None);
         };
         let plan = plan(&a.schedule, first_due, at, settings.catch_up_window);
         let (Some(fire), true) = (plan.fire, plan.missed.is_empty()) else {
-            return Ok(());
+            return Ok(None);
         };
         fires.push((a, first_due, fire, plan.next));
     }
@@ -233,7 +245,7 @@ async fn fire_ahead(
         created.extend(c?);
     }
     crate::metrics::count(&created);
-    Ok(())
+    Ok((created.len() == fires.len()).then_some(created.len()))
 }
 
 /// The span an occurrence's run starts its trace with.
@@ -247,17 +259,36 @@ fn occurrence_span(a: &Automation, at: DateTime<Utc>) -> tracing::Span {
     )
 }
 
-/// The last stretch of a sleep spent yielding rather than on the timer,
-/// whose ticks are a millisecond apart.
-const SPIN: Duration = Duration::from_millis(1);
+/// How long before its end a sleep leaves tokio's timer, which rounds a
+/// deadline up to its next millisecond tick and its park timeout up again
+/// (up to two milliseconds late), for the operating system's.
+const PRECISE: Duration = Duration::from_millis(3);
 
-/// Sleeps `d`, waking within microseconds of its end rather than on the
-/// timer's next millisecond tick: the scheduler fires an occurrence at its
-/// due instant, not up to two milliseconds later.
+/// How long before its end a sleep leaves the operating system's timer
+/// (a tenth of a millisecond late on a virtual machine, and as much again
+/// to wake the task) to yield until the instant.
+const SPIN: Duration = Duration::from_micros(500);
+
+/// Sleeps `d`, waking within microseconds of its end: the scheduler fires
+/// an occurrence at its due instant, not up to two milliseconds later.
+/// Tokio's timer, then a blocking sleep on the blocking pool (dropped
+/// early, its thread finishes that stretch alone), then yielding for the
+/// last half millisecond.
 async fn sleep_precisely(d: Duration) {
     let until = std::time::Instant::now() + d;
-    if d > SPIN {
-        tokio::time::sleep(d - SPIN).await;
+    if d > PRECISE {
+        tokio::time::sleep(d - PRECISE).await;
+    }
+    let left = until.saturating_duration_since(std::time::Instant::now());
+    if left > SPIN {
+        let stretch = left - SPIN;
+        if tokio::task::spawn_blocking(move || std::thread::sleep(stretch))
+            .await
+            .is_err()
+        {
+            // No blocking pool (the runtime is shutting down): the timer.
+            tokio::time::sleep(stretch).await;
+        }
     }
     while std::time::Instant::now() < until {
         tokio::task::yield_now().await;
@@ -455,6 +486,22 @@ async fn record_terminal(
 mod tests {
     use super::*;
     use automesh_domain::TimeOfDay;
+
+    /// An occurrence is never fired before its instant: however its three
+    /// stretches fall (tokio's timer, the blocking sleep, yielding), the
+    /// sleep never ends early.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_precise_sleep_never_ends_early() {
+        for micros in [0, 50, 400, 600, 2_000, 3_500, 7_000] {
+            let d = Duration::from_micros(micros);
+            let until = std::time::Instant::now() + d;
+            sleep_precisely(d).await;
+            assert!(
+                std::time::Instant::now() >= until,
+                "a sleep of {d:?} ended early"
+            );
+        }
+    }
 
     fn utc(s: &str) -> DateTime<Utc> {
         DateTime::parse_from_rfc3339(s)

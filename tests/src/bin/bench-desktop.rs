@@ -104,7 +104,7 @@ async fn main() -> anyhow::Result<()> {
         Backend::Postgres,
         MeshOptions {
             desktop_via_runner_gateway: true,
-            ..MeshOptions::default()
+            ..MeshOptions::benchmark()
         },
     )
     .await?;
@@ -178,36 +178,7 @@ async fn main() -> anyhow::Result<()> {
     automesh_e2e_tests::wait_for_health(&addr, Duration::from_secs(30), true).await?;
 
     // Baselines.
-    let mut health =
-        tonic_health::pb::health_client::HealthClient::new(automesh_rpc::client::channel(&addr)?);
-    let mut rtt = vec![];
-    for _ in 0..500 {
-        let t = Instant::now();
-        health
-            .check(tonic_health::pb::HealthCheckRequest {
-                service: String::new(),
-            })
-            .await?;
-        rtt.push(t.elapsed().as_secs_f64() * 1e3);
-    }
-    let rtt = median(rtt);
-    sqlx::query(
-        "CREATE TABLE IF NOT EXISTS bench_counter (id BIGINT PRIMARY KEY, n BIGINT NOT NULL)",
-    )
-    .execute(store.pool())
-    .await?;
-    sqlx::query("INSERT INTO bench_counter (id, n) VALUES (0, 0) ON CONFLICT (id) DO NOTHING")
-        .execute(store.pool())
-        .await?;
-    let mut tx_ms = vec![];
-    for _ in 0..500 {
-        let t = Instant::now();
-        sqlx::query("UPDATE bench_counter SET n = n + 1 WHERE id = 0")
-            .execute(store.pool())
-            .await?;
-        tx_ms.push(t.elapsed().as_secs_f64() * 1e3);
-    }
-    let tx_ms = median(tx_ms);
+    let (rtt, tx_ms) = automesh_e2e_tests::bench::round_trips(&addr, &store).await?;
     println!(
         "baseline  bare gRPC round trip (health) p50 {rtt:>7.3} ms   PostgreSQL single-row tx p50 {tx_ms:>7.3} ms"
     );

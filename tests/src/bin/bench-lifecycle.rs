@@ -6,6 +6,8 @@
 //! Prints, from one run on this machine:
 //! - the yardstick L: a third of PostgreSQL's own single-row commit rate
 //!   with 32 clients, measured through the same driver;
+//! - the floors of one dispatch: a bare gRPC round trip and a single-row
+//!   commit (p50 of 500 each);
 //! - the latency from an occurrence's due instant to the executor receiving
 //!   its StartRun (p50, p99), with occurrences due one at a time;
 //! - sustained runs per second through scheduler and coordinator (a burst
@@ -21,8 +23,8 @@ use std::time::{Duration, Instant};
 
 use automesh_domain::{Principal, Surface};
 use automesh_e2e_tests::bench::{
-    CpuTimes, DbCounters, LastRun, baseline_yardstick, insert_due, last_run, median, percentile,
-    quick, sized,
+    CpuTimes, DbCounters, LastRun, STATS_SETTLE, baseline_yardstick, insert_due, last_run, median,
+    percentile, quick, settle_then, sized,
 };
 use automesh_e2e_tests::executor::{Behavior, TestExecutor};
 use automesh_e2e_tests::{Mesh, MeshOptions};
@@ -72,9 +74,7 @@ async fn main() -> anyhow::Result<()> {
         Backend::Postgres,
         MeshOptions {
             executor: Some(addr),
-            // The coordinator's production lease (tests use a short one).
-            lease: Duration::from_secs(15),
-            ..MeshOptions::default()
+            ..MeshOptions::benchmark()
         },
     )
     .await?;
@@ -89,6 +89,14 @@ async fn main() -> anyhow::Result<()> {
     // The yardstick, measured now.
     let url = mesh.db.url.clone();
     let l = baseline_yardstick(&url, repeats).await?;
+
+    // The floors of one dispatch, measured now: a due run is created (one
+    // statement, committed asynchronously), claimed (one, durably) and
+    // started (one call).
+    let (rtt, tx) = automesh_e2e_tests::bench::round_trips(&mesh.coordinator, &store).await?;
+    println!(
+        "baseline  bare gRPC round trip (health) p50 {rtt:>7.3} ms   PostgreSQL single-row tx p50 {tx:>7.3} ms"
+    );
 
     // Latency: occurrences due one at a time, 25 ms apart.
     let dues = insert_due(
@@ -125,11 +133,11 @@ async fn main() -> anyhow::Result<()> {
     for v in [&mut latencies, &mut created, &mut claimed] {
         v.sort_by(|a, b| a.total_cmp(b));
     }
+    let (p50, p99) = (percentile(&latencies, 0.5), percentile(&latencies, 0.99));
     println!(
-        "latency   due instant → executor StartRun     p50: {:>7.1} ms   p99: {:>7.1} ms   ({} runs)",
-        percentile(&latencies, 0.5),
-        percentile(&latencies, 0.99),
-        latencies.len()
+        "latency   due instant → executor StartRun     p50: {p50:>7.1} ms   p99: {p99:>7.1} ms   ({} runs; p50 = {:.1} × one commit and one round trip)",
+        latencies.len(),
+        p50 / (tx + rtt)
     );
     println!(
         "          of which due → run created         p50: {:>7.1} ms   p99: {:>7.1} ms; created → StartRun p50: {:>5.1} ms   p99: {:>5.1} ms",
@@ -147,12 +155,11 @@ async fn main() -> anyhow::Result<()> {
     for r in 0..repeats {
         let prefix = format!("burst{r}");
         let dues = insert_due(&store, &prefix, runs, Surface::Web, owner, |_, base| {
-            base + chrono::Duration::milliseconds(1500)
+            base + settle_then(1500)
         })
         .await?;
         let due = dues[0];
-        // The statistics of idle sessions settle within a second.
-        tokio::time::sleep(Duration::from_millis(1100)).await;
+        tokio::time::sleep(STATS_SETTLE).await;
         let before = DbCounters::read(&url).await?;
         let cpu_before = CpuTimes::now();
         while Utc::now() < due {
@@ -180,8 +187,7 @@ async fn main() -> anyhow::Result<()> {
         let last = last_run(&store, &prefix, due).await?;
         rates.push(last.rate(runs));
         lasts.push(last);
-        // The statistics of idle sessions settle within a second.
-        tokio::time::sleep(Duration::from_millis(1100)).await;
+        tokio::time::sleep(STATS_SETTLE).await;
         per_run.push(DbCounters::read(&url).await?.per_run(before, runs));
     }
     let rate = median(rates);

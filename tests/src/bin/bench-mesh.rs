@@ -30,8 +30,8 @@ use std::time::{Duration, Instant};
 
 use automesh_domain::{Principal, Surface};
 use automesh_e2e_tests::bench::{
-    CpuTimes, DbCounters, StubRunners, baseline_yardstick, insert_due, last_run, median,
-    mint_runner, quick, sized,
+    CpuTimes, DbCounters, STATS_SETTLE, StubRunners, baseline_yardstick, insert_due, last_run,
+    median, mint_runner, quick, settle_then, sized,
 };
 use automesh_e2e_tests::{Mesh, MeshOptions};
 use automesh_store::{Backend, Store};
@@ -81,9 +81,7 @@ async fn main() -> anyhow::Result<()> {
                 http2,
                 ..Default::default()
             },
-            // The coordinator's production lease (tests use a short one).
-            lease: Duration::from_secs(15),
-            ..MeshOptions::default()
+            ..MeshOptions::benchmark()
         },
     )
     .await?;
@@ -134,11 +132,10 @@ async fn main() -> anyhow::Result<()> {
             runs,
             Surface::Desktop,
             |i| owner(i, runners),
-            |_, base| base + chrono::Duration::milliseconds(1500),
+            |_, base| base + settle_then(1500),
         )
         .await?;
-        // The statistics of idle sessions settle within a second.
-        tokio::time::sleep(Duration::from_millis(1100)).await;
+        tokio::time::sleep(STATS_SETTLE).await;
         let before = DbCounters::read(&url).await?;
         let cpu_before = CpuTimes::now();
         while chrono::Utc::now() < dues[0] {
@@ -167,7 +164,7 @@ async fn main() -> anyhow::Result<()> {
         let last = last_run(&store, &prefix, dues[0]).await?;
         let rate = last.rate(runs);
         cpus.push(CpuTimes::now().per_run(cpu_before, runs));
-        tokio::time::sleep(Duration::from_millis(1100)).await;
+        tokio::time::sleep(STATS_SETTLE).await;
         let (commits, writes) = DbCounters::read(&url).await?.per_run(before, runs);
         let bad = without_one_receipt(&store, &prefix).await?;
         println!(

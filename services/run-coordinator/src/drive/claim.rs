@@ -36,11 +36,16 @@ pub async fn run_loop(ctx: Arc<Context>, shutdown: CancellationToken) {
     loop {
         while drives.try_join_next().is_some() {}
         let capacity = ctx.settings.max_concurrent.saturating_sub(drives.len());
-        let mut claimed_any = false;
+        // A full batch may leave more behind: claim again at once. A short
+        // one took everything claimable; what is created after it signals.
+        let mut full = false;
         if capacity > 0 {
             let now = Utc::now();
             let until = now + chrono::Duration::from_std(ctx.settings.lease).unwrap_or_default();
             let placements = ctx.executors.placements();
+            let limit = capacity.min(64);
+            // Signals so far announce runs this claim sees.
+            watcher.consume();
             match ctx
                 .store
                 .claim_runs(
@@ -49,12 +54,12 @@ pub async fn run_loop(ctx: Arc<Context>, shutdown: CancellationToken) {
                     until,
                     now,
                     now - chrono::Duration::from_std(ctx.settings.orphan_grace).unwrap_or_default(),
-                    capacity.min(64) as u32,
+                    limit as u32,
                 )
                 .await
             {
                 Ok(claimed) => {
-                    claimed_any = !claimed.is_empty();
+                    full = claimed.len() == limit;
                     for run in claimed {
                         drives.spawn(drive(ctx.clone(), run));
                     }
@@ -62,11 +67,14 @@ pub async fn run_loop(ctx: Arc<Context>, shutdown: CancellationToken) {
                 Err(error) => tracing::warn!(%error, "cannot claim runs"),
             }
         }
-        if claimed_any {
+        let at_capacity = drives.len() >= ctx.settings.max_concurrent;
+        if full && !at_capacity {
             continue;
         }
         tokio::select! {
             () = watcher.wait(ctx.settings.poll) => {}
+            // At capacity, a drive that ends makes room for what waits.
+            Some(_) = drives.join_next(), if at_capacity => {}
             () = shutdown.cancelled() => break,
         }
     }
