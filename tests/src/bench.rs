@@ -168,17 +168,25 @@ pub struct DbCounters {
 /// than a second ago, and then ten seconds later (PostgreSQL 15's
 /// `PGSTAT_IDLE_INTERVAL`). Read before and after the work, that long after
 /// everything else went quiet, the counters miss none of its commits.
-pub const STATS_SETTLE: std::time::Duration = std::time::Duration::from_millis(10_500);
+/// Under `--quick` a second, to keep CI short: its counts may then miss
+/// some (its figures are not read).
+pub fn stats_settle() -> std::time::Duration {
+    if quick() {
+        std::time::Duration::from_millis(1100)
+    } else {
+        std::time::Duration::from_millis(10_500)
+    }
+}
 
-/// A due instant `ms` after [`STATS_SETTLE`]: the counters are read
+/// A due instant `ms` after [`stats_settle`]: the counters are read
 /// settled before the burst falls due.
 pub fn settle_then(ms: i64) -> chrono::Duration {
-    chrono::Duration::from_std(STATS_SETTLE).unwrap_or_default()
+    chrono::Duration::from_std(stats_settle()).unwrap_or_default()
         + chrono::Duration::milliseconds(ms)
 }
 
 impl DbCounters {
-    /// Now. Read [`STATS_SETTLE`] after the work (and anything before it)
+    /// Now. Read [`stats_settle`] after the work (and anything before it)
     /// went quiet.
     pub async fn read(url: &str) -> anyhow::Result<DbCounters> {
         use sqlx::Connection;

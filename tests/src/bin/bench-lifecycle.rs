@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 
 use automesh_domain::{Principal, Surface};
 use automesh_e2e_tests::bench::{
-    CpuTimes, DbCounters, LastRun, STATS_SETTLE, baseline_yardstick, insert_due, last_run, median,
-    percentile, quick, settle_then, sized,
+    CpuTimes, DbCounters, LastRun, baseline_yardstick, insert_due, last_run, median, percentile,
+    quick, settle_then, sized, stats_settle,
 };
 use automesh_e2e_tests::executor::{Behavior, TestExecutor};
 use automesh_e2e_tests::{Mesh, MeshOptions};
@@ -159,7 +159,7 @@ async fn main() -> anyhow::Result<()> {
         })
         .await?;
         let due = dues[0];
-        tokio::time::sleep(STATS_SETTLE).await;
+        tokio::time::sleep(stats_settle()).await;
         let before = DbCounters::read(&url).await?;
         let cpu_before = CpuTimes::now();
         while Utc::now() < due {
@@ -187,7 +187,7 @@ async fn main() -> anyhow::Result<()> {
         let last = last_run(&store, &prefix, due).await?;
         rates.push(last.rate(runs));
         lasts.push(last);
-        tokio::time::sleep(STATS_SETTLE).await;
+        tokio::time::sleep(stats_settle()).await;
         per_run.push(DbCounters::read(&url).await?.per_run(before, runs));
     }
     let rate = median(rates);

@@ -30,8 +30,8 @@ use std::time::{Duration, Instant};
 
 use automesh_domain::{Principal, Surface};
 use automesh_e2e_tests::bench::{
-    CpuTimes, DbCounters, STATS_SETTLE, StubRunners, baseline_yardstick, insert_due, last_run,
-    median, mint_runner, quick, settle_then, sized,
+    CpuTimes, DbCounters, StubRunners, baseline_yardstick, insert_due, last_run, median,
+    mint_runner, quick, settle_then, sized, stats_settle,
 };
 use automesh_e2e_tests::{Mesh, MeshOptions};
 use automesh_store::{Backend, Store};
@@ -135,7 +135,7 @@ async fn main() -> anyhow::Result<()> {
             |_, base| base + settle_then(1500),
         )
         .await?;
-        tokio::time::sleep(STATS_SETTLE).await;
+        tokio::time::sleep(stats_settle()).await;
         let before = DbCounters::read(&url).await?;
         let cpu_before = CpuTimes::now();
         while chrono::Utc::now() < dues[0] {
@@ -164,7 +164,7 @@ async fn main() -> anyhow::Result<()> {
         let last = last_run(&store, &prefix, dues[0]).await?;
         let rate = last.rate(runs);
         cpus.push(CpuTimes::now().per_run(cpu_before, runs));
-        tokio::time::sleep(STATS_SETTLE).await;
+        tokio::time::sleep(stats_settle()).await;
         let (commits, writes) = DbCounters::read(&url).await?.per_run(before, runs);
         let bad = without_one_receipt(&store, &prefix).await?;
         println!(
