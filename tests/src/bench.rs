@@ -33,6 +33,14 @@ pub fn runner_http2() -> anyhow::Result<(Http2, String)> {
     Ok((http2, name))
 }
 
+/// The medians of each half of `pairs`.
+pub fn medians(pairs: &[(f64, f64)]) -> (f64, f64) {
+    (
+        median(pairs.iter().map(|p| p.0).collect()),
+        median(pairs.iter().map(|p| p.1).collect()),
+    )
+}
+
 /// The median (the upper one of an even count).
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -100,8 +108,11 @@ pub async fn pg_commits_per_sec(url: &str, clients: usize, secs: f64) -> anyhow:
 
 /// The floors of a dispatch, each the median of 500 in ms: a bare gRPC
 /// round trip (a health check) to `addr`, and a single-row commit through
-/// `store`'s pool, committed durably.
-pub async fn round_trips(addr: &str, store: &automesh_store::Store) -> anyhow::Result<(f64, f64)> {
+/// `store`'s pool, committed durably; printed as a baseline line.
+pub async fn baseline_round_trips(
+    addr: &str,
+    store: &automesh_store::Store,
+) -> anyhow::Result<(f64, f64)> {
     let mut health =
         tonic_health::pb::health_client::HealthClient::new(automesh_rpc::client::channel(addr)?);
     let mut rtt = vec![];
@@ -130,7 +141,11 @@ pub async fn round_trips(addr: &str, store: &automesh_store::Store) -> anyhow::R
             .await?;
         tx.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    Ok((median(rtt), median(tx)))
+    let (rtt, tx) = (median(rtt), median(tx));
+    println!(
+        "baseline  bare gRPC round trip (health) p50 {rtt:>7.3} ms   PostgreSQL single-row tx p50 {tx:>7.3} ms"
+    );
+    Ok((rtt, tx))
 }
 
 /// The issue's yardstick L: a third of PostgreSQL's single-row commit rate
@@ -186,10 +201,11 @@ pub fn settle_then(ms: i64) -> chrono::Duration {
 }
 
 impl DbCounters {
-    /// Now. Read [`stats_settle`] after the work (and anything before it)
-    /// went quiet.
-    pub async fn read(url: &str) -> anyhow::Result<DbCounters> {
+    /// [`stats_settle`] from now, called once the work (or what came before
+    /// it) went quiet.
+    pub async fn settled(url: &str) -> anyhow::Result<DbCounters> {
         use sqlx::Connection;
+        tokio::time::sleep(stats_settle()).await;
         let mut c = sqlx::PgConnection::connect(url).await?;
         let (commits, writes): (i64, i64) = sqlx::query_as(
             "SELECT (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()), \

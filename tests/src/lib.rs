@@ -116,7 +116,6 @@ impl MeshOptions {
         Self {
             lease: production.lease,
             claim_poll: production.claim_poll,
-            max_runs: production.max_runs,
             ..Self::default()
         }
     }
@@ -128,7 +127,7 @@ impl Default for MeshOptions {
             executor: None,
             lease: Duration::from_secs(2),
             claim_poll: Duration::from_millis(100),
-            max_runs: 1024,
+            max_runs: service_config::<automesh_run_coordinator::Config>().max_runs,
             cancel_bound: Duration::from_secs(2),
             run_deadline: Duration::from_secs(1800),
             catch_up_window: Duration::from_secs(3600),

@@ -8,6 +8,34 @@ use std::time::Duration;
 use automesh_store::testing::TestDatabase;
 use automesh_store::{Backend, Store, StoreOptions, Topic};
 
+/// One NOTIFY on `channel` through `other`, then a tenth of a second.
+async fn notify(other: &Store, channel: &str, payload: &str) {
+    sqlx::query("SELECT pg_notify($1, $2)")
+        .bind(channel)
+        .bind(payload)
+        .execute(other.pool())
+        .await
+        .expect("notify");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
+/// Notifies until `woken` has finished, for at most 30 s; whether it did.
+async fn notify_until_woken(
+    other: &Store,
+    channel: &str,
+    payload: &str,
+    woken: &tokio::task::JoinHandle<()>,
+) -> bool {
+    let notifying = async {
+        while !woken.is_finished() {
+            notify(other, channel, payload).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), notifying)
+        .await
+        .is_ok()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_notify_from_another_connection_wakes_a_desktop_watcher() {
     let db = TestDatabase::new(Backend::Postgres)
@@ -20,17 +48,10 @@ async fn a_notify_from_another_connection_wakes_a_desktop_watcher() {
         watcher.wait(Duration::from_secs(3600)).await;
     });
     // Keep notifying until woken (the LISTEN may register a moment later).
-    let notified = tokio::time::timeout(Duration::from_secs(30), async {
-        while !woken.is_finished() {
-            sqlx::query("SELECT pg_notify('automesh_desktop', '')")
-                .execute(other.pool())
-                .await
-                .expect("notify");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    })
-    .await;
-    assert!(notified.is_ok(), "the watcher never heard the NOTIFY");
+    assert!(
+        notify_until_woken(&other, "automesh_desktop", "", &woken).await,
+        "the watcher never heard the NOTIFY"
+    );
     db.remove().await.expect("remove");
 }
 
@@ -207,28 +228,16 @@ async fn a_run_watcher_hears_other_processes_and_not_its_own_echo() {
     });
     let own = automesh_store::testing::runs_notification_payload();
     for _ in 0..5 {
-        sqlx::query("SELECT pg_notify('automesh_runs', $1)")
-            .bind(own)
-            .execute(other.pool())
-            .await
-            .expect("notify");
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        notify(&other, "automesh_runs", own).await;
     }
     assert!(
         !woken.is_finished(),
         "the watcher woke for its own process's notifications"
     );
     // Another process's notification is news.
-    let heard = tokio::time::timeout(Duration::from_secs(30), async {
-        while !woken.is_finished() {
-            sqlx::query("SELECT pg_notify('automesh_runs', 'elsewhere')")
-                .execute(other.pool())
-                .await
-                .expect("notify");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    })
-    .await;
-    assert!(heard.is_ok(), "the watcher never heard another process");
+    assert!(
+        notify_until_woken(&other, "automesh_runs", "elsewhere", &woken).await,
+        "the watcher never heard another process"
+    );
     db.remove().await.expect("remove");
 }

@@ -178,10 +178,7 @@ async fn main() -> anyhow::Result<()> {
     automesh_e2e_tests::wait_for_health(&addr, Duration::from_secs(30), true).await?;
 
     // Baselines.
-    let (rtt, tx_ms) = automesh_e2e_tests::bench::round_trips(&addr, &store).await?;
-    println!(
-        "baseline  bare gRPC round trip (health) p50 {rtt:>7.3} ms   PostgreSQL single-row tx p50 {tx_ms:>7.3} ms"
-    );
+    let (rtt, _) = automesh_e2e_tests::bench::baseline_round_trips(&addr, &store).await?;
 
     // Runners and their tokens.
     let t = Instant::now();

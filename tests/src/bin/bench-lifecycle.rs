@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 
 use automesh_domain::{Principal, Surface};
 use automesh_e2e_tests::bench::{
-    CpuTimes, DbCounters, LastRun, baseline_yardstick, insert_due, last_run, median, percentile,
-    quick, settle_then, sized, stats_settle,
+    CpuTimes, DbCounters, LastRun, baseline_yardstick, insert_due, last_run, median, medians,
+    percentile, quick, settle_then, sized,
 };
 use automesh_e2e_tests::executor::{Behavior, TestExecutor};
 use automesh_e2e_tests::{Mesh, MeshOptions};
@@ -93,10 +93,8 @@ async fn main() -> anyhow::Result<()> {
     // The floors of one dispatch, measured now: a due run is created (one
     // statement, committed asynchronously), claimed (one, durably) and
     // started (one call).
-    let (rtt, tx) = automesh_e2e_tests::bench::round_trips(&mesh.coordinator, &store).await?;
-    println!(
-        "baseline  bare gRPC round trip (health) p50 {rtt:>7.3} ms   PostgreSQL single-row tx p50 {tx:>7.3} ms"
-    );
+    let (rtt, tx) =
+        automesh_e2e_tests::bench::baseline_round_trips(&mesh.coordinator, &store).await?;
 
     // Latency: occurrences due one at a time, 25 ms apart.
     let dues = insert_due(
@@ -159,8 +157,7 @@ async fn main() -> anyhow::Result<()> {
         })
         .await?;
         let due = dues[0];
-        tokio::time::sleep(stats_settle()).await;
-        let before = DbCounters::read(&url).await?;
+        let before = DbCounters::settled(&url).await?;
         let cpu_before = CpuTimes::now();
         while Utc::now() < due {
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -187,12 +184,10 @@ async fn main() -> anyhow::Result<()> {
         let last = last_run(&store, &prefix, due).await?;
         rates.push(last.rate(runs));
         lasts.push(last);
-        tokio::time::sleep(stats_settle()).await;
-        per_run.push(DbCounters::read(&url).await?.per_run(before, runs));
+        per_run.push(DbCounters::settled(&url).await?.per_run(before, runs));
     }
     let rate = median(rates);
-    let commits = median(per_run.iter().map(|p| p.0).collect());
-    let writes = median(per_run.iter().map(|p| p.1).collect());
+    let (commits, writes) = medians(&per_run);
     println!(
         "throughput runs/s (due → receipt, {runs} at once)   {rate:>9.0}   = {:.3} × L",
         rate / l
@@ -204,10 +199,10 @@ async fn main() -> anyhow::Result<()> {
         last(|l| l.started),
         last(|l| l.ended)
     );
+    let cpu = medians(&cpus);
     println!(
         "cpu       per run: PostgreSQL {:.2} ms (all its processes), scheduler + coordinator + test executor {:.2} ms",
-        median(cpus.iter().map(|c| c.0).collect()),
-        median(cpus.iter().map(|c| c.1).collect())
+        cpu.0, cpu.1
     );
     println!(
         "database  per run: {commits:>5.2} commits (read-only included), {writes:>5.2} writing transactions"

@@ -30,8 +30,8 @@ use std::time::{Duration, Instant};
 
 use automesh_domain::{Principal, Surface};
 use automesh_e2e_tests::bench::{
-    CpuTimes, DbCounters, StubRunners, baseline_yardstick, insert_due, last_run, median,
-    mint_runner, quick, settle_then, sized, stats_settle,
+    CpuTimes, DbCounters, StubRunners, baseline_yardstick, insert_due, last_run, median, medians,
+    mint_runner, quick, settle_then, sized,
 };
 use automesh_e2e_tests::{Mesh, MeshOptions};
 use automesh_store::{Backend, Store};
@@ -135,8 +135,7 @@ async fn main() -> anyhow::Result<()> {
             |_, base| base + settle_then(1500),
         )
         .await?;
-        tokio::time::sleep(stats_settle()).await;
-        let before = DbCounters::read(&url).await?;
+        let before = DbCounters::settled(&url).await?;
         let cpu_before = CpuTimes::now();
         while chrono::Utc::now() < dues[0] {
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -164,8 +163,7 @@ async fn main() -> anyhow::Result<()> {
         let last = last_run(&store, &prefix, dues[0]).await?;
         let rate = last.rate(runs);
         cpus.push(CpuTimes::now().per_run(cpu_before, runs));
-        tokio::time::sleep(stats_settle()).await;
-        let (commits, writes) = DbCounters::read(&url).await?.per_run(before, runs);
+        let (commits, writes) = DbCounters::settled(&url).await?.per_run(before, runs);
         let bad = without_one_receipt(&store, &prefix).await?;
         println!(
             "repeat {r}  {rate:>7.0} runs/s = {:.3} × L (the last run created {:.0} ms after the due instant, started {:.0} ms, ended {:.0} ms); {commits:.2} commits, {writes:.2} writing transactions per run; {bad} runs without exactly one receipt",
@@ -179,8 +177,7 @@ async fn main() -> anyhow::Result<()> {
         wrong += bad;
     }
     let rate = median(rates);
-    let commits = median(per_run.iter().map(|p| p.0).collect());
-    let writes = median(per_run.iter().map(|p| p.1).collect());
+    let (commits, writes) = medians(&per_run);
     println!(
         "throughput runs/s (due → receipt, {runs} at once, {runners} runners)   {rate:>7.0}   = {:.3} × L (goal ≥ 0.12)",
         rate / l
@@ -188,10 +185,10 @@ async fn main() -> anyhow::Result<()> {
     println!(
         "database  per run: {commits:>5.2} commits (read-only included; goal ≤ 3), {writes:>5.2} writing transactions"
     );
+    let cpu = medians(&cpus);
     println!(
         "cpu       per run: PostgreSQL {:.2} ms (all its processes), the mesh and its runners {:.2} ms (this process)",
-        median(cpus.iter().map(|c| c.0).collect()),
-        median(cpus.iter().map(|c| c.1).collect())
+        cpu.0, cpu.1
     );
     println!(
         "receipts  {wrong} of {} runs without exactly one receipt matching their end",
