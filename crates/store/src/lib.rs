@@ -38,7 +38,7 @@ pub use error::{Result, StoreError};
 pub use signal::{
     AssignmentState, DesktopListener, DesktopNote, Heard, RunWatcher, Topic, Watcher,
 };
-pub use writer::{moved_at_once, written, written_alone};
+pub use writer::{ended_at_once, moved_at_once, written, written_alone};
 
 /// Which database a store talks to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

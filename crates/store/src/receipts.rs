@@ -139,6 +139,69 @@ impl Store {
     }
 }
 
+/// Many runs' ends in one statement (PostgreSQL), each as
+/// [`crate::runs::END_PG`] ends one: `$1` a JSON array of the ends, one per
+/// run. Each run's guard is its own (live, and held by its lease owner
+/// unless that is empty); its rows are locked in the order of their ids,
+/// as the writer orders a batch. Answers, for each run that ended, its id
+/// and its automation's state; a run whose guard did not hold is left as
+/// it is (its job then runs alone, and says why).
+const END_MANY_PG: &str = concat!(
+    "WITH input AS (SELECT * FROM json_to_recordset($1::json) AS i(id TEXT, state TEXT, \
+       error_code TEXT, error_message TEXT, at BIGINT, lease_owner TEXT, placement TEXT, \
+       engine TEXT, queued_us BIGINT, wake_us BIGINT, admission_us BIGINT, execution_us BIGINT, \
+       input_tokens BIGINT, output_tokens BIGINT, cost_micros BIGINT, worker_id TEXT, \
+       workspace_id TEXT, thread_id TEXT, message_id TEXT, created_at BIGINT, model TEXT, \
+       provider_model TEXT, price_in BIGINT, price_out BIGINT, event_id TEXT, kind TEXT, \
+       payload TEXT)), \
+     locked AS MATERIALIZED (SELECT id FROM runs WHERE id IN (SELECT id FROM input) \
+       ORDER BY id COLLATE \"C\" FOR UPDATE), \
+     ended AS (UPDATE runs r SET state = i.state, error_code = i.error_code, \
+       error_message = i.error_message, updated_at = i.at, \
+       last_event_seq = r.last_event_seq + 1 \
+       FROM input i WHERE r.id = i.id AND r.id IN (SELECT id FROM locked) AND r.state IN ",
+    crate::runs::live_states!(),
+    " AND (i.lease_owner = '' OR r.lease_owner = i.lease_owner) \
+       RETURNING r.id, r.last_event_seq, r.automation_id), \
+     receipt AS (INSERT INTO receipts (run_id, outcome, error_code, error_message, placement, \
+       engine, queued_us, wake_us, admission_us, execution_us, input_tokens, output_tokens, \
+       cost_micros, worker_id, workspace_id, thread_id, message_id, created_at, model, \
+       provider_model, price_input_micros_per_mtok, price_output_micros_per_mtok) \
+       SELECT i.id, i.state, i.error_code, i.error_message, i.placement, i.engine, i.queued_us, \
+       i.wake_us, i.admission_us, i.execution_us, i.input_tokens, i.output_tokens, \
+       i.cost_micros, i.worker_id, i.workspace_id, i.thread_id, i.message_id, i.created_at, \
+       i.model, i.provider_model, i.price_in, i.price_out \
+       FROM ended e JOIN input i ON i.id = e.id ON CONFLICT (run_id) DO NOTHING), \
+     events AS (INSERT INTO run_events (run_id, seq, event_id, kind, payload, created_at) \
+       SELECT e.id, e.last_event_seq, i.event_id, i.kind, i.payload, i.created_at \
+       FROM ended e JOIN input i ON i.id = e.id) \
+     SELECT e.id, a.state AS automation_state FROM ended e JOIN automations a \
+       ON a.id = e.automation_id"
+);
+
+/// One run's end, as a batch makes many of them at once.
+#[derive(Debug)]
+pub(crate) struct End {
+    pub(crate) run_id: String,
+    row: serde_json::Value,
+}
+
+/// Makes `ends` (of distinct runs) in one statement (PostgreSQL): the
+/// automation state of each run that ended, by run id.
+pub(crate) async fn end_many(
+    db: &mut AnyConnection,
+    ends: &[&End],
+) -> Result<std::collections::HashMap<String, AutomationState>> {
+    let input = serde_json::Value::Array(ends.iter().map(|e| e.row.clone()).collect());
+    let ended = rows::all(db, END_MANY_PG, (input.to_string(),), |r| {
+        Ok((
+            col::<String>(r, "id")?,
+            col::<AutomationState>(r, "automation_state")?,
+        ))
+    });
+    Ok(ended.await?.into_iter().collect())
+}
+
 /// A run's end: its terminal state, its receipt and its terminal event, in
 /// one transaction, fenced by the lease owner (none when empty).
 struct Finish {
@@ -152,6 +215,50 @@ impl crate::writer::Job for Finish {
 
     fn key(&self) -> &str {
         &self.receipt.run_id
+    }
+
+    /// The end as one row of [`END_MANY_PG`], with the same values
+    /// [`crate::runs::END_PG`] binds.
+    fn as_end(&self) -> Option<End> {
+        let r = &self.receipt;
+        let event = status_event(r.outcome, r.error_code, r.error_message.as_deref());
+        let (event_id, kind, payload) = crate::events::columns(&event).ok()?;
+        Some(End {
+            run_id: r.run_id.clone(),
+            row: serde_json::json!({
+                "id": r.run_id,
+                "state": r.outcome.as_str(),
+                "error_code": r.error_code.map(|c| c.as_str()),
+                "error_message": r.error_message,
+                "at": micros(self.now),
+                "lease_owner": self.lease_owner,
+                "placement": r.placement.as_str(),
+                "engine": r.engine,
+                "queued_us": r.queued_micros,
+                "wake_us": r.wake_micros,
+                "admission_us": r.admission_micros,
+                "execution_us": r.execution_micros,
+                "input_tokens": r.usage.input_tokens,
+                "output_tokens": r.usage.output_tokens,
+                "cost_micros": r.usage.cost_micros,
+                "worker_id": r.worker_id,
+                "workspace_id": r.workspace_id,
+                "thread_id": r.thread_id,
+                "message_id": r.message_id,
+                "created_at": micros(r.created_at),
+                "model": r.model,
+                "provider_model": r.provider_model,
+                "price_in": r.price.map(|p| p.input_micros_per_million_tokens),
+                "price_out": r.price.map(|p| p.output_micros_per_million_tokens),
+                "event_id": event_id,
+                "kind": kind,
+                "payload": payload,
+            }),
+        })
+    }
+
+    fn ended(&self, automation: AutomationState) -> Option<AutomationState> {
+        Some(automation)
     }
 
     fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<AutomationState>> {

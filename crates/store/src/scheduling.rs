@@ -55,6 +55,28 @@ const FIRE_PG: &str = concat!(
      AS woken"
 );
 
+/// PostgreSQL: many occurrences fired in one statement, as [`FIRE_PG`]
+/// fires one — `$1` a JSON array of the runs, each with its automation's
+/// next occurrence (`next_run_at`), created at `$2`: every run created
+/// unless its id exists, every automation advanced, and the coordinators
+/// woken at commit when any run was created (with `$3`, the process's
+/// token). The ids of the runs it created.
+const FIRE_MANY_PG: &str = concat!(
+    "WITH input AS (SELECT * FROM json_to_recordset($1::json) AS i(id TEXT, automation_id TEXT, \
+       org_id TEXT, owner_id TEXT, placement TEXT, trigger TEXT, scheduled_for BIGINT, \
+       idempotency_key TEXT, prompt TEXT, model TEXT, state TEXT, error_code TEXT, \
+       error_message TEXT, deadline_at BIGINT, traceparent TEXT, next_run_at BIGINT)), \
+     created AS (",
+    crate::runs::insert_run_into!(),
+    " SELECT id, automation_id, org_id, owner_id, placement, trigger, scheduled_for, \
+       idempotency_key, prompt, model, state, error_code, error_message, deadline_at, \
+       traceparent, $2, $2 FROM input ON CONFLICT (id) DO NOTHING RETURNING id), \
+     advanced AS (UPDATE automations a SET next_run_at = i.next_run_at, updated_at = $2, \
+       version = a.version + 1 FROM input i WHERE a.id = i.automation_id) \
+     SELECT id, (SELECT COUNT(*) FROM (SELECT pg_notify('automesh_runs', $3) \
+       WHERE EXISTS (SELECT 1 FROM created)) w) AS woken FROM created"
+);
+
 /// PostgreSQL: an occurrence fired without a lock — the automation
 /// advanced to `$17` only while still active, due at `$18`, at version
 /// `$19` and with no run live; its run created only then, and the
@@ -243,6 +265,48 @@ impl SchedulingTx {
         Ok(created > 0)
     }
 
+    /// Fires many occurrences, each as [`SchedulingTx::fire`] fires one
+    /// (its run created unless its id exists, its automation moved to its
+    /// `next` occurrence) — on PostgreSQL all in one statement, which also
+    /// wakes the coordinators at commit. Whether each run was created, in
+    /// order.
+    pub async fn fire_many(
+        &mut self,
+        fires: &[(&NewRun<'_>, Option<DateTime<Utc>>)],
+        now: DateTime<Utc>,
+    ) -> Result<Vec<bool>> {
+        if self.backend == Backend::Sqlite || fires.len() < 2 {
+            let mut created = Vec::with_capacity(fires.len());
+            for (new, next) in fires {
+                created.push(self.fire(new, *next, now).await?);
+            }
+            return Ok(created);
+        }
+        let input: Vec<serde_json::Value> = fires
+            .iter()
+            .map(|(new, next)| fire_row(new, *next))
+            .collect();
+        let input = serde_json::Value::Array(input).to_string();
+        let token = crate::signal::process_token();
+        let params = (input, micros(now), token);
+        let rows = rows::all(&mut *self.tx, FIRE_MANY_PG, params, |r| {
+            Ok((col::<String>(r, "id")?, col::<i64>(r, "woken")?))
+        })
+        .await?;
+        self.notified |= rows.iter().any(|(_, woken)| *woken > 0);
+        let made: std::collections::HashSet<&str> =
+            rows.iter().map(|(id, _)| id.as_str()).collect();
+        let created: Vec<bool> = fires
+            .iter()
+            .map(|(new, _)| made.contains(new.id.as_str()))
+            .collect();
+        self.created_pending |= fires
+            .iter()
+            .zip(&created)
+            .any(|((new, _), made)| *made && !new.state.is_terminal());
+        Ok(created)
+    }
+
     /// Stores the receipt of a run created terminal (skipped, missed).
     pub async fn insert_receipt(&mut self, receipt: &Receipt) -> Result<()> {
         crate::receipts::created_terminal(&mut self.tx, receipt).await
@@ -277,4 +341,29 @@ impl SchedulingTx {
         }
         Ok(self.created_pending)
     }
+}
+
+/// One occurrence's row of [`FIRE_MANY_PG`]'s input: the run's columns as
+/// [`crate::runs::insert_run_params`] binds them, and its automation's
+/// next occurrence.
+fn fire_row(new: &NewRun<'_>, next: Option<DateTime<Utc>>) -> serde_json::Value {
+    let a = new.automation;
+    serde_json::json!({
+        "id": new.id,
+        "automation_id": a.id,
+        "org_id": a.org_id,
+        "owner_id": a.owner_id,
+        "placement": a.placement.as_str(),
+        "trigger": new.trigger.as_str(),
+        "scheduled_for": opt_micros(new.scheduled_for),
+        "idempotency_key": new.idempotency_key,
+        "prompt": a.prompt,
+        "model": a.model,
+        "state": new.state.as_str(),
+        "error_code": new.error.as_ref().map(|(c, _)| c.as_str()),
+        "error_message": new.error.as_ref().map(|(_, m)| m.as_str()),
+        "deadline_at": micros(new.deadline_at),
+        "traceparent": new.traceparent,
+        "next_run_at": opt_micros(next),
+    })
 }

@@ -19,7 +19,10 @@
 //! On PostgreSQL the batch's single moves forward of runs (to admitted, to
 //! running, each with its status event) are one statement for all of them,
 //! each row still guarded by its own run's state; a run another job of the
-//! batch also writes moves in its own statement, in order.
+//! batch also writes moves in its own statement, in order. Its ends of runs
+//! (terminal state, receipt and event) are one statement the same way, each
+//! row guarded as alone and locked in key order; an end whose guard does not
+//! hold is left to its job, which runs as alone and says why.
 //!
 //! The desktop notes a batch's jobs ask for are sent (NOTIFY) inside the
 //! batch's transaction, so they are delivered at its commit, packed into as
@@ -39,6 +42,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use futures_util::future::BoxFuture;
 use sqlx::{Any as AnyDb, AnyConnection, AnyPool, Transaction};
 use tokio::sync::{mpsc, oneshot};
+
+use automesh_domain::AutomationState;
 
 use crate::signal::{DesktopNote, Topic};
 use crate::{Backend, Result, StoreError};
@@ -84,6 +89,19 @@ pub(crate) trait Job: Send + Sync + 'static {
         None
     }
 
+    /// The job as one run's end (its terminal state, receipt and event),
+    /// which a batch on PostgreSQL makes together with its other ends, in
+    /// one statement (none, unless a job says so).
+    fn as_end(&self) -> Option<crate::receipts::End> {
+        None
+    }
+
+    /// Its answer when its end was made, its run's automation in
+    /// `automation` state, in a batch's statement of ends.
+    fn ended(&self, _automation: AutomationState) -> Option<Self::Output> {
+        None
+    }
+
     fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<Self::Output>>;
 
     /// On PostgreSQL, whether the job can run as one statement that
@@ -118,6 +136,8 @@ trait Erased: Send + Sync {
     fn key(&self) -> &str;
     fn as_move(&self) -> Option<crate::runs::Move>;
     fn moved(&self, made: bool) -> Option<Done>;
+    fn as_end(&self) -> Option<crate::receipts::End>;
+    fn ended(&self, automation: AutomationState) -> Option<Done>;
     fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Done>;
     fn runs_alone(&self) -> bool;
     fn run_alone<'c>(
@@ -151,6 +171,16 @@ impl<J: Job> Erased for J {
 
     fn moved(&self, made: bool) -> Option<Done> {
         let out = Job::moved(self, made)?;
+        let signal = self.signal(&out);
+        Some(Ok((Box::new(out) as Box<dyn Any + Send>, signal)))
+    }
+
+    fn as_end(&self) -> Option<crate::receipts::End> {
+        Job::as_end(self)
+    }
+
+    fn ended(&self, automation: AutomationState) -> Option<Done> {
+        let out = Job::ended(self, automation)?;
         let signal = self.signal(&out);
         Some(Ok((Box::new(out) as Box<dyn Any + Send>, signal)))
     }
@@ -258,6 +288,14 @@ pub fn moved_at_once() -> u64 {
 }
 
 static MOVED_AT_ONCE: AtomicU64 = AtomicU64::new(0);
+
+/// How many runs' ends the writers of this process made together with
+/// others, in one statement per batch.
+pub fn ended_at_once() -> u64 {
+    ENDED_AT_ONCE.load(Ordering::Relaxed)
+}
+
+static ENDED_AT_ONCE: AtomicU64 = AtomicU64::new(0);
 static BATCHES: AtomicU64 = AtomicU64::new(0);
 static JOBS: AtomicU64 = AtomicU64::new(0);
 
@@ -339,11 +377,15 @@ async fn commit(store: &Db, batch: &[Pending]) -> std::result::Result<Vec<Answer
     };
     let mut answers: Vec<Option<Answer>> = batch.iter().map(|_| None).collect();
     let mut notes = vec![];
-    if store.backend == Backend::Postgres
-        && let Err(error) = moves_at_once(&mut tx, batch, &mut answers, &mut notes).await
-    {
-        let _ = tx.rollback().await;
-        return Err(Poisoned(error));
+    if store.backend == Backend::Postgres {
+        let mut at_once = moves_at_once(&mut tx, batch, &mut answers, &mut notes).await;
+        if at_once.is_ok() {
+            at_once = ends_at_once(&mut tx, batch, &mut answers, &mut notes).await;
+        }
+        if let Err(error) = at_once {
+            let _ = tx.rollback().await;
+            return Err(Poisoned(error));
+        }
     }
     for (pending, answer) in batch.iter().zip(answers.iter_mut()) {
         if answer.is_some() {
@@ -395,10 +437,7 @@ async fn moves_at_once(
     answers: &mut [Option<Answer>],
     notes: &mut Vec<DesktopNote>,
 ) -> Result<()> {
-    let mut jobs_of = std::collections::HashMap::<&str, usize>::new();
-    for pending in batch {
-        *jobs_of.entry(pending.job.key()).or_default() += 1;
-    }
+    let jobs_of = jobs_per_key(batch);
     let moves: Vec<(usize, crate::runs::Move)> = batch
         .iter()
         .enumerate()
@@ -419,6 +458,50 @@ async fn moves_at_once(
         }
     }
     Ok(())
+}
+
+/// Makes the batch's ends of runs in one statement, answering the jobs of
+/// the runs that ended: only ends of runs no other job of the batch writes,
+/// and only when there are several. A run whose guard did not hold is left
+/// to its job, which runs as alone and says why.
+async fn ends_at_once(
+    tx: &mut AnyConnection,
+    batch: &[Pending],
+    answers: &mut [Option<Answer>],
+    notes: &mut Vec<DesktopNote>,
+) -> Result<()> {
+    let jobs_of = jobs_per_key(batch);
+    let ends: Vec<(usize, crate::receipts::End)> = batch
+        .iter()
+        .enumerate()
+        .filter(|(i, p)| answers[*i].is_none() && jobs_of.get(p.job.key()) == Some(&1))
+        .filter_map(|(i, p)| p.job.as_end().map(|e| (i, e)))
+        .collect();
+    if ends.len() < 2 {
+        return Ok(());
+    }
+    let rows: Vec<&crate::receipts::End> = ends.iter().map(|(_, e)| e).collect();
+    let ended = crate::receipts::end_many(tx, &rows).await?;
+    ENDED_AT_ONCE.fetch_add(ended.len() as u64, Ordering::Relaxed);
+    for (i, e) in &ends {
+        if let Some(state) = ended.get(&e.run_id)
+            && let Some(done) = batch[*i].job.ended(*state)
+        {
+            let (out, signal) = done?;
+            notes.extend(signal);
+            answers[*i] = Some(Ok(out));
+        }
+    }
+    Ok(())
+}
+
+/// How many jobs of the batch write each run.
+fn jobs_per_key(batch: &[Pending]) -> std::collections::HashMap<&str, usize> {
+    let mut jobs_of = std::collections::HashMap::<&str, usize>::new();
+    for pending in batch {
+        *jobs_of.entry(pending.job.key()).or_default() += 1;
+    }
+    jobs_of
 }
 
 /// A database error again, for every job of a batch that failed as one

@@ -337,24 +337,55 @@ async fn batch(store: &Store, settings: &Settings) -> Result<usize, StoreError> 
     let mut tx = store.begin_scheduling().await?;
     let due = tx.claim_due(now, BATCH).await?;
     let mut created = vec![];
+    let mut fires = vec![];
     for d in &due {
-        materialize(&mut tx, d, now, settings, &mut created).await?;
+        fires.extend(materialize(&mut tx, d, now, settings, &mut created).await?);
+    }
+    // The ordinary occurrences, nothing missed and nothing live: their
+    // runs created and their automations advanced together.
+    let runs: Vec<_> = fires.iter().map(|f| (&f.run, f.next)).collect();
+    let made = tx.fire_many(&runs, now).await?;
+    for (fire, made) in fires.iter().zip(made) {
+        if made {
+            let run_id = &fire.run.id;
+            fire.span
+                .in_scope(|| tracing::info!(run_id = %run_id, "occurrence due: run created"));
+            created.push(Created {
+                placement: fire.run.automation.placement,
+                trigger: RunTrigger::Schedule,
+                state: RunState::Pending,
+                code: None,
+                fired: Some((fire.at, Path::Pass)),
+            });
+        }
     }
     tx.commit().await?;
     crate::metrics::count(&created);
     Ok(due.len())
 }
 
-async fn materialize(
+/// An ordinary occurrence a pass fires: its run, the automation's next
+/// occurrence, and the span its trace starts with.
+struct Fire<'a> {
+    run: NewRun<'a>,
+    next: Option<DateTime<Utc>>,
+    at: DateTime<Utc>,
+    span: tracing::Span,
+}
+
+/// Records what fell due of one automation in the pass's transaction:
+/// missed and skipped occurrences at once; an ordinary one (nothing
+/// missed, no run live) is returned, for the batch to fire with the rest.
+async fn materialize<'a>(
     tx: &mut SchedulingTx,
-    due: &Due,
+    due: &'a Due,
     now: DateTime<Utc>,
     settings: &Settings,
     created: &mut Vec<Created>,
-) -> Result<(), StoreError> {
+) -> Result<Option<Fire<'a>>, StoreError> {
     let a = &due.automation;
     let Some(first_due) = a.next_run_at else {
-        return Ok(());
+        return Ok(None);
     };
     let plan = plan(&a.schedule, first_due, now, settings.catch_up_window);
     for at in &plan.missed {
@@ -397,21 +428,14 @@ async fn materialize(
             let traceparent = span.in_scope(propagation::current_traceparent);
             let run = new_run(a, at, now, settings, RunState::Pending, None, traceparent);
             // The common case, nothing missed: the run and the automation's
-            // advance in one statement.
+            // advance in one statement, with the batch's others.
             if plan.missed.is_empty() {
-                if tx.fire(&run, plan.next, now).await? {
-                    span.in_scope(
-                        || tracing::info!(run_id = %run.id, "occurrence due: run created"),
-                    );
-                    created.push(Created {
-                        placement: a.placement,
-                        trigger: RunTrigger::Schedule,
-                        state: RunState::Pending,
-                        code: None,
-                        fired: Some((at, Path::Pass)),
-                    });
-                }
-                return Ok(());
+                return Ok(Some(Fire {
+                    run,
+                    next: plan.next,
+                    at,
+                    span,
+                }));
             }
             if tx.create_run(&run, now).await? {
                 span.in_scope(|| tracing::info!(run_id = %run.id, "occurrence due: run created"));
@@ -425,7 +449,8 @@ async fn materialize(
             }
         }
     }
-    tx.advance(&a.id, plan.next, now).await
+    tx.advance(&a.id, plan.next, now).await?;
+    Ok(None)
 }
 
 fn new_run<'a>(

@@ -1588,3 +1588,199 @@ pub async fn an_occurrence_fires_unlocked_only_while_its_guards_hold(store: &Sto
     assert!(!fired.expect("live"));
     assert_eq!(runs(store).await, 1);
 }
+
+/// A scheduling pass fires its batch's ordinary occurrences together (on
+/// PostgreSQL in one statement), each exactly as alone: its run created
+/// with every column, unless its id exists, and its automation advanced to
+/// its next occurrence (or to none), a new version.
+pub async fn occurrences_fired_together_each_fire_as_alone(store: &Store) {
+    let a1 = create(store, &alice(), "a1", t(0)).await;
+    let a2 = create(store, &alice(), "a2", t(0)).await;
+    let a3 = create(store, &alice(), "a3", t(0)).await;
+    let due_at = a1.next_run_at.expect("due");
+    let mut tx = store.begin_scheduling().await.expect("begin");
+    let due = tx.claim_due(due_at, 10).await.expect("claim");
+    assert_eq!(due.len(), 3);
+    fn scheduled<'a>(a: &'a Automation, id: &str, at: DateTime<Utc>) -> NewRun<'a> {
+        NewRun {
+            trigger: RunTrigger::Schedule,
+            scheduled_for: Some(at),
+            idempotency_key: None,
+            ..new_run(a, id)
+        }
+    }
+    let r1 = scheduled(&a1, "r1", due_at);
+    let r2 = scheduled(&a2, "r2", due_at);
+    let r3 = scheduled(&a3, "r3", due_at);
+    let tomorrow = due_at + Duration::days(1);
+    let fires = [(&r1, Some(tomorrow)), (&r2, None), (&r3, Some(tomorrow))];
+    let made = tx.fire_many(&fires, t(5)).await.expect("fire");
+    assert_eq!(made, vec![true, true, true]);
+    assert!(tx.commit().await.expect("commit"), "live runs were created");
+    for (run, a) in [(&r1, &a1), (&r2, &a2), (&r3, &a3)] {
+        let stored = store.get_run(&alice(), &run.id).await.expect("run");
+        assert_eq!(stored.automation_id, a.id);
+        assert_eq!(stored.state, RunState::Pending);
+        assert_eq!(stored.trigger, RunTrigger::Schedule);
+        assert_eq!(stored.scheduled_for, Some(due_at));
+        assert_eq!(stored.prompt, a.prompt);
+        assert_eq!(stored.model, a.model);
+        assert_eq!(stored.placement, a.placement);
+        assert_eq!(stored.deadline_at, run.deadline_at);
+        assert_eq!(stored.traceparent, run.traceparent);
+        assert_eq!(stored.created_at, t(5));
+        assert_eq!(stored.idempotency_key, None);
+        let advanced = store.get_automation(&alice(), &a.id).await.expect("read");
+        assert_eq!(advanced.version, a.version + 1);
+    }
+    let next_of = |id: &'static str| {
+        let store = store.clone();
+        async move {
+            store
+                .get_automation(&alice(), id)
+                .await
+                .expect("read")
+                .next_run_at
+        }
+    };
+    assert_eq!(next_of("a1").await, Some(tomorrow));
+    assert_eq!(next_of("a2").await, None);
+    assert_eq!(next_of("a3").await, Some(tomorrow));
+    // The same occurrences again (their ids exist): no second run of any.
+    let mut tx = store.begin_scheduling().await.expect("begin");
+    let again = tx.fire_many(&fires, t(6)).await.expect("again");
+    assert_eq!(again, vec![false, false, false]);
+    assert!(!tx.commit().await.expect("commit"), "nothing was created");
+    let listed = store
+        .list_runs(&alice(), None, &Cursor::start(), 10)
+        .await
+        .expect("list");
+    assert_eq!(listed.items.len(), 3);
+}
+
+/// Many runs ended at once (on PostgreSQL, one statement per batch): each
+/// run by its own guard (live, and held by the coordinator ending it when
+/// one does), with exactly one receipt as its job wrote it and its terminal
+/// event next in its log, whatever the other runs of the batch do; a run
+/// whose guard does not hold is refused and left as it was.
+pub async fn many_runs_ended_at_once_each_by_its_own_guard(store: &Store) {
+    let a = create(store, &alice(), "a1", t(0)).await;
+    let ids: Vec<String> = (0..60).map(|i| format!("r{i:02}")).collect();
+    for id in &ids {
+        store
+            .create_run(&new_run(&a, id), t(1))
+            .await
+            .expect("create");
+    }
+    // Every run leased to c1; every fourth ended already (a second end
+    // is refused). Below, another coordinator ends every fourth but one
+    // (refused, left live), c1 the next, and no lease the rest.
+    let claimed = store
+        .claim_runs("c1", &[Placement::Cloud], t(9_000), t(2), t(-100_000), 100)
+        .await
+        .expect("claim");
+    assert_eq!(claimed.len(), ids.len());
+    for id in ids.iter().step_by(4) {
+        store
+            .finish_run(&receipt(id, RunState::Failed), t(3))
+            .await
+            .expect("first end");
+    }
+    // Each kind of end on its own, all of its runs at once: a refused end
+    // sends its batch back to run one job at a time, and the guard of the
+    // batch's statement would not be what decides.
+    let end_all = |kind: usize| {
+        let tasks: Vec<_> = ids
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % 4 == kind || (kind == 2 && i % 4 == 3))
+            .map(|(i, id)| {
+                let (store, id) = (store.clone(), id.clone());
+                tokio::spawn(async move {
+                    let mut r = receipt(&id, RunState::Succeeded);
+                    r.usage.input_tokens = i as i64;
+                    r.error_message = (i % 2 == 0).then(|| format!("note {i}"));
+                    let ended = match i % 4 {
+                        1 => store.finish_run_as(&r, "c2", t(5)).await,
+                        2 => store.finish_run_as(&r, "c1", t(5)).await,
+                        _ => store.finish_run(&r, t(5)).await,
+                    };
+                    (i, ended)
+                })
+            })
+            .collect();
+        async move {
+            let mut answers = vec![];
+            for task in tasks {
+                answers.push(task.await.expect("ender"));
+            }
+            answers
+        }
+    };
+    let mut answers: Vec<Option<Result<_, StoreError>>> = ids.iter().map(|_| None).collect();
+    let mut at_once = vec![];
+    for kind in [1, 0, 2] {
+        let before = automesh_store::ended_at_once();
+        for (i, ended) in end_all(kind).await {
+            answers[i] = Some(ended);
+        }
+        at_once.push(automesh_store::ended_at_once() - before);
+    }
+    let answers: Vec<_> = answers.into_iter().map(|a| a.expect("answered")).collect();
+    for (i, id) in ids.iter().enumerate() {
+        let run = store.internal().get_run(id).await.expect("get");
+        let kept = store.internal().receipt(id).await.expect("receipt");
+        let events = store.internal().events(id, 0, 100).await.expect("events");
+        let seqs: Vec<i64> = events.iter().map(|e| e.sequence).collect();
+        assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>(), "{id}");
+        let statuses: Vec<String> = events
+            .iter()
+            .filter_map(|e| match &e.payload {
+                automesh_domain::RunEventPayload::StatusChange { state, .. } => Some(state.clone()),
+                _ => None,
+            })
+            .collect();
+        match i % 4 {
+            0 => {
+                assert!(
+                    matches!(answers[i], Err(StoreError::IllegalTransition { .. })),
+                    "{id}: {:?}",
+                    answers[i]
+                );
+                assert_eq!(run.state, RunState::Failed, "{id}");
+                assert_eq!(kept.expect("receipt").outcome, RunState::Failed, "{id}");
+                assert_eq!(statuses, ["failed"], "{id}");
+            }
+            1 => {
+                assert!(
+                    matches!(answers[i], Err(StoreError::IllegalTransition { .. })),
+                    "{id}: {:?}",
+                    answers[i]
+                );
+                assert_eq!(run.state, RunState::Pending, "{id}");
+                assert!(kept.is_none(), "{id}");
+                assert!(statuses.is_empty(), "{id}: {statuses:?}");
+            }
+            _ => {
+                assert_eq!(
+                    answers[i].as_ref().ok(),
+                    Some(&automesh_domain::AutomationState::Active),
+                    "{id}"
+                );
+                assert_eq!(run.state, RunState::Succeeded, "{id}");
+                let mut expected = receipt(id, RunState::Succeeded);
+                expected.usage.input_tokens = i as i64;
+                expected.error_message = (i % 2 == 0).then(|| format!("note {i}"));
+                assert_eq!(kept, Some(expected.clone()), "{id}");
+                assert_eq!(run.error_message, expected.error_message, "{id}");
+                assert_eq!(statuses, ["succeeded"], "{id}");
+            }
+        }
+    }
+    // PostgreSQL made (some of) the ends that hold in batches' single
+    // statements, and none of those refused.
+    if store.backend() == automesh_store::Backend::Postgres {
+        assert_eq!(&at_once[..2], [0, 0], "{at_once:?}");
+        assert!(at_once[2] > 0, "{at_once:?}");
+    }
+}

@@ -35,6 +35,8 @@ macro_rules! conformance_suite {
             concurrent_wakes_start_a_worker_once,
             a_worker_with_a_live_run_is_never_stopped,
             an_occurrence_fires_unlocked_only_while_its_guards_hold,
+            occurrences_fired_together_each_fire_as_alone,
+            many_runs_ended_at_once_each_by_its_own_guard,
         );
     };
     ($backend:expr; $($case:ident),* $(,)?) => {
