@@ -9,6 +9,7 @@
 mod error;
 mod metrics;
 pub mod occurrences;
+mod precise;
 mod service;
 
 use std::sync::Arc;

@@ -27,6 +27,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::{Created, Path};
+use crate::precise::sleep_precisely;
 
 /// Automations claimed per transaction.
 const BATCH: u32 = 200;
@@ -259,42 +260,6 @@ fn occurrence_span(a: &Automation, at: DateTime<Utc>) -> tracing::Span {
     )
 }
 
-/// How long before its end a sleep leaves tokio's timer, which rounds a
-/// deadline up to its next millisecond tick and its park timeout up again
-/// (up to two milliseconds late), for the operating system's.
-const PRECISE: Duration = Duration::from_millis(3);
-
-/// How long before its end a sleep leaves the operating system's timer
-/// (a tenth of a millisecond late on a virtual machine, and as much again
-/// to wake the task) to yield until the instant.
-const SPIN: Duration = Duration::from_micros(500);
-
-/// Sleeps `d`, waking within microseconds of its end: the scheduler fires
-/// an occurrence at its due instant, not up to two milliseconds later.
-/// Tokio's timer, then a blocking sleep on the blocking pool (dropped
-/// early, its thread finishes that stretch alone), then yielding for the
-/// last half millisecond.
-async fn sleep_precisely(d: Duration) {
-    let until = std::time::Instant::now() + d;
-    if d > PRECISE {
-        tokio::time::sleep(d - PRECISE).await;
-    }
-    let left = until.saturating_duration_since(std::time::Instant::now());
-    if left > SPIN {
-        let stretch = left - SPIN;
-        if tokio::task::spawn_blocking(move || std::thread::sleep(stretch))
-            .await
-            .is_err()
-        {
-            // No blocking pool (the runtime is shutting down): the timer.
-            tokio::time::sleep(stretch).await;
-        }
-    }
-    while std::time::Instant::now() < until {
-        tokio::task::yield_now().await;
-    }
-}
-
 /// One pass over everything due now; returns how many automations fired.
 /// On PostgreSQL several batches are claimed and committed at once (the
 /// claims skip each other's rows); SQLite has one writer.
@@ -511,22 +476,6 @@ async fn record_terminal(
 mod tests {
     use super::*;
     use automesh_domain::TimeOfDay;
-
-    /// An occurrence is never fired before its instant: however its three
-    /// stretches fall (tokio's timer, the blocking sleep, yielding), the
-    /// sleep never ends early.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_precise_sleep_never_ends_early() {
-        for micros in [0, 50, 400, 600, 2_000, 3_500, 7_000] {
-            let d = Duration::from_micros(micros);
-            let until = std::time::Instant::now() + d;
-            sleep_precisely(d).await;
-            assert!(
-                std::time::Instant::now() >= until,
-                "a sleep of {d:?} ended early"
-            );
-        }
-    }
 
     fn utc(s: &str) -> DateTime<Utc> {
         DateTime::parse_from_rfc3339(s)
