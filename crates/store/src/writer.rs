@@ -437,13 +437,7 @@ async fn moves_at_once(
     answers: &mut [Option<Answer>],
     notes: &mut Vec<DesktopNote>,
 ) -> Result<()> {
-    let jobs_of = jobs_per_key(batch);
-    let moves: Vec<(usize, crate::runs::Move)> = batch
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| jobs_of.get(p.job.key()) == Some(&1))
-        .filter_map(|(i, p)| p.job.as_move().map(|m| (i, m)))
-        .collect();
+    let moves = joinable(batch, answers, |job| job.as_move());
     if moves.len() < 2 {
         return Ok(());
     }
@@ -452,9 +446,7 @@ async fn moves_at_once(
     MOVED_AT_ONCE.fetch_add(rows.len() as u64, Ordering::Relaxed);
     for (i, m) in &moves {
         if let Some(done) = batch[*i].job.moved(made.contains(&m.run_id)) {
-            let (out, signal) = done?;
-            notes.extend(signal);
-            answers[*i] = Some(Ok(out));
+            answer(done, &mut answers[*i], notes)?;
         }
     }
     Ok(())
@@ -470,13 +462,7 @@ async fn ends_at_once(
     answers: &mut [Option<Answer>],
     notes: &mut Vec<DesktopNote>,
 ) -> Result<()> {
-    let jobs_of = jobs_per_key(batch);
-    let ends: Vec<(usize, crate::receipts::End)> = batch
-        .iter()
-        .enumerate()
-        .filter(|(i, p)| answers[*i].is_none() && jobs_of.get(p.job.key()) == Some(&1))
-        .filter_map(|(i, p)| p.job.as_end().map(|e| (i, e)))
-        .collect();
+    let ends = joinable(batch, answers, |job| job.as_end());
     if ends.len() < 2 {
         return Ok(());
     }
@@ -487,21 +473,38 @@ async fn ends_at_once(
         if let Some(state) = ended.get(&e.run_id)
             && let Some(done) = batch[*i].job.ended(*state)
         {
-            let (out, signal) = done?;
-            notes.extend(signal);
-            answers[*i] = Some(Ok(out));
+            answer(done, &mut answers[*i], notes)?;
         }
     }
     Ok(())
 }
 
-/// How many jobs of the batch write each run.
-fn jobs_per_key(batch: &[Pending]) -> std::collections::HashMap<&str, usize> {
+/// The batch's unanswered jobs that can join one statement (`row` says
+/// how), with their places: only jobs of runs no other job of the batch
+/// writes, so a run's writes keep their order.
+fn joinable<T>(
+    batch: &[Pending],
+    answers: &[Option<Answer>],
+    row: impl Fn(&dyn Erased) -> Option<T>,
+) -> Vec<(usize, T)> {
     let mut jobs_of = std::collections::HashMap::<&str, usize>::new();
     for pending in batch {
         *jobs_of.entry(pending.job.key()).or_default() += 1;
     }
-    jobs_of
+    batch
+        .iter()
+        .enumerate()
+        .filter(|(i, p)| answers[*i].is_none() && jobs_of.get(p.job.key()) == Some(&1))
+        .filter_map(|(i, p)| row(p.job.as_ref()).map(|r| (i, r)))
+        .collect()
+}
+
+/// Answers a job a joined statement made, keeping the note it asks for.
+fn answer(done: Done, slot: &mut Option<Answer>, notes: &mut Vec<DesktopNote>) -> Result<()> {
+    let (out, signal) = done?;
+    notes.extend(signal);
+    *slot = Some(Ok(out));
+    Ok(())
 }
 
 /// A database error again, for every job of a batch that failed as one

@@ -554,6 +554,21 @@ pub async fn concurrent_event_appenders_get_contiguous_sequences(store: &Store) 
     assert_eq!(seqs, (1..=70).collect::<Vec<_>>());
 }
 
+/// The states of a run's status events, its log numbered 1, 2, … without
+/// a gap.
+async fn statuses_in_order(store: &Store, id: &str) -> Vec<String> {
+    let events = store.internal().events(id, 0, 100).await.expect("events");
+    let seqs: Vec<i64> = events.iter().map(|e| e.sequence).collect();
+    assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>(), "{id}");
+    events
+        .iter()
+        .filter_map(|e| match &e.payload {
+            RunEventPayload::StatusChange { state, .. } => Some(state.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Many runs moved forward at once (on PostgreSQL, one statement per
 /// batch): each run by its own guard, with its own status event next in
 /// its log, whatever the other runs of the batch do.
@@ -604,16 +619,7 @@ pub async fn many_runs_moved_at_once_each_by_its_own_guard(store: &Store) {
     let running = moves(RunState::Running, t(6)).await;
     for (i, id) in ids.iter().enumerate() {
         let run = store.internal().get_run(id).await.expect("get");
-        let events = store.internal().events(id, 0, 100).await.expect("events");
-        let seqs: Vec<i64> = events.iter().map(|e| e.sequence).collect();
-        assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>(), "{id}");
-        let statuses: Vec<String> = events
-            .iter()
-            .filter_map(|e| match &e.payload {
-                automesh_domain::RunEventPayload::StatusChange { state, .. } => Some(state.clone()),
-                _ => None,
-            })
-            .collect();
+        let statuses = statuses_in_order(store, id).await;
         match i % 3 {
             0 => {
                 assert_eq!(admitted[i], Vec::<RunState>::new(), "{id}");
@@ -1730,16 +1736,7 @@ pub async fn many_runs_ended_at_once_each_by_its_own_guard(store: &Store) {
     for (i, id) in ids.iter().enumerate() {
         let run = store.internal().get_run(id).await.expect("get");
         let kept = store.internal().receipt(id).await.expect("receipt");
-        let events = store.internal().events(id, 0, 100).await.expect("events");
-        let seqs: Vec<i64> = events.iter().map(|e| e.sequence).collect();
-        assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>(), "{id}");
-        let statuses: Vec<String> = events
-            .iter()
-            .filter_map(|e| match &e.payload {
-                automesh_domain::RunEventPayload::StatusChange { state, .. } => Some(state.clone()),
-                _ => None,
-            })
-            .collect();
+        let statuses = statuses_in_order(store, id).await;
         match i % 4 {
             0 => {
                 assert!(
