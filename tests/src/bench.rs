@@ -113,10 +113,47 @@ pub async fn baseline_round_trips(
     addr: &str,
     store: &automesh_store::Store,
 ) -> anyhow::Result<(f64, f64)> {
+    let (rtt, tx) = round_trips(addr, store, 500, std::time::Duration::ZERO).await?;
+    println!(
+        "baseline  bare gRPC round trip (health) p50 {rtt:>7.3} ms   PostgreSQL single-row tx p50 {tx:>7.3} ms"
+    );
+    Ok((rtt, tx))
+}
+
+/// The same floors measured `gap` apart, as occurrences due one at a time
+/// are (medians of `samples` each): on a virtual machine a round trip to a
+/// process that sat idle costs several times one made back to back, and a
+/// dispatch of a lone occurrence pays it at every hop. Printed as a
+/// baseline line.
+pub async fn spaced_round_trips(
+    addr: &str,
+    store: &automesh_store::Store,
+    gap: std::time::Duration,
+) -> anyhow::Result<(f64, f64)> {
+    let samples = if quick() { 10 } else { 100 };
+    let (rtt, tx) = round_trips(addr, store, samples, gap).await?;
+    println!(
+        "baseline  the same, {} ms apart:   gRPC p50 {rtt:>7.3} ms   PostgreSQL single-row tx p50 {tx:>7.3} ms",
+        gap.as_millis()
+    );
+    Ok((rtt, tx))
+}
+
+/// Medians (ms) of `samples` health checks to `addr` and of as many durable
+/// single-row commits through `store`'s pool, each `gap` after the last.
+async fn round_trips(
+    addr: &str,
+    store: &automesh_store::Store,
+    samples: usize,
+    gap: std::time::Duration,
+) -> anyhow::Result<(f64, f64)> {
     let mut health =
         tonic_health::pb::health_client::HealthClient::new(automesh_rpc::client::channel(addr)?);
     let mut rtt = vec![];
-    for _ in 0..500 {
+    for _ in 0..samples {
+        if !gap.is_zero() {
+            tokio::time::sleep(gap).await;
+        }
         let t = std::time::Instant::now();
         health
             .check(tonic_health::pb::HealthCheckRequest {
@@ -134,18 +171,17 @@ pub async fn baseline_round_trips(
         .execute(store.pool())
         .await?;
     let mut tx = vec![];
-    for _ in 0..500 {
+    for _ in 0..samples {
+        if !gap.is_zero() {
+            tokio::time::sleep(gap).await;
+        }
         let t = std::time::Instant::now();
         sqlx::query("UPDATE bench_counter SET n = n + 1 WHERE id = 0")
             .execute(store.pool())
             .await?;
         tx.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    let (rtt, tx) = (median(rtt), median(tx));
-    println!(
-        "baseline  bare gRPC round trip (health) p50 {rtt:>7.3} ms   PostgreSQL single-row tx p50 {tx:>7.3} ms"
-    );
-    Ok((rtt, tx))
+    Ok((median(rtt), median(tx)))
 }
 
 /// The yardstick L: a third of PostgreSQL's single-row commit rate
