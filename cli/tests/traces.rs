@@ -356,6 +356,19 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
         }
     }
     let coordinators = &scraped[&Kind::Coordinator];
+    // The coordinator's moves and ends went through its store's writers.
+    assert!(
+        metric(coordinators, "automesh_db_write_jobs_total", &[]) >= 2.0,
+        "{coordinators}"
+    );
+    assert!(
+        metric(coordinators, "automesh_db_write_batches_total", &[]) >= 1.0,
+        "{coordinators}"
+    );
+    assert!(
+        coordinators.contains("automesh_db_write_joined_total{"),
+        "{coordinators}"
+    );
     assert!(
         metric(
             coordinators,

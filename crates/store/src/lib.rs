@@ -38,7 +38,9 @@ pub use error::{Result, StoreError};
 pub use signal::{
     AssignmentState, DesktopListener, DesktopNote, Heard, RunWatcher, Topic, Watcher,
 };
-pub use writer::{ended_at_once, moved_at_once, written, written_alone};
+pub use writer::{
+    ended_at_once, moved_at_once, offered_at_once, reported_at_once, written, written_alone,
+};
 
 /// Which database a store talks to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -261,9 +263,11 @@ impl Store {
     /// timeout instead of failing when a read lock is upgraded.
     /// Reports the pool on `meter`, read at each collection:
     /// `automesh.db.pool.connections` by state (`in_use`, `idle`) and
-    /// `automesh.db.pool.max`.
+    /// `automesh.db.pool.max`; and the writers' batching (see
+    /// `writer::observe`).
     pub fn observe_pool(&self, meter: &opentelemetry::metrics::Meter) {
         use opentelemetry::KeyValue;
+        writer::observe(meter);
         let pool = self.pool.clone();
         let _connections = meter
             .u64_observable_gauge("automesh.db.pool.connections")

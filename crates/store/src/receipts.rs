@@ -12,6 +12,7 @@ use futures_util::future::BoxFuture;
 use sqlx::AnyConnection;
 
 use crate::rows::{self, col, micros};
+use crate::writer::{Joined, Joint, Row};
 use crate::{Result, Store, StoreError};
 
 /// A receipt's columns from `placement` to its price, as query parameters
@@ -179,21 +180,14 @@ const END_MANY_PG: &str = concat!(
        ON a.id = e.automation_id"
 );
 
-/// One run's end, as a batch makes many of them at once.
-#[derive(Debug)]
-pub(crate) struct End {
-    pub(crate) run_id: String,
-    row: serde_json::Value,
-}
-
-/// Makes `ends` (of distinct runs) in one statement (PostgreSQL): the
-/// automation state of each run that ended, by run id.
+/// Makes the ends of `input` (a JSON array of [`Finish`]'s joined rows, of
+/// distinct runs) in one statement (PostgreSQL): the runs that ended, each
+/// with its automation's state.
 pub(crate) async fn end_many(
     db: &mut AnyConnection,
-    ends: &[&End],
+    input: String,
 ) -> Result<std::collections::HashMap<String, AutomationState>> {
-    let input = serde_json::Value::Array(ends.iter().map(|e| e.row.clone()).collect());
-    let ended = rows::all(db, END_MANY_PG, (input.to_string(),), |r| {
+    let ended = rows::all(db, END_MANY_PG, (input,), |r| {
         Ok((
             col::<String>(r, "id")?,
             col::<AutomationState>(r, "automation_state")?,
@@ -219,13 +213,14 @@ impl crate::writer::Job for Finish {
 
     /// The end as one row of [`END_MANY_PG`], with the same values
     /// [`crate::runs::END_PG`] binds.
-    fn as_end(&self) -> Option<End> {
+    fn joined_row(&self) -> Option<Row> {
         let r = &self.receipt;
         let event = status_event(r.outcome, r.error_code, r.error_message.as_deref());
         let (event_id, kind, payload) = crate::events::columns(&event).ok()?;
-        Some(End {
+        Some(Row {
+            joint: Joint::End,
             run_id: r.run_id.clone(),
-            row: serde_json::json!({
+            value: serde_json::json!({
                 "id": r.run_id,
                 "state": r.outcome.as_str(),
                 "error_code": r.error_code.map(|c| c.as_str()),
@@ -257,7 +252,10 @@ impl crate::writer::Job for Finish {
         })
     }
 
-    fn ended(&self, automation: AutomationState) -> Option<AutomationState> {
+    fn joined(&self, done: Joined) -> Option<AutomationState> {
+        let Joined::Ended(automation) = done else {
+            return None;
+        };
         Some(automation)
     }
 

@@ -11,6 +11,7 @@ use futures_util::future::BoxFuture;
 use sqlx::AnyConnection;
 
 use crate::rows::{self, col, micros};
+use crate::writer::{Joined, Joint, Row};
 use crate::{Result, Store, StoreError};
 
 /// The columns every run query reads, in `decode`'s terms.
@@ -258,15 +259,16 @@ impl crate::writer::Job for Advance {
 
     /// The move, when the job is one move (the common case: each status
     /// an executor reports moves its run one step).
-    fn as_move(&self) -> Option<Move> {
+    fn joined_row(&self) -> Option<Row> {
         let [to] = self.targets.as_slice() else {
             return None;
         };
         let event = crate::events::status_event(*to, None, None);
         let (event_id, kind, payload) = crate::events::columns(&event).ok()?;
-        Some(Move {
+        Some(Row {
+            joint: Joint::Move,
             run_id: self.id.clone(),
-            row: serde_json::json!({
+            value: serde_json::json!({
                 "id": self.id,
                 "state": to.as_str(),
                 "froms": predecessors(*to),
@@ -278,7 +280,10 @@ impl crate::writer::Job for Advance {
         })
     }
 
-    fn moved(&self, made: bool) -> Option<Vec<RunState>> {
+    fn joined(&self, done: Joined) -> Option<Vec<RunState>> {
+        let Joined::Moved(made) = done else {
+            return None;
+        };
         Some(if made { self.targets.clone() } else { vec![] })
     }
 
@@ -315,22 +320,15 @@ impl crate::writer::Job for Advance {
     }
 }
 
-/// One run's single move forward, as a batch runs many of them at once.
-#[derive(Debug)]
-pub(crate) struct Move {
-    pub(crate) run_id: String,
-    row: serde_json::Value,
-}
-
-/// Makes `moves` (of distinct runs, in the batch's key order) in one
-/// statement (PostgreSQL); the ids of the runs that moved, each guard
-/// deciding for its own run as [`ADVANCE_PG`] would.
+/// Makes the moves of `input` (a JSON array of [`Advance`]'s joined rows,
+/// of distinct runs) in one statement (PostgreSQL); the ids of the runs
+/// that moved, each guard deciding for its own run as [`ADVANCE_PG`]
+/// would.
 pub(crate) async fn advance_many(
     db: &mut AnyConnection,
-    moves: &[&Move],
+    input: String,
 ) -> Result<std::collections::HashSet<String>> {
-    let input = serde_json::Value::Array(moves.iter().map(|m| m.row.clone()).collect());
-    let moved = rows::all(db, ADVANCE_MANY_PG, (input.to_string(),), |r| {
+    let moved = rows::all(db, ADVANCE_MANY_PG, (input,), |r| {
         col::<String>(r, "run_id")
     });
     Ok(moved.await?.into_iter().collect())

@@ -22,7 +22,10 @@
 //! batch also writes moves in its own statement, in order. Its ends of runs
 //! (terminal state, receipt and event) are one statement the same way, each
 //! row guarded as alone and locked in key order; an end whose guard does not
-//! hold is left to its job, which runs as alone and says why.
+//! hold is left to its job, which runs as alone and says why. Runners'
+//! reports and desktop offers are joined the same way. A job joins through
+//! its [`Job::joined_row`] (a [`Row`] of one [`Joint`]) and is answered
+//! from what the statement did ([`Joined`]).
 //!
 //! The desktop notes a batch's jobs ask for are sent (NOTIFY) inside the
 //! batch's transaction, so they are delivered at its commit, packed into as
@@ -43,10 +46,13 @@ use futures_util::future::BoxFuture;
 use sqlx::{Any as AnyDb, AnyConnection, AnyPool, Transaction};
 use tokio::sync::{mpsc, oneshot};
 
-use automesh_domain::AutomationState;
-
 use crate::signal::{DesktopNote, Topic};
 use crate::{Backend, Result, StoreError};
+
+mod joined;
+
+use joined::joined_at_once;
+pub(crate) use joined::{Joined, Joint, Row};
 
 /// Jobs one transaction takes at most.
 const MAX_BATCH: usize = 256;
@@ -76,29 +82,16 @@ pub(crate) trait Job: Send + Sync + 'static {
         None
     }
 
-    /// The job as one run's single move forward, which a batch on
-    /// PostgreSQL makes together with its other such moves, in one
-    /// statement (none, unless a job says so).
-    fn as_move(&self) -> Option<crate::runs::Move> {
+    /// The job as one row of a statement a batch on PostgreSQL makes for
+    /// many jobs at once (none, unless a job says so): a run's single move
+    /// forward, a run's end, a runner's report, a desktop offer.
+    fn joined_row(&self) -> Option<Row> {
         None
     }
 
-    /// Its answer when its move was made (`made`) or its guard held it off,
-    /// in a batch's statement of moves.
-    fn moved(&self, _made: bool) -> Option<Self::Output> {
-        None
-    }
-
-    /// The job as one run's end (its terminal state, receipt and event),
-    /// which a batch on PostgreSQL makes together with its other ends, in
-    /// one statement (none, unless a job says so).
-    fn as_end(&self) -> Option<crate::receipts::End> {
-        None
-    }
-
-    /// Its answer when its end was made, its run's automation in
-    /// `automation` state, in a batch's statement of ends.
-    fn ended(&self, _automation: AutomationState) -> Option<Self::Output> {
+    /// Its answer given what the joined statement did with its row; `None`
+    /// leaves the job to run as alone.
+    fn joined(&self, _done: Joined) -> Option<Self::Output> {
         None
     }
 
@@ -134,10 +127,8 @@ struct Pending {
 
 trait Erased: Send + Sync {
     fn key(&self) -> &str;
-    fn as_move(&self) -> Option<crate::runs::Move>;
-    fn moved(&self, made: bool) -> Option<Done>;
-    fn as_end(&self) -> Option<crate::receipts::End>;
-    fn ended(&self, automation: AutomationState) -> Option<Done>;
+    fn joined_row(&self) -> Option<Row>;
+    fn joined(&self, done: Joined) -> Option<Done>;
     fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Done>;
     fn runs_alone(&self) -> bool;
     fn run_alone<'c>(
@@ -165,22 +156,12 @@ impl<J: Job> Erased for J {
         Job::key(self)
     }
 
-    fn as_move(&self) -> Option<crate::runs::Move> {
-        Job::as_move(self)
+    fn joined_row(&self) -> Option<Row> {
+        Job::joined_row(self)
     }
 
-    fn moved(&self, made: bool) -> Option<Done> {
-        let out = Job::moved(self, made)?;
-        let signal = self.signal(&out);
-        Some(Ok((Box::new(out) as Box<dyn Any + Send>, signal)))
-    }
-
-    fn as_end(&self) -> Option<crate::receipts::End> {
-        Job::as_end(self)
-    }
-
-    fn ended(&self, automation: AutomationState) -> Option<Done> {
-        let out = Job::ended(self, automation)?;
+    fn joined(&self, done: Joined) -> Option<Done> {
+        let out = Job::joined(self, done)?;
         let signal = self.signal(&out);
         Some(Ok((Box::new(out) as Box<dyn Any + Send>, signal)))
     }
@@ -273,6 +254,51 @@ pub fn written() -> (u64, u64) {
     )
 }
 
+/// Reports the writers' batching on `meter`, read at each collection; once
+/// per process, whatever its stores (the counts are the process's):
+/// `automesh.db.write.batches` (transactions committed or tried),
+/// `automesh.db.write.jobs` (writes they held), `automesh.db.write.alone`
+/// (writes that were one statement by themselves), and
+/// `automesh.db.write.joined` by `kind` (`move`, `end`, `report`,
+/// `offer`): writes a batch made together with others in one statement.
+pub(crate) fn observe(meter: &opentelemetry::metrics::Meter) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let count = |name: &'static str, description: &'static str, of: &'static AtomicU64| {
+            let _counter = meter
+                .u64_observable_counter(name)
+                .with_description(description)
+                .with_callback(move |o| o.observe(of.load(Ordering::Relaxed), &[]))
+                .build();
+        };
+        count(
+            "automesh.db.write.batches",
+            "Transactions the store's writers committed (or tried), each holding many writes",
+            &BATCHES,
+        );
+        count(
+            "automesh.db.write.jobs",
+            "Writes the store's writers committed in batches",
+            &JOBS,
+        );
+        count(
+            "automesh.db.write.alone",
+            "Writes that were one statement committing by itself (a lone desktop offer)",
+            &ALONE,
+        );
+        let _joined = meter
+            .u64_observable_counter("automesh.db.write.joined")
+            .with_description("Writes a batch made together with others in one statement, by kind")
+            .with_callback(|o| {
+                for joint in Joint::ALL {
+                    let kind = opentelemetry::KeyValue::new("kind", joint.name());
+                    o.observe(joint.counter().load(Ordering::Relaxed), &[kind]);
+                }
+            })
+            .build();
+    });
+}
+
 /// How many jobs the writers of this process ran alone, each one
 /// statement that committed by itself.
 pub fn written_alone() -> u64 {
@@ -284,18 +310,27 @@ static ALONE: AtomicU64 = AtomicU64::new(0);
 /// How many runs' moves forward the writers of this process made together
 /// with others, in one statement per batch.
 pub fn moved_at_once() -> u64 {
-    MOVED_AT_ONCE.load(Ordering::Relaxed)
+    Joint::Move.counter().load(Ordering::Relaxed)
 }
-
-static MOVED_AT_ONCE: AtomicU64 = AtomicU64::new(0);
 
 /// How many runs' ends the writers of this process made together with
 /// others, in one statement per batch.
 pub fn ended_at_once() -> u64 {
-    ENDED_AT_ONCE.load(Ordering::Relaxed)
+    Joint::End.counter().load(Ordering::Relaxed)
 }
 
-static ENDED_AT_ONCE: AtomicU64 = AtomicU64::new(0);
+/// How many runners' reports the writers of this process recorded
+/// together with others, in one statement per batch.
+pub fn reported_at_once() -> u64 {
+    Joint::Report.counter().load(Ordering::Relaxed)
+}
+
+/// How many desktop offers the writers of this process made together with
+/// others, in one statement per batch.
+pub fn offered_at_once() -> u64 {
+    Joint::Offer.counter().load(Ordering::Relaxed)
+}
+
 static BATCHES: AtomicU64 = AtomicU64::new(0);
 static JOBS: AtomicU64 = AtomicU64::new(0);
 
@@ -377,15 +412,11 @@ async fn commit(store: &Db, batch: &[Pending]) -> std::result::Result<Vec<Answer
     };
     let mut answers: Vec<Option<Answer>> = batch.iter().map(|_| None).collect();
     let mut notes = vec![];
-    if store.backend == Backend::Postgres {
-        let mut at_once = moves_at_once(&mut tx, batch, &mut answers, &mut notes).await;
-        if at_once.is_ok() {
-            at_once = ends_at_once(&mut tx, batch, &mut answers, &mut notes).await;
-        }
-        if let Err(error) = at_once {
-            let _ = tx.rollback().await;
-            return Err(Poisoned(error));
-        }
+    if store.backend == Backend::Postgres
+        && let Err(error) = joined_at_once(&mut tx, batch, &mut answers, &mut notes).await
+    {
+        let _ = tx.rollback().await;
+        return Err(Poisoned(error));
     }
     for (pending, answer) in batch.iter().zip(answers.iter_mut()) {
         if answer.is_some() {
@@ -426,85 +457,6 @@ async fn commit(store: &Db, batch: &[Pending]) -> std::result::Result<Vec<Answer
         .into_iter()
         .map(|a| a.unwrap_or_else(|| Err(gone())))
         .collect())
-}
-
-/// Makes the batch's single moves forward in one statement, answering
-/// their jobs: only moves of runs no other job of the batch writes (so a
-/// run's writes keep their order), and only when there are several.
-async fn moves_at_once(
-    tx: &mut AnyConnection,
-    batch: &[Pending],
-    answers: &mut [Option<Answer>],
-    notes: &mut Vec<DesktopNote>,
-) -> Result<()> {
-    let moves = joinable(batch, answers, |job| job.as_move());
-    if moves.len() < 2 {
-        return Ok(());
-    }
-    let rows: Vec<&crate::runs::Move> = moves.iter().map(|(_, m)| m).collect();
-    let made = crate::runs::advance_many(tx, &rows).await?;
-    MOVED_AT_ONCE.fetch_add(rows.len() as u64, Ordering::Relaxed);
-    for (i, m) in &moves {
-        if let Some(done) = batch[*i].job.moved(made.contains(&m.run_id)) {
-            answer(done, &mut answers[*i], notes)?;
-        }
-    }
-    Ok(())
-}
-
-/// Makes the batch's ends of runs in one statement, answering the jobs of
-/// the runs that ended: only ends of runs no other job of the batch writes,
-/// and only when there are several. A run whose guard did not hold is left
-/// to its job, which runs as alone and says why.
-async fn ends_at_once(
-    tx: &mut AnyConnection,
-    batch: &[Pending],
-    answers: &mut [Option<Answer>],
-    notes: &mut Vec<DesktopNote>,
-) -> Result<()> {
-    let ends = joinable(batch, answers, |job| job.as_end());
-    if ends.len() < 2 {
-        return Ok(());
-    }
-    let rows: Vec<&crate::receipts::End> = ends.iter().map(|(_, e)| e).collect();
-    let ended = crate::receipts::end_many(tx, &rows).await?;
-    ENDED_AT_ONCE.fetch_add(ended.len() as u64, Ordering::Relaxed);
-    for (i, e) in &ends {
-        if let Some(state) = ended.get(&e.run_id)
-            && let Some(done) = batch[*i].job.ended(*state)
-        {
-            answer(done, &mut answers[*i], notes)?;
-        }
-    }
-    Ok(())
-}
-
-/// The batch's unanswered jobs that can join one statement (`row` says
-/// how), with their places: only jobs of runs no other job of the batch
-/// writes, so a run's writes keep their order.
-fn joinable<T>(
-    batch: &[Pending],
-    answers: &[Option<Answer>],
-    row: impl Fn(&dyn Erased) -> Option<T>,
-) -> Vec<(usize, T)> {
-    let mut jobs_of = std::collections::HashMap::<&str, usize>::new();
-    for pending in batch {
-        *jobs_of.entry(pending.job.key()).or_default() += 1;
-    }
-    batch
-        .iter()
-        .enumerate()
-        .filter(|(i, p)| answers[*i].is_none() && jobs_of.get(p.job.key()) == Some(&1))
-        .filter_map(|(i, p)| row(p.job.as_ref()).map(|r| (i, r)))
-        .collect()
-}
-
-/// Answers a job a joined statement made, keeping the note it asks for.
-fn answer(done: Done, slot: &mut Option<Answer>, notes: &mut Vec<DesktopNote>) -> Result<()> {
-    let (out, signal) = done?;
-    notes.extend(signal);
-    *slot = Some(Ok(out));
-    Ok(())
 }
 
 /// A database error again, for every job of a batch that failed as one

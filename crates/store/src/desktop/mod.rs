@@ -12,17 +12,18 @@
 //! column type.
 
 use chrono::{DateTime, Utc};
-use futures_util::future::BoxFuture;
-use sqlx::AnyConnection;
 use sqlx::any::AnyRow;
 
 use crate::rows::{self, micros, to_hex};
-use crate::signal::{AssignmentState, DesktopNote};
-use crate::writer::Job;
+use crate::signal::DesktopNote;
 use crate::{Result, Store};
 
 mod events;
 mod streams;
+mod write;
+
+use write::{DesktopWrite, Reported, Write};
+pub(crate) use write::{offer_many, report_many};
 
 pub use events::DesktopEvent;
 
@@ -74,23 +75,6 @@ macro_rules! assignment_columns {
 
 const COLUMNS: &str = assignment_columns!();
 
-macro_rules! offer {
-    () => {
-        "INSERT INTO desktop_assignments \
-         (run_id, org_id, owner_id, spec, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $5) \
-         ON CONFLICT (run_id) DO NOTHING"
-    };
-}
-const OFFER: &str = offer!();
-/// PostgreSQL: the offer and its note in one statement, for an offer
-/// written alone (its own transaction): a row for the offer made, the note
-/// (`$7` on channel `$6`) sent only then.
-const OFFER_NOTIFIED_PG: &str = concat!(
-    "WITH offered AS (",
-    offer!(),
-    " RETURNING run_id) SELECT pg_notify($6, $7) FROM offered"
-);
-
 /// Only the runner's newest stream may claim, only a run no runner has
 /// accepted, and not for the runner that already sat on it.
 /// Returns the assignment as claimed, so the replica that claimed an
@@ -140,50 +124,6 @@ const EXPIRE_CLAIM: &str = concat!(
 const EXPIRE_ORPHANED_CLAIMS: &str = "UPDATE desktop_assignments \
      SET passed_over = runner_id, runner_id = NULL, stream_id = NULL, updated_at = $2 \
      WHERE phase = 'admitted' AND runner_id IS NOT NULL AND claimed_at < $1 RETURNING run_id";
-
-/// A cancelled assignment is not accepted: its runner is told to drop it.
-/// What a report leaves, for the note that tells the run's observers.
-macro_rules! state_after {
-    () => {
-        " RETURNING phase, idle, event_count, passed_over, outcome"
-    };
-}
-
-const ACCEPTED: &str = concat!(
-    "UPDATE desktop_assignments SET phase = 'running', updated_at = $4 \
-     WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3 AND phase = 'admitted' \
-     AND cancel_requested = 0",
-    state_after!()
-);
-
-const FINISHED: &str = concat!(
-    "UPDATE desktop_assignments \
-     SET phase = 'finished', idle = 1, outcome = $4, updated_at = $5 \
-     WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3 AND phase <> 'finished'",
-    state_after!()
-);
-
-const IDLE: &str = concat!(
-    "UPDATE desktop_assignments SET idle = 1, updated_at = $4 \
-     WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3",
-    state_after!()
-);
-
-fn decode_state(row: &AnyRow) -> Result<AssignmentState> {
-    Ok(AssignmentState {
-        phase: rows::col(row, "phase")?,
-        idle: rows::col(row, "idle")?,
-        event_count: rows::col(row, "event_count")?,
-        passed_over: rows::col::<Option<String>>(row, "passed_over")?.is_some(),
-        outcome_hex: rows::col(row, "outcome")?,
-    })
-}
-
-/// A run no runner holds is idle the moment it is cancelled.
-const CANCEL: &str = "UPDATE desktop_assignments SET cancel_requested = 1, \
-     cancel_reason = COALESCE(cancel_reason, $2), \
-     idle = CASE WHEN runner_id IS NULL OR phase = 'finished' THEN 1 ELSE idle END, \
-     updated_at = $3 WHERE run_id = $1";
 
 fn decode(row: &AnyRow) -> Result<DesktopAssignment> {
     rows::columns! { row => DesktopAssignment {
@@ -419,166 +359,6 @@ impl Store {
         };
         self.desktop_write(run_id, write, now).await?;
         self.desktop_run(run_id).await
-    }
-}
-
-/// What a runner reported, as stored.
-#[derive(Debug)]
-enum Reported {
-    Accepted,
-    /// The encoded outcome, hex.
-    Finished(String),
-    Idle,
-}
-
-/// One desktop write of a run.
-#[derive(Debug)]
-enum DesktopWrite {
-    Offer {
-        org_id: String,
-        owner_id: String,
-        /// The encoded spec, hex.
-        spec: String,
-    },
-    Report {
-        runner_id: String,
-        stream_id: String,
-        outcome: Reported,
-    },
-    Cancel {
-        reason: String,
-    },
-}
-
-/// A desktop write committed with others.
-struct Write {
-    run_id: String,
-    write: DesktopWrite,
-    /// When, in microseconds.
-    at: i64,
-}
-
-/// What a desktop write did: rows changed, and for a runner's report what
-/// the assignment now is.
-struct Written {
-    changed: u64,
-    now: Option<AssignmentState>,
-}
-
-impl Written {
-    fn rows(changed: u64) -> Self {
-        Written { changed, now: None }
-    }
-
-    fn report(now: Option<AssignmentState>) -> Self {
-        let changed = u64::from(now.is_some());
-        Written { changed, now }
-    }
-}
-
-impl Job for Write {
-    type Output = Written;
-
-    fn key(&self) -> &str {
-        &self.run_id
-    }
-
-    fn signal(&self, written: &Written) -> Option<DesktopNote> {
-        let run_id = self.run_id.clone();
-        let note = match &self.write {
-            _ if written.changed == 0 => return None,
-            DesktopWrite::Offer {
-                org_id, owner_id, ..
-            } => DesktopNote::Offered {
-                run_id,
-                org_id: org_id.clone(),
-                owner_id: owner_id.clone(),
-            },
-            DesktopWrite::Report { .. } => DesktopNote::Changed {
-                run_id,
-                now: written.now.clone(),
-            },
-            DesktopWrite::Cancel { .. } => DesktopNote::Cancelled { run_id },
-        };
-        Some(note)
-    }
-
-    fn runs_alone(&self) -> bool {
-        matches!(self.write, DesktopWrite::Offer { .. })
-    }
-
-    fn run_alone<'c>(
-        &'c self,
-        db: &'c mut AnyConnection,
-    ) -> Option<BoxFuture<'c, Result<Written>>> {
-        let DesktopWrite::Offer {
-            org_id,
-            owner_id,
-            spec,
-        } = &self.write
-        else {
-            return None;
-        };
-        // The note an offer made asks for, as one payload.
-        let note = self.signal(&Written::rows(1))?;
-        let payload = DesktopNote::payloads(&[note]).pop()?;
-        let channel = crate::signal::Topic::Desktop.pg_channel();
-        Some(Box::pin(async move {
-            let params = (
-                &self.run_id,
-                org_id,
-                owner_id,
-                spec,
-                self.at,
-                channel,
-                payload,
-            );
-            let made = rows::all(db, OFFER_NOTIFIED_PG, params, |_| Ok(())).await?;
-            Ok(Written::rows(made.len() as u64))
-        }))
-    }
-
-    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<Written>> {
-        let (run_id, at) = (self.run_id.as_str(), self.at);
-        Box::pin(async move {
-            match &self.write {
-                DesktopWrite::Offer {
-                    org_id,
-                    owner_id,
-                    spec,
-                } => {
-                    let params = (run_id, org_id, owner_id, spec, at);
-                    rows::execute(db, OFFER, params).await.map(Written::rows)
-                }
-                DesktopWrite::Report {
-                    runner_id,
-                    stream_id,
-                    outcome,
-                } => {
-                    let holder = (run_id, runner_id, stream_id);
-                    let (r, runner, stream) = holder;
-                    let now = match outcome {
-                        Reported::Accepted => {
-                            let params = (r, runner, stream, at);
-                            rows::optional(db, ACCEPTED, params, decode_state).await?
-                        }
-                        Reported::Finished(outcome) => {
-                            let params = (r, runner, stream, outcome, at);
-                            rows::optional(db, FINISHED, params, decode_state).await?
-                        }
-                        Reported::Idle => {
-                            let params = (r, runner, stream, at);
-                            rows::optional(db, IDLE, params, decode_state).await?
-                        }
-                    };
-                    Ok(Written::report(now))
-                }
-                DesktopWrite::Cancel { reason } => {
-                    let params = (run_id, reason, at);
-                    rows::execute(db, CANCEL, params).await.map(Written::rows)
-                }
-            }
-        })
     }
 }
 

@@ -1781,3 +1781,159 @@ pub async fn many_runs_ended_at_once_each_by_its_own_guard(store: &Store) {
         assert!(at_once[2] > 0, "{at_once:?}");
     }
 }
+
+/// A batch's offers and runners' reports on PostgreSQL are one statement
+/// each (SQLite writes them one by one); each applies exactly as it would
+/// alone: an offer made twice keeps the first, an acceptance needs the
+/// claiming stream, an unfinished phase and no cancellation, a finish
+/// happens once, and the note each sends tells what the assignment now is.
+pub async fn many_reports_and_offers_joined_each_as_alone(store: &Store) {
+    use automesh_store::desktop::DesktopPhase;
+    use automesh_store::{DesktopNote, Heard};
+    let now = t(0);
+    store
+        .open_runner_stream("runner-j", "sj", now)
+        .await
+        .expect("stream");
+    let ids: Vec<String> = (0..48).map(|i| format!("jd-{i:02}")).collect();
+    // Runs at once, each its own task: the writer batches what waits.
+    async fn all<T: Send + 'static>(
+        tasks: Vec<tokio::task::JoinHandle<(usize, T)>>,
+    ) -> Vec<(usize, T)> {
+        let mut out = vec![];
+        for task in tasks {
+            out.push(task.await.expect("task"));
+        }
+        out
+    }
+    let offers = |spec: &'static [u8], every: usize| {
+        let tasks = ids.iter().enumerate().filter(|(i, _)| i % every == 0);
+        let tasks = tasks.map(|(i, id)| {
+            let (store, id) = (store.clone(), id.clone());
+            tokio::spawn(async move {
+                let made = store.offer_desktop_run(&id, "org-a", "alice", spec, t(i as i64));
+                (i, made.await.expect("offer"))
+            })
+        });
+        all(tasks.collect())
+    };
+    let offered_before = automesh_store::offered_at_once();
+    assert!(
+        offers(b"spec\x00one", 1)
+            .await
+            .iter()
+            .all(|(_, made)| *made)
+    );
+    let again = offers(b"other", 4).await;
+    assert!(again.iter().all(|(_, made)| !made), "offered once");
+    let offered = automesh_store::offered_at_once() - offered_before;
+    // Claimed by the runner's stream: every run but every fourth; every
+    // fourth but two cancelled before it is accepted.
+    for (i, id) in ids.iter().enumerate() {
+        let held = store.desktop_run(id).await.expect("read").expect("offered");
+        assert_eq!(held.spec, b"spec\x00one", "{id}");
+        assert!(held.runner_id.is_none(), "{id}: unclaimed");
+        if i % 4 != 3 {
+            let claim = store.desktop_claim(Claim::Take, id, "runner-j", "sj", t(1));
+            assert!(claim.await.expect("claim").is_some(), "{id}");
+        }
+        if i % 4 == 2 {
+            let cancel = store.cancel_desktop_run(id, "stop", t(2));
+            assert!(
+                cancel
+                    .await
+                    .expect("cancel")
+                    .expect("offered")
+                    .cancel_requested
+            );
+        }
+    }
+    let mut listener = store.listen_desktop().await;
+    let reports = |kind: fn(usize) -> Option<RunnerReport<'static>>| {
+        let tasks = ids.iter().enumerate().filter_map(|(i, id)| {
+            let report = kind(i)?;
+            let (store, id) = (store.clone(), id.clone());
+            Some(tokio::spawn(async move {
+                let made = store.desktop_report(report, &id, "runner-j", "sj", t(10 + i as i64));
+                (i, made.await.expect("report"))
+            }))
+        });
+        all(tasks.collect())
+    };
+    let reported_before = automesh_store::reported_at_once();
+    // Every run accepted: only the claimed, uncancelled ones take it.
+    let accepted = reports(|_| Some(RunnerReport::Accepted)).await;
+    for (i, applied) in &accepted {
+        assert_eq!(*applied, i % 4 < 2, "accept {i}");
+    }
+    // Then every first finished, every second idle, every third idle
+    // (cancelled), every fourth finished (never claimed: refused).
+    let ends = |i: usize| {
+        Some(match i % 4 {
+            0 | 3 => RunnerReport::Finished(b"out\x00\xff"),
+            _ => RunnerReport::Idle,
+        })
+    };
+    for (i, applied) in reports(ends).await {
+        assert_eq!(applied, i % 4 != 3, "end {i}");
+    }
+    // Again: a second finish and a second acceptance change nothing.
+    let twice = reports(|i| match i % 4 {
+        0 => Some(RunnerReport::Finished(b"later")),
+        1 => Some(RunnerReport::Accepted),
+        _ => None,
+    });
+    assert!(twice.await.iter().all(|(_, applied)| !applied));
+    let reported = automesh_store::reported_at_once() - reported_before;
+    for (i, id) in ids.iter().enumerate() {
+        let held = store.desktop_run(id).await.expect("read").expect("offered");
+        let (phase, idle, outcome): (_, _, Option<&[u8]>) = match i % 4 {
+            0 => (DesktopPhase::Finished, true, Some(b"out\x00\xff")),
+            1 => (DesktopPhase::Running, true, None),
+            2 => (DesktopPhase::Admitted, true, None),
+            _ => (DesktopPhase::Admitted, false, None),
+        };
+        assert_eq!(held.phase, phase, "{id}");
+        assert_eq!(held.idle, idle, "{id}");
+        assert_eq!(held.outcome.as_deref(), outcome, "{id}");
+        assert_eq!(held.runner_id.is_some(), i % 4 != 3, "{id}");
+        assert_eq!(held.cancel_requested, i % 4 == 2, "{id}");
+    }
+    // Each applied report told what it left: the last note of each run
+    // is its assignment as it now is.
+    let mut last = std::collections::BTreeMap::new();
+    let give_up = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    while last.len() < 36 && tokio::time::Instant::now() < give_up {
+        if let Heard::Notes(notes) = listener.next(std::time::Duration::from_secs(1)).await {
+            for note in notes {
+                if let DesktopNote::Changed { run_id, now } = note
+                    && run_id.starts_with("jd-")
+                {
+                    last.insert(run_id, now);
+                }
+            }
+        }
+    }
+    assert_eq!(last.len(), 36, "a note for every run reported on");
+    for (run_id, now) in last {
+        let i: usize = run_id[3..].parse().expect("index");
+        let now = now.expect("the note says what the assignment is");
+        let held = store
+            .desktop_run(&run_id)
+            .await
+            .expect("read")
+            .expect("offered");
+        assert_eq!(now.phase, held.phase.to_string(), "{run_id}");
+        assert_eq!(now.idle, held.idle, "{run_id}");
+        assert_eq!(now.outcome(), held.outcome, "{run_id}");
+        assert_eq!(now.event_count, 0, "{run_id}");
+        assert!(!now.passed_over, "{run_id}");
+        assert_ne!(i % 4, 3, "{run_id}: a refused report sends no note");
+    }
+    if store.backend() == automesh_store::Backend::Postgres {
+        assert!(offered > 0, "PostgreSQL joined some offers");
+        assert!(reported > 0, "PostgreSQL joined some reports");
+    } else {
+        assert_eq!((offered, reported), (0, 0), "SQLite writes one by one");
+    }
+}

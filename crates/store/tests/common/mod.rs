@@ -37,6 +37,7 @@ macro_rules! conformance_suite {
             an_occurrence_fires_unlocked_only_while_its_guards_hold,
             occurrences_fired_together_each_fire_as_alone,
             many_runs_ended_at_once_each_by_its_own_guard,
+            many_reports_and_offers_joined_each_as_alone,
         );
     };
     ($backend:expr; $($case:ident),* $(,)?) => {
