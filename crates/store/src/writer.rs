@@ -7,9 +7,9 @@
 //! writer takes every job waiting when it is free (nothing waits on a
 //! timer: under no load a job commits at once, under load jobs pile up
 //! while the batches before commit, and the batches grow), runs them in one transaction in
-//! the order of their keys (a run's id: transactions of different
-//! processes lock rows in one order, so they cannot deadlock), and
-//! answers each job only after the commit. A batch is exactly as safe as
+//! the order of their keys (a run's id, so that transactions of different
+//! writers lock rows in one order), and answers each job only after the
+//! commit. A batch is exactly as safe as
 //! its jobs one by one: each job's guards and fencing are its own
 //! statements, and a job that fails (having written part of what it
 //! writes, perhaps) poisons only its batch, which is then rolled back and
@@ -26,6 +26,15 @@
 //! reports and desktop offers are joined the same way. A job joins through
 //! its [`Job::joined_row`] (a [`Row`] of one [`Joint`]) and is answered
 //! from what the statement did ([`Joined`]).
+//!
+//! A joined statement takes its rows' locks (in key order) before the
+//! batch's other jobs take theirs, so a batch no longer locks strictly in
+//! one key order: two batches that write crossing sets of the same runs
+//! (say one with reports on r1 and r9 and a cancellation of r5, the other
+//! with reports on r2 and r5 and a cancellation of r9) can deadlock.
+//! PostgreSQL detects it after `deadlock_timeout`, the batch it picks fails
+//! and is run again one job per transaction — correct, but that late; the
+//! batches run again so are counted (`automesh.db.write.replayed`).
 //!
 //! The desktop notes a batch's jobs ask for are sent (NOTIFY) inside the
 //! batch's transaction, so they are delivered at its commit, packed into as
@@ -257,10 +266,12 @@ pub fn written() -> (u64, u64) {
 /// Reports the writers' batching on `meter`, read at each collection; once
 /// per process, whatever its stores (the counts are the process's):
 /// `automesh.db.write.batches` (transactions committed or tried),
-/// `automesh.db.write.jobs` (writes they held), `automesh.db.write.alone`
+/// `automesh.db.write.jobs` (writes they held), `automesh.db.write.replayed`
+/// (batches run again one write per transaction), `automesh.db.write.alone`
 /// (writes that were one statement by themselves), and
 /// `automesh.db.write.joined` by `kind` (`move`, `end`, `report`,
-/// `offer`): writes a batch made together with others in one statement.
+/// `offer`): writes a batch made together with others in one statement
+/// (counted when made, so a batch rolled back afterwards counts too).
 pub(crate) fn observe(meter: &opentelemetry::metrics::Meter) {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -280,6 +291,11 @@ pub(crate) fn observe(meter: &opentelemetry::metrics::Meter) {
             "automesh.db.write.jobs",
             "Writes the store's writers committed in batches",
             &JOBS,
+        );
+        count(
+            "automesh.db.write.replayed",
+            "Batches rolled back because one write failed (a refused write, a deadlock) and run again one write per transaction",
+            &REPLAYED,
         );
         count(
             "automesh.db.write.alone",
@@ -332,6 +348,9 @@ pub fn offered_at_once() -> u64 {
 }
 
 static BATCHES: AtomicU64 = AtomicU64::new(0);
+/// Batches one of whose jobs failed (a refused write, a deadlock), rolled
+/// back and run again one job per transaction.
+static REPLAYED: AtomicU64 = AtomicU64::new(0);
 static JOBS: AtomicU64 = AtomicU64::new(0);
 
 async fn write_loop(store: Db, jobs: Arc<tokio::sync::Mutex<mpsc::Receiver<Pending>>>) {
@@ -366,6 +385,7 @@ async fn write_loop(store: Db, jobs: Arc<tokio::sync::Mutex<mpsc::Receiver<Pendi
             Err(Poisoned(_)) => {
                 // One job failed: every job again, alone, so only that one
                 // fails.
+                REPLAYED.fetch_add(1, Ordering::Relaxed);
                 for pending in batch {
                     let answer = match commit(&store, std::slice::from_ref(&pending)).await {
                         Ok(mut answers) => answers.pop().unwrap_or_else(|| Err(gone())),

@@ -29,7 +29,6 @@ const OFFER_NOTIFIED_PG: &str = concat!(
     " RETURNING run_id) SELECT pg_notify($6, $7) FROM offered"
 );
 
-/// A cancelled assignment is not accepted: its runner is told to drop it.
 /// What a report leaves, for the note that tells the run's observers.
 macro_rules! state_after {
     () => {
@@ -37,6 +36,7 @@ macro_rules! state_after {
     };
 }
 
+/// A cancelled assignment is not accepted: its runner is told to drop it.
 const ACCEPTED: &str = concat!(
     "UPDATE desktop_assignments SET phase = 'running', updated_at = $4 \
      WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3 AND phase = 'admitted' \

@@ -1791,10 +1791,14 @@ pub async fn many_reports_and_offers_joined_each_as_alone(store: &Store) {
     use automesh_store::desktop::DesktopPhase;
     use automesh_store::{DesktopNote, Heard};
     let now = t(0);
-    store
-        .open_runner_stream("runner-j", "sj", now)
-        .await
-        .expect("stream");
+    // runner-j's newest stream is sj (sj-old was its first); runner-k is
+    // another runner of the owner.
+    for (runner, stream, at) in [("runner-j", "sj-old", 0), ("runner-j", "sj", 1)] {
+        let opened = store.open_runner_stream(runner, stream, t(at));
+        opened.await.expect("stream");
+    }
+    let opened = store.open_runner_stream("runner-k", "sk", now);
+    opened.await.expect("stream");
     let ids: Vec<String> = (0..48).map(|i| format!("jd-{i:02}")).collect();
     // Runs at once, each its own task: the writer batches what waits.
     async fn all<T: Send + 'static>(
@@ -1849,20 +1853,34 @@ pub async fn many_reports_and_offers_joined_each_as_alone(store: &Store) {
         }
     }
     let mut listener = store.listen_desktop().await;
-    let reports = |kind: fn(usize) -> Option<RunnerReport<'static>>| {
+    type By = (&'static str, &'static str);
+    let reports = |kind: fn(usize) -> Option<(RunnerReport<'static>, By)>| {
         let tasks = ids.iter().enumerate().filter_map(|(i, id)| {
-            let report = kind(i)?;
+            let (report, (runner, stream)) = kind(i)?;
             let (store, id) = (store.clone(), id.clone());
             Some(tokio::spawn(async move {
-                let made = store.desktop_report(report, &id, "runner-j", "sj", t(10 + i as i64));
+                let made = store.desktop_report(report, &id, runner, stream, t(10 + i as i64));
                 (i, made.await.expect("report"))
             }))
         });
         all(tasks.collect())
     };
+    const J: By = ("runner-j", "sj");
     let reported_before = automesh_store::reported_at_once();
+    // Reports by anyone but the claiming stream are refused: another
+    // runner (on its own stream, or naming the claiming stream's id), the
+    // runner's older stream.
+    let strangers = reports(|i| {
+        Some(match i % 4 {
+            0 => (RunnerReport::Accepted, ("runner-k", "sk")),
+            1 => (RunnerReport::Accepted, ("runner-j", "sj-old")),
+            2 => (RunnerReport::Finished(b"x"), ("runner-k", "sj")),
+            _ => (RunnerReport::Idle, ("runner-j", "sj-old")),
+        })
+    });
+    assert!(strangers.await.iter().all(|(_, applied)| !applied));
     // Every run accepted: only the claimed, uncancelled ones take it.
-    let accepted = reports(|_| Some(RunnerReport::Accepted)).await;
+    let accepted = reports(|_| Some((RunnerReport::Accepted, J))).await;
     for (i, applied) in &accepted {
         assert_eq!(*applied, i % 4 < 2, "accept {i}");
     }
@@ -1870,8 +1888,8 @@ pub async fn many_reports_and_offers_joined_each_as_alone(store: &Store) {
     // (cancelled), every fourth finished (never claimed: refused).
     let ends = |i: usize| {
         Some(match i % 4 {
-            0 | 3 => RunnerReport::Finished(b"out\x00\xff"),
-            _ => RunnerReport::Idle,
+            0 | 3 => (RunnerReport::Finished(b"out\x00\xff"), J),
+            _ => (RunnerReport::Idle, J),
         })
     };
     for (i, applied) in reports(ends).await {
@@ -1879,8 +1897,8 @@ pub async fn many_reports_and_offers_joined_each_as_alone(store: &Store) {
     }
     // Again: a second finish and a second acceptance change nothing.
     let twice = reports(|i| match i % 4 {
-        0 => Some(RunnerReport::Finished(b"later")),
-        1 => Some(RunnerReport::Accepted),
+        0 => Some((RunnerReport::Finished(b"later"), J)),
+        1 => Some((RunnerReport::Accepted, J)),
         _ => None,
     });
     assert!(twice.await.iter().all(|(_, applied)| !applied));
@@ -1899,21 +1917,33 @@ pub async fn many_reports_and_offers_joined_each_as_alone(store: &Store) {
         assert_eq!(held.runner_id.is_some(), i % 4 != 3, "{id}");
         assert_eq!(held.cancel_requested, i % 4 == 2, "{id}");
     }
-    // Each applied report told what it left: the last note of each run
-    // is its assignment as it now is.
-    let mut last = std::collections::BTreeMap::new();
+    // Each applied report told what it left (24 acceptances, 36 ends; a
+    // refused report tells nothing): the last note of each run is its
+    // assignment as it now is.
+    let (mut last, mut heard) = (std::collections::BTreeMap::new(), 0);
     let give_up = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
-    while last.len() < 36 && tokio::time::Instant::now() < give_up {
+    while heard < 60 && tokio::time::Instant::now() < give_up {
         if let Heard::Notes(notes) = listener.next(std::time::Duration::from_secs(1)).await {
             for note in notes {
                 if let DesktopNote::Changed { run_id, now } = note
                     && run_id.starts_with("jd-")
                 {
+                    heard += 1;
                     last.insert(run_id, now);
                 }
             }
         }
     }
+    // Nothing more: no refused report sent a note.
+    let quiet = tokio::time::Instant::now() + std::time::Duration::from_secs(2);
+    while tokio::time::Instant::now() < quiet {
+        let Heard::Notes(notes) = listener.next(std::time::Duration::from_millis(300)).await else {
+            break;
+        };
+        let ours = |n: &&DesktopNote| matches!(n, DesktopNote::Changed { run_id, .. } if run_id.starts_with("jd-"));
+        heard += notes.iter().filter(ours).count();
+    }
+    assert_eq!(heard, 60, "one note per applied report");
     assert_eq!(last.len(), 36, "a note for every run reported on");
     for (run_id, now) in last {
         let i: usize = run_id[3..].parse().expect("index");
