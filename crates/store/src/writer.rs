@@ -289,7 +289,7 @@ pub(crate) fn observe(meter: &opentelemetry::metrics::Meter) {
         );
         count(
             "automesh.db.write.jobs",
-            "Writes the store's writers committed in batches",
+            "Writes the store's writers took into batches (committed, or run again one by one)",
             &JOBS,
         );
         count(
