@@ -113,15 +113,10 @@ async fn make(
 ) -> Result<std::collections::HashMap<String, Joined>> {
     let input = serde_json::Value::Array(rows.iter().map(|r| r.value.clone()).collect());
     let input = input.to_string();
-    let ids = rows.iter().map(|r| r.run_id.clone());
     Ok(match joint {
         Joint::Move => {
             let made = crate::runs::advance_many(tx, input).await?;
-            ids.map(|id| {
-                let moved = made.contains(&id);
-                (id, Joined::Moved(moved))
-            })
-            .collect()
+            each(rows, |id| Joined::Moved(made.contains(id)))
         }
         Joint::End => crate::receipts::end_many(tx, input)
             .await?
@@ -130,21 +125,23 @@ async fn make(
             .collect(),
         Joint::Report => {
             let mut now = crate::desktop::report_many(tx, input).await?;
-            ids.map(|id| {
-                let left = now.remove(&id);
-                (id, Joined::Reported(left))
-            })
-            .collect()
+            each(rows, |id| Joined::Reported(now.remove(id)))
         }
         Joint::Offer => {
             let made = crate::desktop::offer_many(tx, input).await?;
-            ids.map(|id| {
-                let offered = made.contains(&id);
-                (id, Joined::Offered(offered))
-            })
-            .collect()
+            each(rows, |id| Joined::Offered(made.contains(id)))
         }
     })
+}
+
+/// Every row's answer, as `of` reads it from what the statement did.
+fn each(
+    rows: &[&Row],
+    mut of: impl FnMut(&str) -> Joined,
+) -> std::collections::HashMap<String, Joined> {
+    rows.iter()
+        .map(|r| (r.run_id.clone(), of(&r.run_id)))
+        .collect()
 }
 
 /// The batch's unanswered jobs that can join a statement, with their
