@@ -624,6 +624,72 @@ async fn five_hundred_due_at_once_on_two_schedulers_and_two_coordinators() {
     mesh.stop().await.expect("stop");
 }
 
+/// A scheduled run created just ahead of its instant, as the scheduler
+/// creates an on-time occurrence's, is claimed and held by the coordinator:
+/// its executor has it at its instant, never before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_created_ahead_of_its_instant_starts_at_it_never_before() {
+    use automesh_domain::automation::NewAutomation;
+    use automesh_domain::run::NewRun;
+    let (mesh, executor) = mesh_with(
+        Backend::Postgres,
+        Behavior::Complete {
+            after: Duration::from_millis(20),
+            events: 0,
+        },
+        MeshOptions::default(),
+    )
+    .await;
+    let owner = Principal::new("acme", "alice");
+    let new = NewAutomation {
+        id: "ahead".into(),
+        owner: owner.clone(),
+        name: "ahead".into(),
+        prompt: "p".into(),
+        model: "fake/echo".into(),
+        surface: automesh_domain::Surface::Web,
+        schedule: automesh_domain::Schedule::Once { at: Utc::now() },
+    };
+    let a = mesh
+        .store()
+        .create_automation(&new, None, Utc::now())
+        .await
+        .expect("create");
+    let lead = chrono::Duration::from_std(automesh_store::leases::CLAIM_AHEAD / 2).expect("lead");
+    let mut runs = vec![];
+    for _ in 0..5 {
+        let now = Utc::now();
+        let at = now + lead;
+        let run = NewRun {
+            id: automesh_domain::ids::scheduled_run_id(&a.id, at),
+            automation: &a,
+            trigger: automesh_domain::RunTrigger::Schedule,
+            scheduled_for: Some(at),
+            idempotency_key: None,
+            state: RunState::Pending,
+            error: None,
+            deadline_at: now + chrono::Duration::seconds(60),
+            traceparent: None,
+        };
+        let (run, created) = mesh.store().create_run(&run, now).await.expect("run");
+        assert!(created);
+        let run = terminal(mesh.store(), &run.id, Duration::from_secs(30)).await;
+        assert_eq!(run.state, RunState::Succeeded, "{run:?}");
+        runs.push(run);
+    }
+    let starts = executor.first_starts();
+    for run in &runs {
+        let at = run.scheduled_for.expect("instant");
+        assert!(run.created_at < at, "created ahead: {run:?}");
+        assert!(
+            starts[&run.id] >= at,
+            "started {} before its instant {at}",
+            starts[&run.id]
+        );
+    }
+    mesh.stop().await.expect("stop");
+}
+
 /// A coordinator driving as many runs as it may claims the next the moment
 /// one of its runs ends, not at its next safety poll (an hour here): three
 /// runs through a coordinator that drives one at a time, each started only

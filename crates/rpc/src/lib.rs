@@ -12,6 +12,7 @@ pub mod http;
 pub mod json_log;
 pub mod metrics;
 pub mod otlp_logs;
+pub mod precise;
 pub mod process;
 pub mod propagation;
 pub mod runtime;

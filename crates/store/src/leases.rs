@@ -16,8 +16,9 @@ use crate::{Backend, Result, Store};
 
 /// The claim of up to `$4` runs: live, unleased or with a lapsed lease, of
 /// a placement this coordinator executes (or past what any coordinator
-/// must end), oldest first; `$lock` is how the backend keeps two claims
-/// apart. A run of a placement this coordinator executes gets its message
+/// must end), due by `$7` (a scheduled run a little before its instant,
+/// see [`CLAIM_AHEAD`]), oldest first; `$lock` is how the backend keeps
+/// two claims apart. A run of a placement this coordinator executes gets its message
 /// identity (`msg_<run id>`) with its first such claim, before any
 /// `StartRun`, and keeps it.
 macro_rules! claim_sql {
@@ -31,6 +32,7 @@ macro_rules! claim_sql {
             live_states!(),
             " \
                   AND (lease_expires_at IS NULL OR lease_expires_at < $3) \
+                  AND (scheduled_for IS NULL OR scheduled_for <= $7) \
                   AND ($5 LIKE '%,' || placement || ',%' \
                        OR (message_id IS NULL AND (deadline_at < $3 OR cancel_requested_at IS NOT NULL)) \
                        OR deadline_at < $6) \
@@ -42,6 +44,14 @@ macro_rules! claim_sql {
         )
     };
 }
+
+/// How long before its instant a scheduled run may be claimed. The
+/// scheduler creates an on-time occurrence's run a little ahead of its
+/// instant (at most half this, so that a clock a little off between hosts
+/// still finds it claimable), a coordinator claims it at once and its drive
+/// holds it until the instant: at the instant only the `StartRun` call is
+/// left. Nothing reaches an executor before the run's instant.
+pub const CLAIM_AHEAD: std::time::Duration = std::time::Duration::from_millis(20);
 
 const CLAIM_PG: &str = claim_sql!(" FOR UPDATE SKIP LOCKED");
 
@@ -108,6 +118,8 @@ impl Store {
     /// past their deadline (anyone can end those); and any run whose
     /// deadline was before `orphaned_before` (so a run no coordinator can
     /// execute any more still ends, a grace period after its deadline).
+    /// A scheduled run is claimable from [`CLAIM_AHEAD`] before its
+    /// instant; its drive holds it until then.
     pub async fn claim_runs(
         &self,
         owner: &str,
@@ -131,6 +143,7 @@ impl Store {
             i64::from(limit),
             placements,
             micros(orphaned_before),
+            micros(now + chrono::Duration::from_std(CLAIM_AHEAD).unwrap_or_default()),
         );
         // A row that does not decode is logged and left to its lease expiry,
         // rather than stopping every other claim.

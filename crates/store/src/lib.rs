@@ -39,7 +39,8 @@ pub use signal::{
     AssignmentState, DesktopListener, DesktopNote, Heard, RunWatcher, Topic, Watcher,
 };
 pub use writer::{
-    ended_at_once, moved_at_once, offered_at_once, reported_at_once, written, written_alone,
+    ended_at_once, moved_at_once, offered_at_once, replayed, reported_at_once, written,
+    written_alone,
 };
 
 /// Which database a store talks to.

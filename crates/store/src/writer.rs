@@ -347,6 +347,13 @@ pub fn offered_at_once() -> u64 {
     Joint::Offer.counter().load(Ordering::Relaxed)
 }
 
+/// How many batches the writers of this process rolled back because one
+/// of their jobs failed (a refused write, a deadlock between batches) and
+/// ran again one job per transaction.
+pub fn replayed() -> u64 {
+    REPLAYED.load(Ordering::Relaxed)
+}
+
 static BATCHES: AtomicU64 = AtomicU64::new(0);
 /// Batches one of whose jobs failed (a refused write, a deadlock), rolled
 /// back and run again one job per transaction.

@@ -82,8 +82,9 @@ fn placement(p: Placement) -> KeyValue {
     KeyValue::new("placement", p.as_str())
 }
 
-/// When the run fell due: its scheduled instant, or when it was requested.
-fn due(run: &Run) -> chrono::DateTime<chrono::Utc> {
+/// When the run fell due: its scheduled instant, or its creation when that
+/// was later (a catch-up) or it has none (a manual run).
+pub(crate) fn due(run: &Run) -> chrono::DateTime<chrono::Utc> {
     run.scheduled_for
         .unwrap_or(run.created_at)
         .max(run.created_at)

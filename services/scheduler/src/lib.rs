@@ -9,7 +9,6 @@
 mod error;
 mod metrics;
 pub mod occurrences;
-mod precise;
 mod service;
 
 use std::sync::Arc;

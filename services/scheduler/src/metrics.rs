@@ -1,6 +1,7 @@
 //! The scheduler's metrics: runs created by placement, trigger and initial
 //! state, the runs it creates already ended (skipped, missed), and how
-//! late after its due instant an occurrence's run was committed.
+//! late after its due instant an occurrence's run was committed (0 when
+//! it was committed ahead of it).
 
 use std::sync::OnceLock;
 
@@ -32,9 +33,10 @@ fn fire_delay() -> &'static Histogram<f64> {
     FIRE.get_or_init(|| {
         automesh_rpc::metrics::seconds(
             "automesh.occurrence.fire.duration",
-            "From an occurrence's due instant to the commit of the run it created, by placement \
-             and path (at_instant: fired by one statement at the instant; pass: by a scheduling \
-             pass, catching up included)",
+            "From an occurrence's due instant to the commit of the run it created (0 when it \
+             committed ahead of the instant), by placement and path (ahead: fired by one \
+             statement just ahead of the instant; pass: by a scheduling pass, catching up \
+             included)",
             &FIRE_DELAY,
         )
     })
@@ -43,8 +45,9 @@ fn fire_delay() -> &'static Histogram<f64> {
 /// How an occurrence's run was created.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Path {
-    /// Read and planned ahead, fired at the due instant by one statement.
-    AtInstant,
+    /// Read, planned and fired by one statement just ahead of the due
+    /// instant (its run held until the instant by the coordinator).
+    Ahead,
     /// By a scheduling pass (the instant's fire did not apply, a burst, a
     /// catch-up after downtime).
     Pass,
@@ -53,7 +56,7 @@ pub(crate) enum Path {
 impl Path {
     fn as_str(self) -> &'static str {
         match self {
-            Path::AtInstant => "at_instant",
+            Path::Ahead => "ahead",
             Path::Pass => "pass",
         }
     }

@@ -6,7 +6,9 @@
 //! creates their runs — with ids derived from (automation, instant), so even
 //! a race without locks could not create two — and advances their next
 //! occurrence. Between passes the loop sleeps until the earliest next
-//! occurrence (one index probe), or until an edit wakes it.
+//! occurrence (one index probe), or until an edit wakes it; a few ordinary
+//! occurrences are fired just ahead of their instant, for the coordinator
+//! to claim and hold until it (see `AHEAD`).
 //!
 //! After downtime, only the latest missed occurrence may still run, and only
 //! inside the catch-up window; every other one gets a `missed` receipt.
@@ -20,6 +22,7 @@ use automesh_domain::ids::scheduled_run_id;
 use automesh_domain::run::NewRun;
 use automesh_domain::{Automation, ErrorCode, Receipt, RunState, RunTrigger, Schedule};
 use automesh_rpc::propagation;
+use automesh_store::leases::CLAIM_AHEAD;
 use automesh_store::scheduling::{Due, SchedulingTx};
 use automesh_store::{Store, StoreError};
 use chrono::{DateTime, Utc};
@@ -27,7 +30,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::{Created, Path};
-use crate::precise::sleep_precisely;
+use automesh_rpc::precise::sleep_precisely;
 
 /// Automations claimed per transaction.
 const BATCH: u32 = 200;
@@ -123,8 +126,8 @@ pub async fn run_loop(
         let notified = wake.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        // Everything due by the instant fired there: no locked pass now
-        // (it would only compete with the coordinators claiming those
+        // Everything due by the instant fired ahead of it: no locked pass
+        // now (it would only compete with the coordinators claiming those
         // runs); anything due since is seen by the look below.
         let fired = match ahead_of.take() {
             Some(at) => match fire_ahead(&store, &settings, at).await {
@@ -155,7 +158,8 @@ pub async fn run_loop(
                 if until > settings.max_sleep {
                     (settings.max_sleep, None)
                 } else if until > AHEAD {
-                    // Wake ahead to have the due rows claimed by the instant.
+                    // Wake ahead to have the due runs created and claimed
+                    // by the instant.
                     (until - AHEAD, Some(at))
                 } else {
                     (until, None)
@@ -175,22 +179,30 @@ pub async fn run_loop(
     }
 }
 
-/// How far ahead of a due instant the loop wakes to read what falls due
-/// and plan it, so that at the instant firing is one statement each.
-const AHEAD: Duration = Duration::from_millis(3);
+/// How far ahead of a due instant the loop wakes to read what falls due,
+/// plan it and fire it, each occurrence by one statement: its run is then
+/// committed, and claimed by a coordinator that holds it until the instant,
+/// before the instant comes ([`CLAIM_AHEAD`]: a run is claimable twice as
+/// long before its instant). An occurrence fired so is decided this much
+/// before its instant: an edit, a deactivation or a run-now committed in
+/// these last milliseconds applies from the next occurrence, as it would
+/// had it arrived a little later.
+const AHEAD: Duration = Duration::from_millis(10);
+
+const _: () = assert!(AHEAD.as_micros() * 2 <= CLAIM_AHEAD.as_micros());
 
 /// The most occurrences due at one instant fired that way; a burst goes
 /// through the pass's batches.
 const AHEAD_LIMIT: usize = 8;
 
-/// Fires what falls due at `at` the moment it does, when that is a few
-/// ordinary occurrences (nothing missed, no previous run live): read and
-/// planned ahead without locks, each fired at the instant by one guarded
-/// statement (the automation still active, unchanged and due at the same
-/// instant, and no run of it live), concurrently. A guard that does not
-/// hold fires nothing: the pass that follows claims what is still due,
-/// with locks, and decides again. PostgreSQL only. How many fired when
-/// every occurrence due by `at` did (no pass is needed then), else `None`.
+/// Fires what falls due at `at` ahead of it, when that is a few ordinary
+/// occurrences (nothing missed, no previous run live): read and planned
+/// without locks, each fired by one guarded statement (the automation
+/// still active, unchanged and due at the same instant, and no run of it
+/// live), concurrently, at once. A guard that does not hold fires nothing:
+/// the pass at the instant claims what is still due, with locks, and
+/// decides again. PostgreSQL only. How many fired when every occurrence
+/// due by `at` did (no pass is needed then), else `None`.
 async fn fire_ahead(
     store: &Store,
     settings: &Settings,
@@ -215,8 +227,7 @@ async fn fire_ahead(
         };
         fires.push((a, first_due, fire, plan.next));
     }
-    sleep_precisely((at - Utc::now()).to_std().unwrap_or(Duration::ZERO)).await;
-    let now = Utc::now().max(at);
+    let now = Utc::now();
     let fired = fires.iter().map(|(a, first_due, fire, next)| async move {
         let span = occurrence_span(a, *fire);
         let traceparent = span.in_scope(propagation::current_traceparent);
@@ -238,7 +249,7 @@ async fn fire_ahead(
             trigger: RunTrigger::Schedule,
             state: RunState::Pending,
             code: None,
-            fired: Some((*fire, Path::AtInstant)),
+            fired: Some((*fire, Path::Ahead)),
         }))
     });
     let mut created = vec![];

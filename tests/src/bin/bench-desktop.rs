@@ -370,7 +370,7 @@ async fn due_latency(
         if ms.is_empty() { f64::NAN } else { median(ms) }
     };
     println!(
-        "latency   where it goes (medians after the due instant): run created {:.1} ms, offered {:.1} ms, claimed for the runner {:.1} ms",
+        "latency   where it goes (medians after the due instant): run created {:.1} ms (negative: ahead of it, then held by the coordinator until it), offered {:.1} ms, claimed for the runner {:.1} ms",
         after_due(|r| r.1),
         after_due(|r| r.2),
         after_due(|r| r.3),

@@ -137,6 +137,7 @@ async fn main() -> anyhow::Result<()> {
         .await?;
         let before = DbCounters::settled(&url).await?;
         let cpu_before = CpuTimes::now();
+        let replayed_before = automesh_store::replayed();
         while chrono::Utc::now() < dues[0] {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
@@ -165,8 +166,9 @@ async fn main() -> anyhow::Result<()> {
         cpus.push(CpuTimes::now().per_run(cpu_before, runs));
         let (commits, writes) = DbCounters::settled(&url).await?.per_run(before, runs);
         let bad = without_one_receipt(&store, &prefix).await?;
+        let replayed = automesh_store::replayed() - replayed_before;
         println!(
-            "repeat {r}  {rate:>7.0} runs/s = {:.3} × L (the last run created {:.0} ms after the due instant, started {:.0} ms, ended {:.0} ms); {commits:.2} commits, {writes:.2} writing transactions per run; {bad} runs without exactly one receipt",
+            "repeat {r}  {rate:>7.0} runs/s = {:.3} × L (the last run created {:.0} ms after the due instant, started {:.0} ms, ended {:.0} ms); {commits:.2} commits, {writes:.2} writing transactions per run; {replayed} write batches replayed job by job (a failed write or a deadlock); {bad} runs without exactly one receipt",
             rate / l,
             last.created,
             last.started,

@@ -1300,6 +1300,55 @@ pub async fn runs_are_leased_to_one_coordinator_and_fenced(store: &Store) {
     );
 }
 
+/// A scheduled run is claimed only from `CLAIM_AHEAD` before its instant
+/// (the scheduler creates an on-time occurrence's run just ahead of it, and
+/// the claiming coordinator holds it until the instant); a manual run at
+/// once, and a scheduled run whose instant passed however late.
+pub async fn a_scheduled_run_is_claimed_only_shortly_before_its_instant(store: &Store) {
+    use automesh_store::leases::CLAIM_AHEAD;
+    let a = create(store, &alice(), "a1", t(0)).await;
+    let scheduled = |id: &str, at: DateTime<Utc>| NewRun {
+        trigger: RunTrigger::Schedule,
+        scheduled_for: Some(at),
+        idempotency_key: None,
+        ..new_run(&a, id)
+    };
+    let (soon, later) = (t(100), t(200));
+    for run in [
+        scheduled("soon", soon),
+        scheduled("later", later),
+        new_run(&a, "manual"),
+    ] {
+        store.create_run(&run, t(1)).await.expect("create");
+    }
+    let ahead = Duration::from_std(CLAIM_AHEAD).expect("ahead");
+    let claim = |now: DateTime<Utc>| {
+        let store = store.clone();
+        async move {
+            let claimed = store
+                .claim_runs("c1", &[Placement::Cloud], t(100_000), now, t(-100_000), 10)
+                .await
+                .expect("claim");
+            let mut ids: Vec<String> = claimed.into_iter().map(|c| c.run.id).collect();
+            ids.sort();
+            ids
+        }
+    };
+    let just_too_early = soon - ahead - Duration::microseconds(1);
+    assert_eq!(claim(just_too_early).await, ["manual"]);
+    assert_eq!(
+        claim(soon - ahead).await,
+        ["soon"],
+        "claimable from CLAIM_AHEAD before its instant"
+    );
+    assert!(claim(soon).await.is_empty(), "nothing else is due yet");
+    assert_eq!(
+        claim(later + Duration::hours(5)).await,
+        ["later"],
+        "an instant long passed is due"
+    );
+}
+
 /// Concurrent wakes of a stopped worker start it once; a start whose holder
 /// stopped renewing it is taken over after its lease, and the old holder
 /// can neither renew it nor declare the worker ready.

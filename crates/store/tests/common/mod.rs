@@ -32,6 +32,7 @@ macro_rules! conformance_suite {
             text_no_backend_can_store_is_refused_alike_and_never_as_retryable,
             a_runners_newest_stream_holds_its_claims,
             runs_are_leased_to_one_coordinator_and_fenced,
+            a_scheduled_run_is_claimed_only_shortly_before_its_instant,
             concurrent_wakes_start_a_worker_once,
             a_worker_with_a_live_run_is_never_stopped,
             an_occurrence_fires_unlocked_only_while_its_guards_hold,

@@ -1,5 +1,6 @@
 //! One drive per claimed run: the run's span, its lease heartbeat (a
-//! drive never outlives its lease), and the hand-over to `execute`.
+//! drive never outlives its lease), the hold of a run claimed ahead of its
+//! instant, and the hand-over to `execute`.
 
 use std::sync::Arc;
 
@@ -24,6 +25,7 @@ pub(super) async fn drive(ctx: Arc<Context>, claimed: ClaimedRun) {
         automation_id = %run.automation_id,
         placement = %run.placement,
         claim = claimed.claims,
+        held_us = tracing::field::Empty,
         outcome = tracing::field::Empty,
         error.type = tracing::field::Empty,
         otel.status_code = tracing::field::Empty,
@@ -50,6 +52,7 @@ pub(super) async fn drive(ctx: Arc<Context>, claimed: ClaimedRun) {
     let heartbeat = AbortOnDrop(tokio::spawn(
         heartbeat(ctx.clone(), run.clone(), lost.clone(), cancel_seen.clone()).in_current_span(),
     ));
+    hold(&run, &span).await;
     let mut progress = Progress::of(&claimed);
     let result = execute(&ctx, &claimed, &mut progress, &lost, &cancel_seen)
         .instrument(span.clone())
@@ -73,6 +76,26 @@ pub(super) async fn drive(ctx: Arc<Context>, claimed: ClaimedRun) {
     }
     .instrument(span)
     .await;
+}
+
+/// Holds a run claimed ahead of its instant ([`CLAIM_AHEAD`]) until the
+/// instant, so that nothing reaches its executor before it; bounded by the
+/// run's deadline, the bound of everything a run waits for. How long it
+/// held is the span's `held_us`. A cancellation requested meanwhile is
+/// seen by `execute` right after.
+///
+/// [`CLAIM_AHEAD`]: automesh_store::leases::CLAIM_AHEAD
+async fn hold(run: &Run, span: &tracing::Span) {
+    let Some(at) = run.scheduled_for else {
+        return;
+    };
+    let ahead = (at.min(run.deadline_at) - Utc::now())
+        .to_std()
+        .unwrap_or_default();
+    if !ahead.is_zero() {
+        span.record("held_us", ahead.as_micros() as u64);
+        automesh_rpc::precise::sleep_precisely(ahead).await;
+    }
 }
 
 /// Aborts its task when dropped.

@@ -50,7 +50,12 @@ pub(super) async fn finish(
         error_message: ending.message.clone(),
         placement: run.placement,
         engine: ending.engine.clone(),
-        queued_micros: micros_between(Some(run.created_at), progress.admitted_at.unwrap_or(now)),
+        // From the later of its creation and its instant: a run created
+        // ahead of its instant was not queued while it waited for it.
+        queued_micros: micros_between(
+            Some(crate::metrics::due(run)),
+            progress.admitted_at.unwrap_or(now),
+        ),
         wake_micros: ending.wake_micros,
         admission_micros: ending.admission_micros,
         execution_micros: micros_between(progress.started_at.or(progress.admitted_at), now),

@@ -1,5 +1,6 @@
-//! Sleeping to an instant within microseconds: the scheduler fires an
-//! occurrence at its due instant, not when a millisecond timer gets to it.
+//! Sleeping to an instant within microseconds: the scheduler wakes ahead
+//! of a due instant, and a coordinator holds a run created ahead of its
+//! instant until that instant, not until a millisecond timer gets to it.
 
 use std::time::Duration;
 
@@ -13,12 +14,12 @@ const PRECISE: Duration = Duration::from_millis(3);
 /// to wake the task) to yield until the instant.
 const SPIN: Duration = Duration::from_micros(500);
 
-/// Sleeps `d`, waking within microseconds of its end: the scheduler fires
-/// an occurrence at its due instant, not up to two milliseconds later.
+/// Sleeps `d`, waking within microseconds of its end, never before it
+/// (tokio's timer alone wakes up to two milliseconds late).
 /// Tokio's timer, then a blocking sleep on the blocking pool (dropped
 /// early, its thread finishes that stretch alone), then yielding for the
 /// last half millisecond.
-pub(crate) async fn sleep_precisely(d: Duration) {
+pub async fn sleep_precisely(d: Duration) {
     let until = std::time::Instant::now() + d;
     if d > PRECISE {
         tokio::time::sleep(d - PRECISE).await;
@@ -43,7 +44,7 @@ pub(crate) async fn sleep_precisely(d: Duration) {
 mod tests {
     use super::*;
 
-    /// An occurrence is never fired before its instant: however its three
+    /// A run is never held short of its instant: however its three
     /// stretches fall (tokio's timer, the blocking sleep, yielding), the
     /// sleep never ends early.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
