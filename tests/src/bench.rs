@@ -2,6 +2,111 @@
 
 use automesh_desktop_runner_gateway::stream::Http2;
 
+/// One flag a benchmark takes: its name, what its value is (`None` for a
+/// switch; otherwise a positive whole number unless `choices` names the
+/// values it takes) and what it does.
+pub struct Flag {
+    pub name: &'static str,
+    pub value: Option<&'static str>,
+    pub choices: &'static [&'static str],
+    pub help: &'static str,
+}
+
+impl Flag {
+    /// A flag taking a positive whole number.
+    pub const fn count(name: &'static str, help: &'static str) -> Flag {
+        Flag {
+            name,
+            value: Some("N"),
+            choices: &[],
+            help,
+        }
+    }
+
+    /// A flag taking no value.
+    pub const fn switch(name: &'static str, help: &'static str) -> Flag {
+        Flag {
+            name,
+            value: None,
+            choices: &[],
+            help,
+        }
+    }
+}
+
+/// `--quick`, which every benchmark takes.
+pub const QUICK: Flag = Flag::switch(
+    "--quick",
+    "the short form CI runs once (figures printed, not checked)",
+);
+
+/// `--runner-http2`, for the benchmarks that hold runner streams.
+pub const RUNNER_HTTP2: Flag = Flag {
+    name: "--runner-http2",
+    value: Some("lean|hyper"),
+    choices: &["lean", "hyper"],
+    help: "what serves the runner listener (default lean)",
+};
+
+/// Checks the command line against `flags` before anything starts:
+/// `--help` (or `-h`) prints `about` and the flags and exits; an unknown
+/// flag, a missing value or one that is not what the flag takes is refused
+/// naming it, with exit status 2. The values are then read by [`sized`] and
+/// the others.
+pub fn check_args(bin: &str, about: &str, flags: &[Flag]) {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let usage = || {
+        let mut u = format!("{about}\n\nUsage: {bin} [FLAGS]\n\nFlags:\n");
+        for f in flags {
+            let name = match f.value {
+                Some(v) => format!("{} {v}", f.name),
+                None => f.name.to_owned(),
+            };
+            u.push_str(&format!("  {name:<26} {}\n", f.help));
+        }
+        u.push_str(&format!(
+            "  {:<26} {}\n",
+            "-h, --help", "print this and exit"
+        ));
+        u
+    };
+    let refuse = |why: String| -> ! {
+        eprintln!("error: {why}\n\n{}", usage());
+        std::process::exit(2)
+    };
+    let mut i = 0;
+    while i < args.len() {
+        let a = args[i].as_str();
+        if a == "--help" || a == "-h" {
+            print!("{}", usage());
+            std::process::exit(0)
+        }
+        let Some(flag) = flags.iter().find(|f| f.name == a) else {
+            refuse(format!("{bin} takes no {a:?}"))
+        };
+        if let Some(kind) = flag.value {
+            let Some(v) = args.get(i + 1) else {
+                refuse(format!("{a} needs a value ({kind})"))
+            };
+            let ok = if flag.choices.is_empty() {
+                v.parse::<usize>().is_ok_and(|n| n > 0)
+            } else {
+                flag.choices.contains(&v.as_str())
+            };
+            if !ok {
+                let takes = if flag.choices.is_empty() {
+                    "a positive whole number".to_owned()
+                } else {
+                    format!("one of {}", flag.choices.join(", "))
+                };
+                refuse(format!("{a} takes {takes}, not {v:?}"))
+            }
+            i += 1;
+        }
+        i += 1;
+    }
+}
+
 /// The value after `name` on the command line, or `default`.
 pub fn arg(name: &str, default: usize) -> usize {
     let args: Vec<String> = std::env::args().collect();

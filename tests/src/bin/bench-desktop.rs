@@ -33,7 +33,8 @@ use std::time::{Duration, Instant};
 use automesh_domain::automation::NewAutomation;
 use automesh_domain::{Principal, Schedule, Surface};
 use automesh_e2e_tests::bench::{
-    Assigned, StubRunners, median, mint_runner, percentile, quick, sized,
+    Assigned, Flag, QUICK, RUNNER_HTTP2, StubRunners, check_args, median, mint_runner, percentile,
+    quick, sized,
 };
 use automesh_e2e_tests::{Mesh, MeshOptions};
 use automesh_proto::v1 as pb;
@@ -94,6 +95,29 @@ async fn main() -> anyhow::Result<()> {
         let http2 = args.get(i + 2).cloned().unwrap_or_else(|| "lean".into());
         return serve_gateway(&url, &http2).await;
     }
+    check_args(
+        "bench-desktop",
+        "Benchmark of the desktop path on PostgreSQL (AUTOMESH_TEST_POSTGRES_URL): idle runner \
+         streams on a gateway process (memory and CPU per stream), due → assignment latency, and \
+         run-now → assignment with more streams.",
+        &[
+            Flag::count("--streams", "idle runner streams first (default 10000)"),
+            Flag::count(
+                "--more",
+                "streams in all for the second part (default 19000)",
+            ),
+            Flag::count(
+                "--latency-runs",
+                "runs measured per latency case (default 100)",
+            ),
+            Flag::switch(
+                "--heartbeats",
+                "keep streams alive by heartbeats every 3 s, not HTTP/2 PING",
+            ),
+            RUNNER_HTTP2,
+            QUICK,
+        ],
+    );
     let (_, http2) = automesh_e2e_tests::bench::runner_http2()?;
     let streams = sized("--streams", 10_000, 500);
     let more = sized("--more", 19_000, 950).max(streams);

@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 
 use automesh_domain::{Principal, Surface};
 use automesh_e2e_tests::bench::{
-    CpuTimes, DbCounters, LastRun, baseline_yardstick, insert_due, last_run, median, medians,
-    percentile, quick, settle_then, sized,
+    CpuTimes, DbCounters, Flag, LastRun, QUICK, baseline_yardstick, check_args, insert_due,
+    last_run, median, medians, percentile, quick, settle_then, sized,
 };
 use automesh_e2e_tests::executor::{Behavior, TestExecutor};
 use automesh_e2e_tests::{Mesh, MeshOptions};
@@ -64,6 +64,35 @@ fn owner(i: usize) -> Principal {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    check_args(
+        "bench-lifecycle",
+        "Benchmark of scheduling and the run lifecycle on PostgreSQL (AUTOMESH_TEST_POSTGRES_URL): \
+         the yardstick L, dispatch latency due → StartRun, runs/s through scheduler and \
+         coordinator, commits per run, and the scheduler's wake-up cost with many idle automations.",
+        &[
+            Flag::count(
+                "--runs",
+                "runs due at once in the throughput case (default 1000)",
+            ),
+            Flag::count(
+                "--latency-runs",
+                "occurrences due one at a time per round (default 200)",
+            ),
+            Flag::count(
+                "--repeats",
+                "rounds of each case; medians are printed (default 3)",
+            ),
+            Flag::count(
+                "--idle",
+                "inactive and far-future automations in the wake-up case (default 1000000)",
+            ),
+            Flag::switch(
+                "--progress",
+                "print the throughput case's run states as it goes",
+            ),
+            QUICK,
+        ],
+    );
     let runs = sized("--runs", 1000, 50);
     let latency_runs = sized("--latency-runs", 200, 10);
     let repeats = sized("--repeats", 3, 1).max(1);

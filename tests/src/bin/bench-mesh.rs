@@ -30,8 +30,8 @@ use std::time::{Duration, Instant};
 
 use automesh_domain::{Principal, Surface};
 use automesh_e2e_tests::bench::{
-    CpuTimes, DbCounters, StubRunners, baseline_yardstick, insert_due, last_run, median, medians,
-    mint_runner, quick, settle_then, sized,
+    CpuTimes, DbCounters, Flag, QUICK, RUNNER_HTTP2, StubRunners, baseline_yardstick, check_args,
+    insert_due, last_run, median, medians, mint_runner, quick, settle_then, sized,
 };
 use automesh_e2e_tests::{Mesh, MeshOptions};
 use automesh_store::{Backend, Store};
@@ -69,6 +69,22 @@ async fn without_one_receipt(store: &Store, prefix: &str) -> anyhow::Result<i64>
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    check_args(
+        "bench-mesh",
+        "Benchmark of the whole mesh on PostgreSQL (AUTOMESH_TEST_POSTGRES_URL): due occurrences → \
+         scheduler → coordinator → desktop-runner-gateway → real runner streams → receipts; runs/s \
+         against L, commits per run, and every run checked for exactly one receipt.",
+        &[
+            Flag::count(
+                "--runs",
+                "desktop occurrences due at once per repeat (default 1000)",
+            ),
+            Flag::count("--runners", "runner streams, one owner each (default 64)"),
+            Flag::count("--repeats", "repeats; medians are printed (default 3)"),
+            RUNNER_HTTP2,
+            QUICK,
+        ],
+    );
     let runs = sized("--runs", 1000, 100);
     let runners = sized("--runners", 64, 16).max(1);
     let repeats = sized("--repeats", 3, 1).max(1);

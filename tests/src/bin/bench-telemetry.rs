@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use automesh_domain::RunState;
-use automesh_e2e_tests::bench::{median, quick, sized};
+use automesh_e2e_tests::bench::{Flag, QUICK, check_args, median, quick, sized};
 use automesh_e2e_tests::otlp::Receiver;
 use automesh_e2e_tests::processes::{Cluster, ClusterSpec, Kind};
 use automesh_proto::v1 as pb;
@@ -134,6 +134,16 @@ async fn measure(bin: &Path, runs: usize, on: bool) -> anyhow::Result<(f64, f64)
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
+    check_args(
+        "bench-telemetry",
+        "What telemetry costs: runs/s and CPU per run through the whole mesh as separate processes \
+         (target/release/automesh, or AUTOMESH_BIN), with OTLP export off and on.",
+        &[
+            Flag::count("--runs", "desktop runs per mode and repeat (default 200)"),
+            Flag::count("--repeats", "repeats; medians are printed (default 3)"),
+            QUICK,
+        ],
+    );
     let runs = sized("--runs", 200, 10);
     let repeats = sized("--repeats", 3, 1).max(1);
     // The short form runs the debug build the tests built.
