@@ -13,7 +13,10 @@ const BENCHES: [(&str, &str); 4] = [
 ];
 
 fn run(bin: &str, args: &[&str]) -> (Option<i32>, String, String) {
-    let out = Command::new(bin).args(args).output().expect("run benchmark");
+    let out = Command::new(bin)
+        .args(args)
+        .output()
+        .expect("run benchmark");
     (
         out.status.code(),
         String::from_utf8_lossy(&out.stdout).into_owned(),

@@ -412,19 +412,22 @@ async fn run_now_latency(
     assigned: &mut Assigned,
 ) -> anyhow::Result<(f64, f64, usize)> {
     use automesh_e2e_tests::Api as _;
+    // One client (one connection) per user, made and connected before
+    // anything is measured, as a web backend keeps its channel: the
+    // measured call is the call, not a connection's setup.
     let mut automations = vec![];
     for u in 0..users {
         let token = mesh.token("bench", &format!("lat-{u}"));
         let mut api = mesh.automations(Some(&token));
         let request =
             automesh_e2e_tests::daily_automation(&format!("now {u}"), "p", pb::Surface::Desktop);
-        automations.push((token, api.create(request).await.id));
+        let id = api.create(request).await.id;
+        automations.push((api, id));
     }
     let mut called_at = std::collections::HashMap::new();
     let mut received = std::collections::HashMap::new();
     for i in 0..runs {
-        let (token, automation_id) = &automations[i % users];
-        let mut api = mesh.automations(Some(token));
+        let (api, automation_id) = &mut automations[i % users];
         let t0 = Utc::now();
         let run = api.run_now(automation_id, &format!("bench-{i}")).await;
         called_at.insert(run.id, t0);
@@ -449,5 +452,38 @@ async fn run_now_latency(
     anyhow::ensure!(!latencies.is_empty(), "no run-now assignment arrived");
     latencies.sort_by(|a, b| a.total_cmp(b));
     let n = latencies.len();
+    // Where the time goes, from the rows' own instants: p50 and p99 of each
+    // step after the call, so that a tail shows the step it is in.
+    let ids: Vec<String> = called_at.keys().cloned().collect();
+    let rows: Vec<(String, i64, i64, Option<i64>)> = sqlx::query_as(
+        "SELECT r.id, r.created_at, d.created_at, d.claimed_at \
+         FROM runs r JOIN desktop_assignments d ON d.run_id = r.id WHERE r.id = ANY(string_to_array($1, ','))",
+    )
+    .bind(ids.join(","))
+    .fetch_all(mesh.store().pool())
+    .await?;
+    let step = |pick: fn(&(String, i64, i64, Option<i64>)) -> Option<i64>| {
+        let mut ms: Vec<f64> = rows
+            .iter()
+            .filter_map(|r| {
+                let t0 = called_at.get(&r.0)?.timestamp_micros();
+                pick(r).map(|at| (at - t0) as f64 / 1000.0)
+            })
+            .collect();
+        ms.sort_by(|a, b| a.total_cmp(b));
+        if ms.is_empty() {
+            "–".to_owned()
+        } else {
+            format!("{:.1} / {:.1}", percentile(&ms, 0.5), percentile(&ms, 0.99))
+        }
+    };
+    println!(
+        "latency   where it goes (p50 / p99 ms after the call): run created {}, offered {}, claimed for the runner {}, received {:.1} / {:.1}",
+        step(|r| Some(r.1)),
+        step(|r| Some(r.2)),
+        step(|r| r.3),
+        percentile(&latencies, 0.5),
+        percentile(&latencies, 0.99),
+    );
     Ok((percentile(&latencies, 0.5), percentile(&latencies, 0.99), n))
 }
