@@ -455,14 +455,16 @@ async fn run_now_latency(
     // Where the time goes, from the rows' own instants: p50 and p99 of each
     // step after the call, so that a tail shows the step it is in.
     let ids: Vec<String> = called_at.keys().cloned().collect();
-    let rows: Vec<(String, i64, i64, Option<i64>)> = sqlx::query_as(
+    /// A run's id, created, offered and claimed-for-the-runner instants.
+    type Steps = (String, i64, i64, Option<i64>);
+    let rows: Vec<Steps> = sqlx::query_as(
         "SELECT r.id, r.created_at, d.created_at, d.claimed_at \
          FROM runs r JOIN desktop_assignments d ON d.run_id = r.id WHERE r.id = ANY(string_to_array($1, ','))",
     )
     .bind(ids.join(","))
     .fetch_all(mesh.store().pool())
     .await?;
-    let step = |pick: fn(&(String, i64, i64, Option<i64>)) -> Option<i64>| {
+    let step = |pick: fn(&Steps) -> Option<i64>| {
         let mut ms: Vec<f64> = rows
             .iter()
             .filter_map(|r| {
