@@ -65,6 +65,18 @@ pub(crate) use insert_run_sql;
 
 const INSERT: &str = insert_run_sql!();
 
+/// PostgreSQL: a run created unless its id exists, in one statement that
+/// also wakes the coordinators at commit when the run is live (`$17` = 1);
+/// how many it created.
+const CREATE_PG: &str = concat!(
+    "WITH created AS (",
+    insert_run_sql!(),
+    " RETURNING id) \
+     SELECT (SELECT COUNT(*) FROM created) AS created, \
+     (SELECT COUNT(*) FROM (SELECT pg_notify('automesh_runs', $18) FROM created WHERE $17 = 1) w) \
+     AS woken"
+);
+
 const GET_UNSCOPED: &str = rows::select!(run_columns, "FROM runs WHERE id = $1");
 
 const GET: &str = rows::select!(
@@ -166,15 +178,22 @@ impl Store {
     /// Creates a run unless one with the same id exists, and returns the
     /// stored run with `true` when this call created it.
     pub async fn create_run(&self, new: &NewRun<'_>, now: DateTime<Utc>) -> Result<(Run, bool)> {
-        let mut tx = self.begin_write().await?;
-        let created = insert(&mut tx, new, now).await?;
-        if created && !new.state.is_terminal() && self.backend() == crate::Backend::Postgres {
-            sqlx::query("SELECT pg_notify('automesh_runs', $1)")
-                .bind(crate::signal::process_token())
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.commit().await?;
+        let created = if self.backend() == crate::Backend::Postgres {
+            // One statement, atomic on its own: no transaction around it.
+            let live = i64::from(!new.state.is_terminal());
+            let token = crate::signal::process_token();
+            let params = crate::runs::insert_run_params!(new, now, live, token);
+            let created =
+                rows::optional(self.db(), CREATE_PG, params, |r| col::<i64>(r, "created"))
+                    .await?
+                    .unwrap_or_default();
+            created > 0
+        } else {
+            let mut tx = self.begin_write().await?;
+            let created = insert(&mut tx, new, now).await?;
+            tx.commit().await?;
+            created
+        };
         if created {
             crate::signal::runs_created();
         }

@@ -188,12 +188,16 @@ impl Scheduler {
     ) -> Result<Run, Error> {
         let automation = self.store.get_automation(owner, automation_id).await?;
         let id = manual_run_id(&automation.id, key);
-        if let Ok(existing) = self.store.get_run(owner, &id).await {
-            return Ok(existing);
-        }
         if automation.state == AutomationState::Archived {
-            return Err(Error::Archived);
+            // The run this key made before the archive is still its answer.
+            return match self.store.get_run(owner, &id).await {
+                Ok(existing) => Ok(existing),
+                Err(StoreError::NotFound) => Err(Error::Archived),
+                Err(e) => Err(e.into()),
+            };
         }
+        // A run this key made already is returned as it is: the insert
+        // does nothing when the run's (derived) id exists.
         let deadline = now + chrono::Duration::from_std(self.run_deadline).unwrap_or_default();
         let run = NewRun {
             id,
