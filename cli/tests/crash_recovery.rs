@@ -489,6 +489,20 @@ async fn a_runner_leaves_a_stalled_gateway_and_reconnects_to_another_replica() {
     }
     let holder = holder.expect("a replica holds the runner's stream");
     let other = 1 - holder;
+    // The holder PINGs the idle stream and counts how long its answer took.
+    let answers = "automesh_http2_ping_answer_duration_seconds_count";
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let text = w.cluster.scrape(Kind::RunnerGateway, holder).await;
+        if automesh_e2e_tests::metric(&text.expect("scrape"), answers, &[]) >= 1.0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "no PING answer counted by the stream's gateway within 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 
     w.cluster.pause(Kind::RunnerGateway, holder);
     // Dead-after is 4 s in the cluster; bounded generously for a loaded

@@ -17,6 +17,21 @@ use crate::server::connections::GridTimer;
 /// The payload of our keepalive PINGs; an answer carries it back.
 pub(super) const PAYLOAD: [u8; 8] = *b"automesh";
 
+/// How long peers take to answer our PINGs, up to the keepalive bound.
+fn answer_times() -> &'static opentelemetry::metrics::Histogram<f64> {
+    static ANSWERS: std::sync::OnceLock<opentelemetry::metrics::Histogram<f64>> =
+        std::sync::OnceLock::new();
+    ANSWERS.get_or_init(|| {
+        crate::metrics::seconds(
+            "automesh.http2.ping.answer.duration",
+            "How long peers of the lean HTTP/2 server (the runner listener) took to answer its \
+             PINGs (keepalive and shutdown), as the server read the answer: answers near the \
+             keepalive bound mean a loaded fleet, or a server too loaded to read them",
+            &[0.001, 0.005, 0.025, 0.1, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0],
+        )
+    })
+}
+
 /// The payload of the PING of a graceful shutdown.
 pub(super) const DRAINING: [u8; 8] = *b"draining";
 
@@ -51,9 +66,12 @@ impl Keepalive {
         self.heard = Instant::now();
     }
 
-    /// The peer answered a PING of ours.
+    /// The peer answered a PING of ours: how long it took is recorded
+    /// (`automesh.http2.ping.answer.duration`), so that keepalive ends can
+    /// be told apart from a fleet that answers slowly.
     pub fn answered(&mut self) {
-        if self.pinged.take().is_some() {
+        if let Some(at) = self.pinged.take() {
+            answer_times().record(at.elapsed().as_secs_f64(), &[]);
             let at = self.grid.round(self.heard + self.interval);
             self.sleep.as_mut().reset(at.into());
         }
