@@ -88,17 +88,17 @@ pub fn check_args(bin: &str, about: &str, flags: &[Flag]) {
             let Some(v) = args.get(i + 1) else {
                 refuse(format!("{a} needs a value ({kind})"))
             };
-            let ok = if flag.choices.is_empty() {
-                v.parse::<usize>().is_ok_and(|n| n > 0)
+            let (ok, takes) = if flag.choices.is_empty() {
+                let n = v.parse::<usize>();
+                (n.is_ok_and(|n| n > 0), "a positive whole number".to_owned())
             } else {
-                flag.choices.contains(&v.as_str())
+                let choices = flag.choices.join(", ");
+                (
+                    flag.choices.contains(&v.as_str()),
+                    format!("one of {choices}"),
+                )
             };
             if !ok {
-                let takes = if flag.choices.is_empty() {
-                    "a positive whole number".to_owned()
-                } else {
-                    format!("one of {}", flag.choices.join(", "))
-                };
                 refuse(format!("{a} takes {takes}, not {v:?}"))
             }
             i += 1;

@@ -249,17 +249,7 @@ async fn automation_lifecycle(backend: Backend) {
     assert!(on.next_run_time.is_some());
 
     // A run-now made before the archive stays its key's answer after it.
-    let before = |key: &str| pb::RunAutomationNowRequest {
-        id: ids[1].clone(),
-        idempotency_key: key.into(),
-    };
-    let made = api
-        .run_automation_now(before("before"))
-        .await
-        .expect("run now")
-        .into_inner()
-        .run
-        .expect("run");
+    let made = api.run_now(&ids[1], "before").await;
 
     // Archive: kept, hidden by default, and frozen.
     let archived = api
@@ -310,13 +300,7 @@ async fn automation_lifecycle(backend: Backend) {
         Code::FailedPrecondition,
         "",
     );
-    let again = api
-        .run_automation_now(before("before"))
-        .await
-        .expect("the key's run, though archived")
-        .into_inner()
-        .run
-        .expect("run");
+    let again = api.run_now(&ids[1], "before").await;
     assert_eq!(again.id, made.id, "the same run, not a second");
     mesh.stop().await.expect("stop");
 }
