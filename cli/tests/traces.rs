@@ -522,16 +522,132 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
         "{survivor}"
     );
 
+    // A desktop run running when its runner gets SIGTERM: the runner
+    // restarted on its journal ends it runner_interrupted (never runs it
+    // again), and its lines about it are in the run's trace too.
+    let interrupted = run_now(&cluster, &dana, pb::Surface::Desktop, "SLOW please").await;
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !cluster
+        .runner_log(0)
+        .lines()
+        .any(|l| l.contains(&interrupted.id) && l.contains("the run starts"))
+    {
+        assert!(tokio::time::Instant::now() < give_up, "never started");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let runner = cluster.runner_pid(0).expect("runner");
+    automesh_rpc::process::signal(runner, automesh_rpc::process::Signal::TERM);
+    assert!(
+        automesh_rpc::process::gone_within(runner, Duration::from_secs(20)).await,
+        "the runner stops on SIGTERM"
+    );
+    cluster.restart_runner(0).expect("restart the runner");
+    let ended = until_terminal(&cluster, &interrupted.id).await;
+    assert_eq!(
+        (ended.state, ended.error_code),
+        (
+            RunState::Failed,
+            Some(automesh_domain::ErrorCode::RunnerInterrupted)
+        ),
+        "{ended:?}"
+    );
+
+    // A cloud run whose agent is killed (SIGKILL) while it runs: a fresh
+    // agent's journal replay says what became of it (runtime_interrupted),
+    // in the run's trace.
+    let lost = run_now(&cluster, &carol, pb::Surface::Web, "SLOW please").await;
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !cluster
+        .log(Kind::Lifecycle, 0)
+        .lines()
+        .any(|l| l.contains(&lost.id) && l.contains("message submitted to the worker"))
+    {
+        assert!(tokio::time::Instant::now() < give_up, "never submitted");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let agent = *cluster.live_agents().values().next().expect("an agent");
+    automesh_rpc::process::signal(agent, automesh_rpc::process::Signal::KILL);
+    let ended = until_terminal(&cluster, &lost.id).await;
+    assert_eq!(
+        (ended.state, ended.error_code),
+        (
+            RunState::Failed,
+            Some(automesh_domain::ErrorCode::RuntimeInterrupted)
+        ),
+        "{ended:?}"
+    );
+
+    // Every agent call made for a run is in the run's trace: the cloud
+    // run's trace holds each kind of call the lifecycle makes for it, and
+    // no agent call is a trace of its own (calls for no run are untraced).
+    let cloud_spans = receiver.trace(&cloud.trace_id);
+    for call in [
+        "GetMcpRegistration",
+        "SubmitMessage",
+        "GetThread",
+        "ObserveThread",
+    ] {
+        let path = format!("/automesh.agent.v1.WorkerAgentService/{call}");
+        assert!(
+            has(&cloud_spans, "automesh-worker-agent", &path),
+            "{call} in the cloud run's trace:\n{}",
+            summary(&cloud_spans)
+        );
+    }
+    // Every trace starts where work starts: a public API call, or a
+    // scheduled occurrence. No internal call (an agent's, an executor's, a
+    // runner stream's) and no loop is a trace of its own.
+    let strays: Vec<Span> = receiver
+        .spans()
+        .into_iter()
+        .filter(|s| s.parent_span_id.is_empty())
+        .filter(|s| {
+            !(s.service == "automesh-gateway" && s.name.starts_with("/automesh.v1.")
+                || s.service == "automesh-scheduler" && s.name == "automesh.occurrence")
+        })
+        .collect();
+    assert!(
+        strays.is_empty(),
+        "traces that are not a request's or an occurrence's:\n{}",
+        summary(&strays)
+    );
+
     // Every JSON log line about those runs, in every process, names the
-    // run's trace.
+    // run's trace: the runs' own lines, a coordinator's takeover, the
+    // runner's journal replay after its restart.
     let logs = cluster.all_logs();
-    for run in [&desktop, &cloud] {
+    for run in [
+        &desktop,
+        &cloud,
+        &scheduled,
+        &failed,
+        &slow,
+        &interrupted,
+        &lost,
+    ] {
         let about: Vec<serde_json::Value> = logs
             .lines()
             .filter(|l| l.contains(&run.id))
             .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
             .collect();
         assert!(about.len() >= 3, "lines about {}: {about:?}", run.id);
+        // The recoveries' own lines are among them.
+        let recovery = if run.id == interrupted.id {
+            Some("ends runner_interrupted")
+        } else if run.id == lost.id {
+            Some("it is reported interrupted")
+        } else {
+            None
+        };
+        if let Some(said) = recovery {
+            assert!(
+                about.iter().any(|l| l["fields"]["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains(said))),
+                "{said:?} among the lines about {}: {about:?}",
+                run.id
+            );
+        }
         let untraced: Vec<&serde_json::Value> = about
             .iter()
             .filter(|l| l["trace_id"] != run.trace_id.as_str() || !l["span_id"].is_string())

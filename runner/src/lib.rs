@@ -171,9 +171,7 @@ pub fn finished(run_id: &str, engine: &str, outcome: &Outcome) -> rpb::RunFinish
 
 /// A span of the runner's handling of an assignment, in its run's trace.
 fn assignment_span(name: &'static str, a: &rpb::Assignment) -> tracing::Span {
-    let span = tracing::info_span!("automesh.runner", otel.name = name, run_id = %a.run_id);
-    automesh_rpc::propagation::continue_trace(&span, Some(a.traceparent.as_str()));
-    span
+    automesh_rpc::propagation::run_span(name, &a.run_id, Some(a.traceparent.as_str()))
 }
 
 fn jitter(base: Duration) -> Duration {
@@ -191,6 +189,7 @@ impl Runner {
         for run in record.all() {
             // A held run never started: it waits for its confirmation.
             if run.finished.is_none() && run.held.is_none() {
+                let _in_run = run.span("automesh.runner.interrupted").entered();
                 tracing::warn!(run_id = %run.run_id, "a run accepted before a restart ends runner_interrupted; it is not run again");
                 record.finish(
                     &run.run_id,
@@ -440,7 +439,7 @@ impl Runner {
             }
             // Held (synced) before it is accepted; started only once the
             // gateway confirms the acceptance (see `on_confirmed`).
-            if let Err(error) = self.record.hold(&run_id, &a.encode_to_vec()) {
+            if let Err(error) = self.record.hold(&run_id, &a.encode_to_vec(), &a.traceparent) {
                 // Not recorded, so not accepted: the gateway offers it again.
                 tracing::error!(run_id = %run_id, %error, "cannot record the assignment; not accepting it");
                 return;
@@ -464,6 +463,9 @@ impl Runner {
             return;
         };
         let Ok(a) = rpb::Assignment::decode(body.as_slice()) else {
+            let _in_run = self
+                .run_span("automesh.runner.let_go", run_id)
+                .map(tracing::Span::entered);
             tracing::error!(run_id, "the held assignment cannot be read; it is let go");
             self.record.let_go(run_id);
             return;
@@ -487,19 +489,20 @@ impl Runner {
     /// The gateway refused a report. A held run the gateway says is not
     /// this stream's was never started here: it is another runner's now.
     fn on_refusal(&self, e: &rpb::ProtocolError) {
-        let span = self.held_span(&e.run_id);
-        let _in_run = span.as_ref().map(tracing::Span::enter);
+        let _in_run = self
+            .run_span("automesh.runner.refused", &e.run_id)
+            .map(tracing::Span::entered);
         tracing::warn!(run_id = %e.run_id, code = %e.code, message = %e.message, "the gateway refused a report");
         if e.code == "not_assigned" && self.record.let_go(&e.run_id) {
             tracing::info!(run_id = %e.run_id, "a held run that never started is let go; another runner has it");
         }
     }
 
-    /// The span of a held run's handling, in its trace.
-    fn held_span(&self, run_id: &str) -> Option<tracing::Span> {
-        let body = self.record.get(run_id)?.held?;
-        let a = rpb::Assignment::decode(body.as_slice()).ok()?;
-        Some(assignment_span("automesh.runner.let_go", &a))
+    /// A span of the runner's handling of a run its journal holds (held,
+    /// running or finished), in the run's trace; `None` for a run it does
+    /// not know.
+    fn run_span(&self, name: &'static str, run_id: &str) -> Option<tracing::Span> {
+        Some(self.record.get(run_id)?.span(name))
     }
 
     /// Starts the engine on an accepted run.
@@ -531,18 +534,26 @@ impl Runner {
             .lock()
             .ok()
             .and_then(|a| a.get(&c.run_id).cloned());
+        // Said in the run's trace (the journal keeps it).
+        let span = self.run_span("automesh.runner.cancel", &c.run_id);
+        let in_run = |say: &dyn Fn()| match &span {
+            Some(span) => span.in_scope(say),
+            None => say(),
+        };
         if let Some(token) = token {
-            tracing::info!(run_id = %c.run_id, reason = %c.reason, "cancelling the run");
+            in_run(
+                &|| tracing::info!(run_id = %c.run_id, reason = %c.reason, "cancelling the run"),
+            );
             token.cancel();
             // `execute` reports idle once the engine has stopped.
             return;
         }
         // Nothing runs here: idle. A held run never started and is let go;
         // a finished run's result goes first, then the record of it can go.
-        let span = self.held_span(&c.run_id);
         if self.record.let_go(&c.run_id) {
-            let _in_run = span.as_ref().map(tracing::Span::enter);
-            tracing::info!(run_id = %c.run_id, reason = %c.reason, "a held run that never started is let go");
+            in_run(
+                &|| tracing::info!(run_id = %c.run_id, reason = %c.reason, "a held run that never started is let go"),
+            );
         }
         if let Some(f) = self.record.get(&c.run_id).and_then(|r| r.finished) {
             send(tx, up(Up::RunFinished(f))).await;

@@ -556,6 +556,47 @@ async fn protocol_violations_are_named_on_the_stream_and_leave_the_run_alone() {
     let ended = mesh.until_terminal(&run.id, Duration::from_secs(30)).await;
     assert_eq!(ended.state, automesh_domain::RunState::Succeeded);
     drop(tx);
+    // The runner reconnects and sends its finished run's event and result
+    // again, as a runner does from its journal after every reconnect: a
+    // harmless redelivery, no ProtocolError; it is told the run is done.
+    let (tx, mut stream) = connect_holding(&mesh, &minted.token, &[&run.id]).await;
+    for report in [
+        Up::RunEvents(rpb::RunEvents {
+            run_id: run.id.clone(),
+            events: vec![automesh_proto::v1::RunEvent {
+                event_id: format!("{}:1", run.id),
+                ..Default::default()
+            }],
+        }),
+        Up::RunFinished(rpb::RunFinished {
+            run_id: run.id.clone(),
+            outcome: pb::RunState::Succeeded as i32,
+            engine: "third-party".into(),
+            ..Default::default()
+        }),
+    ] {
+        tx.send(up(report)).await.expect("resend");
+    }
+    let Down::CancelAssignment(c) = next(&mut stream).await else {
+        panic!("told the run is finished")
+    };
+    assert_eq!(
+        (c.run_id.as_str(), c.reason.as_str()),
+        (run.id.as_str(), "the run is finished")
+    );
+    // The runner ends its stream: every report it sent is answered before
+    // the stream ends, and none of them with a ProtocolError.
+    drop(tx);
+    let mut answers = vec![];
+    while let Ok(Ok(Some(m))) =
+        tokio::time::timeout(Duration::from_secs(10), stream.message()).await
+    {
+        answers.extend(m.message);
+    }
+    assert!(
+        !answers.iter().any(|m| matches!(m, Down::ProtocolError(_))),
+        "{answers:?}"
+    );
     mesh.stop().await.expect("stop");
 }
 

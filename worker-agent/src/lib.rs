@@ -101,6 +101,17 @@ impl Agent {
                 Some(t) => t,
                 None => {
                     let t = interrupted(&thread_id, &message_id);
+                    // Said in the run's trace, which the journal keeps.
+                    let span = tracing::info_span!(
+                        parent: None,
+                        "automesh.agent.thread",
+                        otel.name = "automesh.agent.interrupted",
+                        %thread_id,
+                        %message_id
+                    );
+                    let traceparent = Some(record.traceparent.as_str());
+                    automesh_rpc::propagation::continue_trace(&span, traceparent);
+                    let _in_run = span.entered();
                     tracing::warn!(%thread_id, %message_id, "a message a previous agent accepted never finished; it is reported interrupted");
                     journal.finish(&message_id, &t)?;
                     t
@@ -218,7 +229,10 @@ impl WorkerAgentService for Agent {
             } else {
                 // Journaled (synced) before anything runs: an agent started
                 // after a crash knows this message and never runs it again.
-                match self.journal.accept_with(&req.message_id, &req.thread_id) {
+                match self
+                    .journal
+                    .accept_with(&req.message_id, &req.thread_id, &req.traceparent)
+                {
                     Ok(true) => {}
                     Ok(false) => {
                         return Err(status::internal(

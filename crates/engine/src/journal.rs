@@ -46,6 +46,10 @@ enum Line {
         /// What the executor keeps beside the id (the agent: its thread).
         #[serde(default, skip_serializing_if = "String::is_empty")]
         note: String,
+        /// The run's W3C `traceparent`, so that what the executor says of
+        /// the run after a restart is in the run's trace.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        traceparent: String,
     },
     /// Held, not started: the hex-encoded assignment, kept until the
     /// acceptance is confirmed (an `Accepted` line follows) or the run is
@@ -54,6 +58,8 @@ enum Line {
         run_id: String,
         at: String,
         body: String,
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        traceparent: String,
     },
     /// A hex-encoded `automesh.v1.RunEvent`.
     Event { body: String },
@@ -72,6 +78,8 @@ fn now() -> String {
 pub struct RunRecord<F> {
     pub run_id: String,
     pub note: String,
+    /// The run's W3C `traceparent` (empty when none was given).
+    pub traceparent: String,
     /// The assignment of a held run, which has not started; `None` once
     /// it is accepted (and for runs accepted at once).
     pub held: Option<Vec<u8>>,
@@ -80,11 +88,20 @@ pub struct RunRecord<F> {
     pub finished_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
+impl<F> RunRecord<F> {
+    /// A span of the executor's work on this run, in the run's trace.
+    pub fn span(&self, name: &'static str) -> tracing::Span {
+        let traceparent = Some(self.traceparent.as_str()).filter(|t| !t.is_empty());
+        automesh_rpc::propagation::run_span(name, &self.run_id, traceparent)
+    }
+}
+
 impl<F> Default for RunRecord<F> {
     fn default() -> Self {
         Self {
             run_id: String::new(),
             note: String::new(),
+            traceparent: String::new(),
             held: None,
             events: vec![],
             finished: None,
@@ -132,15 +149,30 @@ impl<F: prost::Message + Default + Clone> Record<F> {
                 std::fs::write(&path, &text).map_err(io(&path))?;
             }
             let mut run = RunRecord::default();
+            let mut torn = 0;
             for line in text.lines() {
                 match serde_json::from_str::<Line>(line) {
-                    Ok(Line::Accepted { run_id, note, .. }) => {
+                    Ok(Line::Accepted {
+                        run_id,
+                        note,
+                        traceparent,
+                        ..
+                    }) => {
                         run.run_id = run_id;
                         run.note = note;
+                        if !traceparent.is_empty() {
+                            run.traceparent = traceparent;
+                        }
                         run.held = None;
                     }
-                    Ok(Line::Held { run_id, body, .. }) => {
+                    Ok(Line::Held {
+                        run_id,
+                        body,
+                        traceparent,
+                        ..
+                    }) => {
                         run.run_id = run_id;
+                        run.traceparent = traceparent;
                         run.held = Some(hex::decode(&body).unwrap_or_default());
                     }
                     Ok(Line::Event { body }) => {
@@ -156,10 +188,13 @@ impl<F: prost::Message + Default + Clone> Record<F> {
                             .and_then(|b| F::decode(b.as_slice()).ok());
                         run.finished_at = at.parse().ok();
                     }
-                    Err(_) => {
-                        tracing::warn!(path = %path.display(), "ignoring a torn line of the run journal");
-                    }
+                    Err(_) => torn += 1,
                 }
+            }
+            if torn > 0 {
+                // Said in the run's trace: the file is named after the run.
+                let _in_run = run.span("automesh.journal.open").entered();
+                tracing::warn!(path = %path.display(), lines = torn, "ignoring torn lines of the run journal");
             }
             if !run.run_id.is_empty() {
                 runs.insert(run.run_id.clone(), run);
@@ -200,14 +235,22 @@ impl<F: prost::Message + Default + Clone> Record<F> {
         f.sync_data().map_err(io(&path))
     }
 
-    /// Records the run as accepted (a held one too); false when it already
-    /// was (it must not run again). Synced to disk before it returns.
+    /// Records a held run as accepted (keeping the trace it was held
+    /// with); false when it already was (it must not run again). Synced to
+    /// disk before it returns.
     pub fn accept(&self, run_id: &str) -> Result<bool, RecordError> {
-        self.accept_with(run_id, "")
+        let traceparent = self.get(run_id).map(|r| r.traceparent).unwrap_or_default();
+        self.accept_with(run_id, "", &traceparent)
     }
 
-    /// [`Record::accept`], keeping `note` beside the id.
-    pub fn accept_with(&self, run_id: &str, note: &str) -> Result<bool, RecordError> {
+    /// Records the run as accepted (a held one too), keeping `note` beside
+    /// the id and the run's `traceparent`; false when it already was.
+    pub fn accept_with(
+        &self,
+        run_id: &str,
+        note: &str,
+        traceparent: &str,
+    ) -> Result<bool, RecordError> {
         self.check(run_id)?;
         let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
         if runs.get(run_id).is_some_and(|r| r.held.is_none()) {
@@ -217,19 +260,27 @@ impl<F: prost::Message + Default + Clone> Record<F> {
             run_id: run_id.to_owned(),
             at: now(),
             note: note.to_owned(),
+            traceparent: traceparent.to_owned(),
         };
         self.append(run_id, &line)?;
         let run = runs.entry(run_id.to_owned()).or_default();
         run.run_id = run_id.to_owned();
         run.note = note.to_owned();
+        run.traceparent = traceparent.to_owned();
         run.held = None;
         Ok(true)
     }
 
-    /// Holds a run that must not start yet, with its `assignment`; false
-    /// when the run is known already (held or accepted). Synced to disk
-    /// before it returns. [`Record::accept`] starts it later.
-    pub fn hold(&self, run_id: &str, assignment: &[u8]) -> Result<bool, RecordError> {
+    /// Holds a run that must not start yet, with its `assignment` and its
+    /// `traceparent`; false when the run is known already (held or
+    /// accepted). Synced to disk before it returns. [`Record::accept`]
+    /// starts it later.
+    pub fn hold(
+        &self,
+        run_id: &str,
+        assignment: &[u8],
+        traceparent: &str,
+    ) -> Result<bool, RecordError> {
         self.check(run_id)?;
         let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
         if runs.contains_key(run_id) {
@@ -242,12 +293,14 @@ impl<F: prost::Message + Default + Clone> Record<F> {
                 run_id: run_id.clone(),
                 at: now(),
                 body,
+                traceparent: traceparent.to_owned(),
             },
         )?;
         runs.insert(
             run_id.to_owned(),
             RunRecord {
                 run_id: run_id.to_owned(),
+                traceparent: traceparent.to_owned(),
                 held: Some(assignment.to_vec()),
                 ..RunRecord::default()
             },
@@ -414,21 +467,27 @@ mod tests {
     #[test]
     fn a_held_run_survives_a_reopen_unstarted_and_is_started_once() {
         let (d, r) = opened("held");
-        assert!(r.hold("run-3", b"assignment").expect("hold"));
-        assert!(!r.hold("run-3", b"assignment").expect("held already"));
+        let trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        assert!(r.hold("run-3", b"assignment", trace).expect("hold"));
+        assert!(!r.hold("run-3", b"assignment", trace).expect("held already"));
         drop(r);
         let r = Record::open(&d).expect("reopen");
         let held = r.get("run-3").expect("held");
         assert_eq!(held.held.as_deref(), Some(&b"assignment"[..]));
+        assert_eq!(held.traceparent, trace);
         assert!(r.accept("run-3").expect("start"));
         assert!(!r.accept("run-3").expect("started already"));
         assert!(!r.let_go("run-3"), "a started run is never let go");
         drop(r);
+        // The run's trace outlives its acceptance and a restart: what is
+        // said of it later (an interruption) is in its trace.
         let r = Record::open(&d).expect("reopen");
-        assert!(r.get("run-3").expect("kept").held.is_none());
+        let accepted = r.get("run-3").expect("kept");
+        assert!(accepted.held.is_none());
+        assert_eq!(accepted.traceparent, trace);
         assert!(!r.accept("run-3").expect("still started"));
         // A held run let go is gone, file and all.
-        assert!(r.hold("run-4", b"other").expect("hold"));
+        assert!(r.hold("run-4", b"other", "").expect("hold"));
         assert!(r.let_go("run-4"));
         assert!(!d.join("run-4.jsonl").exists());
         assert!(Record::open(&d).expect("reopen").get("run-4").is_none());

@@ -71,7 +71,14 @@ where
         let mut fields = Map::new();
         event.record(&mut Fields(&mut fields));
         line.insert("fields".into(), Value::Object(fields));
-        if let Some(span) = ctx.lookup_current() {
+        // The event's own span: its explicit parent (`parent: &span`) when
+        // it names one, else the current span.
+        let span = match event.parent() {
+            Some(id) => ctx.span(id),
+            None if event.is_contextual() => ctx.lookup_current(),
+            None => None,
+        };
+        if let Some(span) = span {
             // The fields of the span and its parents, innermost last wins.
             let mut span_fields = Map::new();
             for s in span.scope().from_root() {

@@ -71,6 +71,23 @@ pub fn continue_trace(span: &tracing::Span, traceparent: Option<&str>) {
     }
 }
 
+/// A span of work on one run in the run's own trace (`traceparent`, as the
+/// run, its assignment or its journal stores it), for work that is not
+/// inside a request of the run: a loop's step, a report from a stream, a
+/// recovery after a restart. Whatever is logged inside it carries the
+/// run's trace id, and its parent is only the run's trace, never the span
+/// of the loop or stream it was made in.
+pub fn run_span(otel_name: &'static str, run_id: &str, traceparent: Option<&str>) -> tracing::Span {
+    let span = tracing::info_span!(
+        parent: None,
+        "automesh.on_run",
+        otel.name = otel_name,
+        run_id = %run_id
+    );
+    continue_trace(&span, traceparent);
+    span
+}
+
 /// The trace id of the current span, for logs and error messages.
 pub fn current_trace_id() -> Option<String> {
     let cx = tracing::Span::current().context();

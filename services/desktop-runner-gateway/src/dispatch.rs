@@ -21,7 +21,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::outbound::{cancel_message, run_span, send, send_assignment, spec_of};
+use crate::outbound::{cancel_message, run_span, send, send_assignment, spec_of, stored_run_span};
 use crate::stream::Sessions;
 
 /// How often a replica looks for work even without a signal.
@@ -235,7 +235,7 @@ impl Dispatch {
             Err(_) => vec![],
         };
         for (run_id, w) in due {
-            if store
+            let expired = store
                 .desktop_claim(
                     Claim::Expire,
                     &run_id,
@@ -243,10 +243,11 @@ impl Dispatch {
                     &w.stream_id,
                     Utc::now(),
                 )
-                .await?
-                .is_some()
-            {
+                .await?;
+            if let Some(a) = expired {
+                let span = run_span("automesh.desktop.unaccepted", &run_id, spec_of(&a).as_ref());
                 tracing::warn!(
+                    parent: &span,
                     run_id = %run_id,
                     runner_id = %w.runner_id,
                     bound = ?self.accept_within,
@@ -257,7 +258,9 @@ impl Dispatch {
                     "not accepted within {:?}; the run goes to another runner of its owner",
                     self.accept_within
                 );
-                send(&w.tx, cancel_message(&run_id, &reason)).await;
+                send(&w.tx, cancel_message(&run_id, &reason))
+                    .instrument(span)
+                    .await;
             }
         }
         Ok(())
@@ -344,7 +347,10 @@ impl Dispatch {
                             if let Err(error) =
                                 dispatch.offer(&store, &session, &run_id, false).await
                             {
-                                tracing::warn!(%error, run_id, "delivering an offered run failed; the delivery pass retries");
+                                let span =
+                                    stored_run_span(&store, "automesh.desktop.deliver", &run_id)
+                                        .await;
+                                tracing::warn!(parent: &span, %error, run_id, "delivering an offered run failed; the delivery pass retries");
                                 dispatch.poke();
                             }
                         });

@@ -22,6 +22,7 @@ use automesh_store::{AssignmentState, Store};
 use chrono::Utc;
 use prost::Message as _;
 use tonic::Status;
+use tracing::Instrument;
 
 use crate::dispatch::{Dispatch, POLL};
 
@@ -140,6 +141,8 @@ impl Executor for DesktopExecutor {
         let store = self.store.clone();
         let dispatch = self.dispatch.clone();
         let (mut observer, stream) = executor::observe();
+        // In the run's trace, as the `ObserveRun` request that asked for it.
+        let span = tracing::info_span!("automesh.desktop.observe", run_id = %run_id, after);
         tokio::spawn(async move {
             let mut after = after;
             let wake = dispatch.observe_run(&run_id);
@@ -242,7 +245,7 @@ impl Executor for DesktopExecutor {
                     return;
                 }
             }
-        });
+        }.instrument(span));
         Ok(stream)
     }
 

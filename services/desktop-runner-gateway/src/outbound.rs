@@ -30,12 +30,19 @@ pub(crate) fn run_span(
     run_id: &str,
     spec: Option<&epb::RunSpec>,
 ) -> tracing::Span {
-    let span = tracing::info_span!("automesh.desktop", otel.name = name, run_id = %run_id);
-    let traceparent = spec
-        .map(|s| s.traceparent.as_str())
-        .filter(|t| !t.is_empty());
-    automesh_rpc::propagation::continue_trace(&span, traceparent);
-    span
+    let traceparent = spec.map(|s| s.traceparent.as_str());
+    automesh_rpc::propagation::run_span(name, run_id, traceparent)
+}
+
+/// [`run_span`] for a run known only by its id: its trace is read from its
+/// assignment (a span outside any trace when it cannot be read).
+pub(crate) async fn stored_run_span(
+    store: &Store,
+    name: &'static str,
+    run_id: &str,
+) -> tracing::Span {
+    let spec = store.desktop_run(run_id).await.ok().flatten();
+    run_span(name, run_id, spec.as_ref().and_then(spec_of).as_ref())
 }
 
 /// Sends `spec`, claimed for `session`'s runner; gives the claim back when

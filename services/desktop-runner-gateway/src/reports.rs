@@ -95,6 +95,9 @@ pub struct Refusal {
     pub run_id: String,
     pub code: &'static str,
     pub message: String,
+    /// The named run's trace, when the gateway knows the run: the refusal
+    /// is logged in it.
+    pub traceparent: Option<String>,
 }
 
 impl Refusal {
@@ -159,16 +162,17 @@ pub(crate) async fn record(
     let Some(run_id) = report_run_id(&message).map(str::to_owned) else {
         return Ok(Answer::Nothing);
     };
-    let refuse = |code: &'static str, message: String| {
+    let refuse = |code: &'static str, message: String, traceparent: Option<String>| {
         Ok(Answer::Refused(Refusal {
             run_id: run_id.clone(),
             code,
             message,
+            traceparent,
         }))
     };
     let acceptance = matches!(message, Message::AssignmentAccepted(_));
     if run_id.is_empty() {
-        return refuse("invalid_report", "a report must name its run".into());
+        return refuse("invalid_report", "a report must name its run".into(), None);
     }
     if let Message::RunFinished(f) = &message
         && !terminal_outcome(f.outcome)
@@ -176,12 +180,14 @@ pub(crate) async fn record(
         let name = automesh_proto::v1::RunState::try_from(f.outcome)
             .map(|s| s.as_str_name().to_owned())
             .unwrap_or_else(|_| format!("{}", f.outcome));
+        let known = store.desktop_run(&run_id).await?;
         return refuse(
             "non_terminal_outcome",
             format!(
                 "RunFinished needs a terminal outcome (SUCCEEDED, FAILED, CANCELLED or \
                  TIMED_OUT), not {name}; the run is unchanged"
             ),
+            known.as_ref().and_then(traceparent_of),
         );
     }
     let applied = match message {
@@ -235,7 +241,19 @@ pub(crate) async fn record(
     // Nothing changed: a redelivery of a report already recorded, or a
     // report about a run this runner does not hold (unknown, or another
     // runner's: the same answer either way).
-    let held = store.desktop_run(&run_id).await?.filter(|a| {
+    let known = store.desktop_run(&run_id).await?;
+    let traceparent = known.as_ref().and_then(traceparent_of);
+    // A finished run's events and result sent again by the runner that ran
+    // it, from a newer stream (it resends what its journal holds after
+    // every reconnect): a harmless redelivery, nothing to refuse.
+    if known.as_ref().is_some_and(|a| {
+        a.runner_id.as_deref() == Some(runner_id)
+            && a.phase == automesh_store::desktop::DesktopPhase::Finished
+    }) && !acceptance
+    {
+        return Ok(Answer::Nothing);
+    }
+    let held = known.filter(|a| {
         a.runner_id.as_deref() == Some(runner_id) && a.stream_id.as_deref() == Some(stream_id)
     });
     if let Some(a) = held {
@@ -254,6 +272,12 @@ pub(crate) async fn record(
         refuse(
             "not_assigned",
             "this runner holds no run with that id; the report was ignored".into(),
+            traceparent,
         )
     }
+}
+
+/// The trace of a run, from its assignment's spec.
+fn traceparent_of(a: &automesh_store::desktop::DesktopAssignment) -> Option<String> {
+    crate::outbound::spec_of(a).map(|spec| spec.traceparent)
 }

@@ -477,7 +477,13 @@ async fn follow(
                         }
                     }
                     Ok(Ok(Answer::Refused(refusal))) => {
+                        let span = automesh_rpc::propagation::run_span(
+                            "automesh.desktop.refused",
+                            &refusal.run_id,
+                            refusal.traceparent.as_deref(),
+                        );
                         tracing::warn!(
+                            parent: &span,
                             runner_id = %session.runner_id,
                             run_id = %refusal.run_id,
                             code = refusal.code,

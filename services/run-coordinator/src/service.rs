@@ -71,7 +71,13 @@ impl Coordinator {
             return Ok(run);
         }
         if self.store.internal().request_cancel(&run.id, now).await? {
-            tracing::info!(run_id = %run.id, "cancellation requested");
+            // Said in the run's trace (the request is a trace of its own).
+            let span = automesh_rpc::propagation::run_span(
+                "automesh.run.cancel",
+                &run.id,
+                run.traceparent.as_deref(),
+            );
+            tracing::info!(parent: &span, run_id = %run.id, "cancellation requested");
             self.context.signal_cancel(&run.id);
         }
         let give_up = tokio::time::Instant::now() + CANCEL_ANSWER_WAIT;

@@ -228,12 +228,18 @@ fn oversized_is_resource_exhausted<B>(mut response: http::Response<B>) -> http::
     response
 }
 
-/// Calls that are probes, not work: never traced (they would otherwise be
-/// most of every trace store).
-const UNTRACED: [&str; 3] = [
+/// Calls that are not work on one run: never traced. Probes (health,
+/// reflection, an agent's keepalive) would otherwise be most of every trace
+/// store; an idle worker's `Shutdown` is housekeeping; a runner's `Connect`
+/// stream lives as long as the runner, and each of its runs is traced in
+/// the run's own trace (what the stream carries for a run is handled in a
+/// span of that run). Each would be a trace of one span of its own.
+const UNTRACED: [&str; 5] = [
     "/grpc.health.",
     "/grpc.reflection.",
     "/automesh.agent.v1.WorkerAgentService/KeepAlive",
+    "/automesh.agent.v1.WorkerAgentService/Shutdown",
+    "/automesh.runner.v1.DesktopRunnerService/Connect",
 ];
 
 /// The span of one inbound request, continuing the caller's trace. Health

@@ -17,6 +17,7 @@ use automesh_store::cloud::{CloudDispatch, CloudPhase, Reservation};
 use chrono::Utc;
 use prost::Message as _;
 use tonic::Status;
+use tracing::Instrument;
 
 use super::{Cloud, WATCH, status_of};
 
@@ -129,38 +130,44 @@ impl Executor for Cloud {
         }
         let cloud = self.clone();
         let (mut observer, stream) = executor::observe();
-        tokio::spawn(async move {
-            let mut after = after;
-            loop {
-                let Ok(Some(d)) = cloud.store.cloud_run(&run_id).await else {
-                    return;
-                };
-                let finished = d.phase == CloudPhase::Finished;
-                if !finished {
-                    // Revives a drive that stopped (a store error, a dead
-                    // replica); a live one elsewhere keeps its lease.
-                    cloud.drive(&run_id);
-                    // A phase change goes out before the events after it:
-                    // `running` precedes the thread's first event.
-                    if !observer.status(status_of(Some(&d))).await {
+        // The observer's reads of the thread (`ObserveThread`) belong to the
+        // run's trace, as the `ObserveRun` request that asked for them does.
+        let span = tracing::info_span!("automesh.cloud.observe", run_id = %run_id, after);
+        tokio::spawn(
+            async move {
+                let mut after = after;
+                loop {
+                    let Ok(Some(d)) = cloud.store.cloud_run(&run_id).await else {
+                        return;
+                    };
+                    let finished = d.phase == CloudPhase::Finished;
+                    if !finished {
+                        // Revives a drive that stopped (a store error, a dead
+                        // replica); a live one elsewhere keeps its lease.
+                        cloud.drive(&run_id);
+                        // A phase change goes out before the events after it:
+                        // `running` precedes the thread's first event.
+                        if !observer.status(status_of(Some(&d))).await {
+                            return;
+                        }
+                    }
+                    if matches!(d.phase, CloudPhase::Running | CloudPhase::Finished)
+                        && !cloud.pump_events(&d, &mut after, &observer).await
+                    {
+                        return;
+                    }
+                    if finished {
+                        // The end goes out after every event before it.
+                        observer.status(status_of(Some(&d))).await;
+                        return;
+                    }
+                    if !observer.wait(std::future::pending(), WATCH).await {
                         return;
                     }
                 }
-                if matches!(d.phase, CloudPhase::Running | CloudPhase::Finished)
-                    && !cloud.pump_events(&d, &mut after, &observer).await
-                {
-                    return;
-                }
-                if finished {
-                    // The end goes out after every event before it.
-                    observer.status(status_of(Some(&d))).await;
-                    return;
-                }
-                if !observer.wait(std::future::pending(), WATCH).await {
-                    return;
-                }
             }
-        });
+            .instrument(span),
+        );
         Ok(stream)
     }
 

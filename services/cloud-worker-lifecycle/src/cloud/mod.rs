@@ -275,7 +275,6 @@ impl Cloud {
     /// A span in `run_id`'s trace (the traceparent its dispatch carries), for
     /// work on the run that is not inside a request of it.
     pub(super) async fn run_span(&self, name: &'static str, run_id: &str) -> tracing::Span {
-        let span = tracing::info_span!(parent: None, "automesh.cloud", otel.name = name, run_id);
         let traceparent = self
             .store
             .cloud_run(run_id)
@@ -283,10 +282,8 @@ impl Cloud {
             .ok()
             .flatten()
             .and_then(|d| epb::RunSpec::decode(d.spec.as_slice()).ok())
-            .map(|spec| spec.traceparent)
-            .filter(|t| !t.is_empty());
-        automesh_rpc::propagation::continue_trace(&span, traceparent.as_deref());
-        span
+            .map(|spec| spec.traceparent);
+        automesh_rpc::propagation::run_span(name, run_id, traceparent.as_deref())
     }
 
     /// Takes the run's drive, or `None` while another live replica has it;
