@@ -97,10 +97,44 @@ pub(crate) async fn admit_update(
     gateway.check_model(owner, &model, placement)
 }
 
+/// An automation is activated only while the catalogue admits its model
+/// where it runs: activating one that needs attention because its model was
+/// de-authorised would only fail its next run again.
+async fn admit_activation(
+    activate: &pb::ActivateAutomationRequest,
+    gateway: &Gateway,
+    owner: &Principal,
+) -> Result<(), Status> {
+    let stored = spb::GetAutomationRequest {
+        caller: Some(convert::caller(owner)),
+        id: activate.id.clone(),
+    };
+    let stored = gateway.upstreams.scheduler().get_automation(stored).await;
+    let stored = forwarded(stored)?.automation.unwrap_or_default();
+    let placement = convert::placement_from_pb(stored.placement)
+        .ok_or_else(|| status::internal("the stored automation", &"no placement"))?;
+    match gateway
+        .models
+        .admits(&stored.model, &owner.org_id, placement)
+    {
+        Ok(_) => Ok(()),
+        Err(refusal) => Err(status::failed_precondition(
+            "MODEL_AUTHORIZATION",
+            &format!("models/{}", stored.model),
+            &format!(
+                "{}; change the automation's model, or have the model authorised, before \
+                 activating it",
+                refusal.explain(&stored.model, &owner.org_id)
+            ),
+        )),
+    }
+}
+
 /// Activation, deactivation and archival: one internal call, the change
-/// named. Each row is the public request, the change and the public answer.
+/// named. Each row is the public request, the change (and what must hold
+/// before it goes on, if anything) and the public answer.
 macro_rules! state_changes {
-    ($($req:ident => $change:ident => $reply:ident;)+) => {$(
+    ($($req:ident => $change:ident $(, admit $admit:path)? => $reply:ident;)+) => {$(
         #[tonic::async_trait]
         impl Pass for pb::$req {
             type Up = spb::SetAutomationStateRequest;
@@ -110,6 +144,11 @@ macro_rules! state_changes {
                 convert::require_id(&self.id, "id")?;
                 convert::parse_optional_etag(&self.etag, "etag").map(drop)
             }
+            $(
+                async fn admit(&self, gateway: &Gateway, owner: &Principal) -> Result<(), Status> {
+                    $admit(self, gateway, owner).await
+                }
+            )?
             fn up(self, caller: Option<Caller>) -> Self::Up {
                 let change = spb::StateChange::$change as i32;
                 spb::SetAutomationStateRequest { caller, id: self.id, etag: self.etag, change }
@@ -128,7 +167,7 @@ macro_rules! state_changes {
 }
 
 state_changes! {
-    ActivateAutomationRequest => Activate => ActivateAutomationResponse;
+    ActivateAutomationRequest => Activate, admit admit_activation => ActivateAutomationResponse;
     DeactivateAutomationRequest => Deactivate => DeactivateAutomationResponse;
     ArchiveAutomationRequest => Archive => ArchiveAutomationResponse;
 }

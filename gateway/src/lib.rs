@@ -13,7 +13,7 @@ pub mod upstream;
 use std::sync::Arc;
 
 use anyhow::Result;
-use automesh_domain::{ModelCatalog, Placement, Principal};
+use automesh_domain::{ModelCatalog, ModelRefusal, Placement, Principal};
 use automesh_proto::v1::automations_server::AutomationsServer;
 use automesh_proto::v1::runs_server::RunsServer;
 use automesh_proto::worker::v1 as wpb;
@@ -92,35 +92,33 @@ impl Gateway {
         Ok(Accepted { owner, req })
     }
 
-    /// A model must exist; for a cloud automation it must also be authorised
-    /// for the caller's organisation.
+    /// The model must be one the catalogue admits where the automation runs
+    /// (`ModelCatalog::admits`: it exists; in the cloud it is authorised for
+    /// the caller's organisation) — the rule every run is held to again.
     fn check_model(
         &self,
         owner: &Principal,
         model: &str,
         placement: Placement,
     ) -> Result<(), Status> {
-        if self.models.get(model).is_none() {
-            let known: Vec<&str> = self.models.models.iter().map(|m| m.id.as_str()).collect();
-            return Err(status::invalid_field(
-                "automation.model",
-                &format!(
-                    "unknown model {model:?}; known models: {}",
-                    known.join(", ")
-                ),
-            ));
-        }
-        if placement == Placement::Cloud && !self.models.authorizes(model, &owner.org_id) {
-            return Err(status::failed_precondition(
+        match self.models.admits(model, &owner.org_id, placement) {
+            Ok(_) => Ok(()),
+            Err(ModelRefusal::Unknown) => {
+                let known: Vec<&str> = self.models.models.iter().map(|m| m.id.as_str()).collect();
+                Err(status::invalid_field(
+                    "automation.model",
+                    &format!(
+                        "unknown model {model:?}; known models: {}",
+                        known.join(", ")
+                    ),
+                ))
+            }
+            Err(refusal @ ModelRefusal::NotAuthorized) => Err(status::failed_precondition(
                 "MODEL_AUTHORIZATION",
                 &format!("models/{model}"),
-                &format!(
-                    "model {model} is not authorised for organisation {}",
-                    owner.org_id
-                ),
-            ));
+                &refusal.explain(model, &owner.org_id),
+            )),
         }
-        Ok(())
     }
 
     /// A cloud automation needs the owner's existing cloud worker (stopped is

@@ -42,8 +42,18 @@ async fn desk(
     streams: StreamSettings,
     script: impl Fn(usize, &serde_json::Value) -> Reply + Send + Sync + 'static,
 ) -> Desk {
+    desk_on(Backend::Postgres, run_deadline, streams, script).await
+}
+
+/// [`desk`] on `backend`.
+async fn desk_on(
+    backend: Backend,
+    run_deadline: Duration,
+    streams: StreamSettings,
+    script: impl Fn(usize, &serde_json::Value) -> Reply + Send + Sync + 'static,
+) -> Desk {
     let mesh = Mesh::start_with(
-        Backend::Postgres,
+        backend,
         MeshOptions {
             desktop_via_runner_gateway: true,
             runner_gateways: 2,
@@ -706,3 +716,86 @@ async fn a_desktop_run_executes_through_the_opencode_adapter_under_the_runners_p
     let _ = std::fs::remove_dir_all(&root);
     desk.stop().await;
 }
+
+/// On the desktop a run's model need only be in the catalogue the
+/// coordinator holds: a desktop automation whose model was removed from it
+/// ends its next run `model_not_authorized` before anything is offered to a
+/// runner (the provider is never called), needs attention and is paused.
+async fn a_desktop_run_of_a_model_gone_from_the_catalogue_is_not_dispatched(backend: Backend) {
+    use automesh_e2e_tests::Api;
+    let mut desk = desk_on(backend, Duration::from_secs(60), streams(), |_, _| {
+        Reply::Json(text_completion("tidied"))
+    })
+    .await;
+    let runner = desk.start_runner(&[&desk.mesh.runner_gateways[0]]);
+    let token = desk.mesh.token("acme", "alice");
+    let mut api = desk.mesh.automations(Some(&token));
+    let mut request =
+        automesh_e2e_tests::daily_automation("desk", "tidy my downloads", pb::Surface::Desktop);
+    if let Some(a) = request.automation.as_mut() {
+        a.model = "openai/gpt-4.1".into();
+    }
+    let a = api.create(request).await;
+    let first = api.run_now(&a.id, "first").await;
+    assert_eq!(desk.terminal(&first.id).await.state, RunState::Succeeded);
+    let calls = desk.provider.calls();
+    let mut without = automesh_e2e_tests::test_models();
+    without.models.retain(|m| m.id != "openai/gpt-4.1");
+    desk.mesh
+        .reprice(without)
+        .await
+        .expect("restart the coordinators");
+    let refused = api.run_now(&a.id, "second").await;
+    let refused = desk.terminal(&refused.id).await;
+    assert_eq!(
+        (refused.state, refused.error_code),
+        (RunState::Failed, Some(ErrorCode::ModelNotAuthorized)),
+        "{refused:?}"
+    );
+    assert_eq!(desk.provider.calls(), calls, "the provider was called");
+    assert_eq!(runner.stats.executions.load(Ordering::SeqCst), 1);
+    assert!(
+        desk.mesh
+            .store()
+            .desktop_run(&refused.id)
+            .await
+            .expect("read")
+            .is_none(),
+        "the refused run was offered to the runners"
+    );
+    // The automation moves after its run ended: waited for, bounded.
+    let alice = automesh_domain::Principal::new("acme", "alice");
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(20);
+    let paused = loop {
+        let a = desk
+            .mesh
+            .store()
+            .get_automation(&alice, &a.id)
+            .await
+            .expect("automation");
+        if a.state != automesh_domain::AutomationState::Active
+            || tokio::time::Instant::now() >= give_up
+        {
+            break a;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        (
+            paused.state,
+            paused.attention.map(|x| x.reason),
+            paused.next_run_at
+        ),
+        (
+            automesh_domain::AutomationState::NeedsAttention,
+            Some(ErrorCode::ModelNotAuthorized),
+            None
+        )
+    );
+    runner.task.abort();
+    desk.stop().await;
+}
+
+automesh_e2e_tests::on_both_backends!(
+    a_desktop_run_of_a_model_gone_from_the_catalogue_is_not_dispatched
+);

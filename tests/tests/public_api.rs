@@ -1219,7 +1219,102 @@ async fn undecodable_and_oversized_requests_get_the_codes_grpc_prescribes() {
     mesh.stop().await.expect("stop");
 }
 
+/// Activation is refused (FAILED_PRECONDITION, naming the model) while the
+/// catalogue does not admit the automation's model where it runs — a cloud
+/// model not authorised for the organisation, a model gone from the
+/// catalogue — and allowed where it does (on the desktop a model need only
+/// exist). Such automations exist when the catalogue changed after they were
+/// created; they are made here in the store, as the catalogue of the time
+/// admitted them.
+async fn activation_needs_a_model_the_catalogue_admits(backend: Backend) {
+    use automesh_domain::automation::NewAutomation;
+    let mesh = Mesh::start(backend).await.expect("mesh");
+    let owner = Principal::new("globex", "gina");
+    let token = mesh.token(&owner.org_id, &owner.user_id);
+    let mut api = mesh.automations(Some(&token));
+    let cases = [
+        (
+            "cloud-acme-only",
+            "restricted/acme-only",
+            automesh_domain::Surface::Web,
+            false,
+        ),
+        (
+            "cloud-gone",
+            "gone/model",
+            automesh_domain::Surface::Web,
+            false,
+        ),
+        (
+            "desktop-gone",
+            "gone/model",
+            automesh_domain::Surface::Desktop,
+            false,
+        ),
+        (
+            "desktop-acme-only",
+            "restricted/acme-only",
+            automesh_domain::Surface::Desktop,
+            true,
+        ),
+    ];
+    for (id, model, surface, admitted) in cases {
+        let new = NewAutomation {
+            id: id.into(),
+            owner: owner.clone(),
+            name: id.into(),
+            prompt: "p".into(),
+            model: model.into(),
+            surface,
+            schedule: automesh_domain::Schedule::Daily {
+                time: automesh_domain::TimeOfDay::new(9, 0).expect("time"),
+                zone: chrono_tz::UTC,
+            },
+        };
+        mesh.store()
+            .create_automation(&new, None, Utc::now())
+            .await
+            .expect("create");
+        api.deactivate_automation(pb::DeactivateAutomationRequest {
+            id: id.into(),
+            etag: String::new(),
+        })
+        .await
+        .expect("deactivate");
+        let activated = api
+            .activate_automation(pb::ActivateAutomationRequest {
+                id: id.into(),
+                etag: String::new(),
+            })
+            .await;
+        if admitted {
+            let a = activated
+                .expect(id)
+                .into_inner()
+                .automation
+                .expect("automation");
+            assert_eq!(a.state, pb::AutomationState::Active as i32, "{id}");
+        } else {
+            let refused = activated.expect_err(id);
+            assert_eq!(
+                refused.code(),
+                Code::FailedPrecondition,
+                "{id}: {refused:?}"
+            );
+            assert!(refused.message().contains(model), "{id}: {refused:?}");
+            let stored = mesh.store().get_automation(&owner, id).await.expect("read");
+            assert_eq!(
+                stored.state,
+                automesh_domain::AutomationState::Inactive,
+                "{id}"
+            );
+        }
+    }
+    mesh.stop().await.expect("stop");
+}
+
 on_both_backends!(
+    activation_needs_a_model_the_catalogue_admits,
     nul_and_out_of_range_input_is_invalid_on_both_backends,
     automation_lifecycle,
     bad_input_changes_nothing,

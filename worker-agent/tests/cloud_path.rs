@@ -1,4 +1,5 @@
-//! The cloud path end to end on PostgreSQL: scheduler → coordinator →
+//! The cloud path end to end (on PostgreSQL, and on both backends where it
+//! says so): scheduler → coordinator →
 //! cloud-worker-lifecycle (the cloud executor, local-process driver) → the
 //! real worker agent binary as a child process → the native engine against
 //! a fake OpenAI-compatible provider and a fake Connect MCP server (both
@@ -42,6 +43,15 @@ async fn env(
     script: impl Fn(usize, &serde_json::Value) -> Reply + Send + Sync + 'static,
     tune: impl FnOnce(&mut Config),
 ) -> Env {
+    env_on(Backend::Postgres, script, tune).await
+}
+
+/// [`env`] on `backend`.
+async fn env_on(
+    backend: Backend,
+    script: impl Fn(usize, &serde_json::Value) -> Reply + Send + Sync + 'static,
+    tune: impl FnOnce(&mut Config),
+) -> Env {
     let (provider_url, fake) = provider(script).await;
     let (mcp_url, mcp_stop) = automesh_testkit::connect(MCP_TOKEN).await;
     let workers = std::env::temp_dir().join(format!(
@@ -76,7 +86,7 @@ async fn env(
             .with_orphan_after(config.agent_orphan_after),
     );
     let mesh = Mesh::start_with(
-        Backend::Postgres,
+        backend,
         MeshOptions {
             cloud: Some(CloudOptions {
                 driver: driver.clone(),
@@ -750,3 +760,115 @@ async fn cloud_runs_are_charged_at_the_catalogue_price_and_run_with_the_lifecycl
     assert_charged(env.mesh.store(), &run.id, doubled).await;
     env.stop().await;
 }
+
+/// The catalogue a coordinator holds decides, at run time, whether a run's
+/// model may still run: a model de-authorised for the owner's organisation
+/// after the automation was created ends the next run `model_not_authorized`
+/// before anything is dispatched (the provider is never called), moves the
+/// automation to needs-attention and pauses its schedule; activation is
+/// refused while the model stays de-authorised, and re-authorising and
+/// activating clears it.
+async fn a_de_authorised_model_never_runs_and_needs_attention(backend: Backend) {
+    use automesh_e2e_tests::{Api, test_models};
+    use automesh_proto::v1 as pb;
+    let mut env = env_on(backend, |_, _| Reply::Json(text_completion("done")), |_| {}).await;
+    let o = owner();
+    let token = env.mesh.token(&o.org_id, &o.user_id);
+    let mut api = env.mesh.automations(Some(&token));
+    let mut request =
+        automesh_e2e_tests::daily_automation("acme only", "summarise", pb::Surface::Web);
+    if let Some(a) = request.automation.as_mut() {
+        a.model = "restricted/acme-only".into();
+    }
+    let a = api.create(request).await;
+    assert_eq!(a.placement, pb::Placement::Cloud as i32);
+    let first = api.run_now(&a.id, "first").await;
+    let first = env
+        .mesh
+        .until_terminal(&first.id, Duration::from_secs(60))
+        .await;
+    assert_eq!(first.state, RunState::Succeeded, "{first:?}");
+    let calls = env.provider.calls();
+    assert!(calls > 0);
+
+    // The coordinators restart on a catalogue that authorises the model
+    // for another organisation only.
+    let mut elsewhere = test_models();
+    for m in &mut elsewhere.models {
+        if m.id == "restricted/acme-only" {
+            m.authorized_orgs = vec!["globex".into()];
+        }
+    }
+    env.mesh
+        .reprice(elsewhere)
+        .await
+        .expect("restart the coordinators");
+    let refused = api.run_now(&a.id, "second").await;
+    let refused = env
+        .mesh
+        .until_terminal(&refused.id, Duration::from_secs(60))
+        .await;
+    assert_eq!(
+        (refused.state, refused.error_code),
+        (RunState::Failed, Some(ErrorCode::ModelNotAuthorized)),
+        "{refused:?}"
+    );
+    assert_eq!(env.provider.calls(), calls, "the provider was called");
+    let receipt = env.mesh.receipt(&refused.id).await;
+    assert!(
+        receipt
+            .error_message
+            .as_deref()
+            .is_some_and(|m| m.contains("not authorised for organisation acme")),
+        "{receipt:?}"
+    );
+    assert_eq!(receipt.usage.cost_micros, 0);
+    // Nothing reached the worker: the run was never dispatched.
+    assert!(
+        env.mesh
+            .store()
+            .cloud_run(&refused.id)
+            .await
+            .expect("read")
+            .is_none(),
+        "a cloud dispatch row for a refused run"
+    );
+    env.needs_attention(&a.id, ErrorCode::ModelNotAuthorized)
+        .await;
+    let paused = env
+        .mesh
+        .store()
+        .get_automation(&o, &a.id)
+        .await
+        .expect("automation");
+    assert_eq!(paused.next_run_at, None, "its schedule is paused");
+
+    // Re-authorised (the gateway's catalogue authorises acme) and activated:
+    // active again, and the next run runs.
+    env.mesh
+        .reprice(test_models())
+        .await
+        .expect("restart the coordinators");
+    let active = api
+        .activate_automation(pb::ActivateAutomationRequest {
+            id: a.id.clone(),
+            etag: String::new(),
+        })
+        .await
+        .expect("activate")
+        .into_inner()
+        .automation
+        .expect("automation");
+    assert_eq!(active.state, pb::AutomationState::Active as i32);
+    assert!(active.next_run_time.is_some(), "{active:?}");
+    let third = api.run_now(&a.id, "third").await;
+    let third = env
+        .mesh
+        .until_terminal(&third.id, Duration::from_secs(60))
+        .await;
+    assert_eq!(third.state, RunState::Succeeded, "{third:?}");
+    assert!(env.provider.calls() > calls);
+    env.stop().await;
+}
+
+automesh_e2e_tests::on_both_backends!(a_de_authorised_model_never_runs_and_needs_attention);

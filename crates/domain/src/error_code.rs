@@ -43,7 +43,7 @@ macro_rules! error_codes {
 
 error_codes! {
     ProviderUnavailable => "provider_unavailable": "The model provider refused the credentials, is outside the allowlist, or stayed unavailable.",
-    ModelNotAuthorized => "model_not_authorized": "The model is no longer authorised for the owner.",
+    ModelNotAuthorized => "model_not_authorized": "The model is no longer authorised for the owner's organisation (cloud) or no longer in the model catalogue; checked before the run is dispatched, so nothing is called.",
     RuntimeMissing => "runtime_missing": "The owner has no cloud worker.",
     RuntimeFailed => "runtime_failed": "The owner's cloud worker kept failing to start.",
     RuntimeInterrupted => "runtime_interrupted": "The cloud worker's agent stopped while executing the run; it is not run again.",

@@ -22,7 +22,7 @@ pub use automation::{
 };
 pub use error_code::{CodedError, ErrorCode};
 pub use failure::{Failure, FailureKind};
-pub use models::{ModelCatalog, ModelSpec, Price};
+pub use models::{ModelCatalog, ModelRefusal, ModelSpec, Price};
 pub use principal::Principal;
 pub use run::{NewRun, Receipt, Run, RunEvent, RunEventPayload, RunState, RunTrigger, Usage};
 pub use schedule::{Schedule, TimeOfDay, WeekdaySet};

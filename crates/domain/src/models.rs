@@ -157,6 +157,47 @@ impl ModelCatalog {
                 .any(|o| o == "*" || o.as_str() == org)
         })
     }
+
+    /// Whether model `id` may run for organisation `org` where an
+    /// automation of `placement` runs — the one rule creation, update,
+    /// activation and every run (checked again by the coordinator before
+    /// the run is dispatched) follow: the model must be in the catalogue;
+    /// in the cloud it must also be authorised for the organisation
+    /// (`authorized_orgs`); a desktop run uses the owner's own machine and
+    /// provider, so existing is enough there.
+    pub fn admits(
+        &self,
+        id: &str,
+        org: &str,
+        placement: crate::automation::Placement,
+    ) -> Result<&ModelSpec, ModelRefusal> {
+        let model = self.get(id).ok_or(ModelRefusal::Unknown)?;
+        if placement == crate::automation::Placement::Cloud && !self.authorizes(id, org) {
+            return Err(ModelRefusal::NotAuthorized);
+        }
+        Ok(model)
+    }
+}
+
+/// Why the catalogue does not admit a model ([`ModelCatalog::admits`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelRefusal {
+    /// The model is not in the catalogue (unknown, or removed since).
+    Unknown,
+    /// The model is not authorised for the organisation in the cloud.
+    NotAuthorized,
+}
+
+impl ModelRefusal {
+    /// What is wrong, in words, for `model` of organisation `org`.
+    pub fn explain(self, model: &str, org: &str) -> String {
+        match self {
+            ModelRefusal::Unknown => format!("model {model} is not in the model catalogue"),
+            ModelRefusal::NotAuthorized => {
+                format!("model {model} is not authorised for organisation {org}")
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -199,6 +240,37 @@ mod tests {
         assert_eq!(name("azure/mini"), Some("gpt-4.1-mini-2025-04-14"));
         assert_eq!(name("bare"), Some("bare"));
         assert_eq!(catalog.get("bare").and_then(|m| m.price), None);
+    }
+
+    #[test]
+    fn the_catalogue_admits_a_model_where_it_may_run() {
+        use crate::automation::Placement::{Cloud, Desktop};
+        let catalog = ModelCatalog::from_json(
+            r#"{"models": [{"id": "open"}, {"id": "acme-only", "authorized_orgs": ["acme"]}]}"#,
+        )
+        .expect("catalogue");
+        let admits = |id, org, placement| catalog.admits(id, org, placement).map(|m| m.id.clone());
+        assert_eq!(admits("open", "any", Cloud), Ok("open".into()));
+        assert_eq!(admits("acme-only", "acme", Cloud), Ok("acme-only".into()));
+        assert_eq!(
+            admits("acme-only", "other", Cloud),
+            Err(ModelRefusal::NotAuthorized)
+        );
+        // On the desktop the model need only exist.
+        assert_eq!(
+            admits("acme-only", "other", Desktop),
+            Ok("acme-only".into())
+        );
+        for placement in [Cloud, Desktop] {
+            assert_eq!(
+                admits("gone", "acme", placement),
+                Err(ModelRefusal::Unknown)
+            );
+        }
+        assert_eq!(
+            ModelRefusal::NotAuthorized.explain("acme-only", "other"),
+            "model acme-only is not authorised for organisation other"
+        );
     }
 
     #[test]

@@ -61,6 +61,25 @@ pub(super) async fn execute(
             "cancelled before it was dispatched",
         ));
     }
+    // The model's authority, checked against this coordinator's catalogue
+    // before anything is dispatched (the catalogue may have changed since
+    // the automation was created): a model no longer admitted for the
+    // owner's organisation where the run runs is a durable failure the owner
+    // must fix, and no provider is ever called for it.
+    if never_submitted
+        && let Err(refusal) = ctx
+            .settings
+            .models
+            .admits(&run.model, &run.org_id, run.placement)
+    {
+        let why = refusal.explain(&run.model, &run.org_id);
+        tracing::warn!(run_id = %run.id, model = %run.model, reason = %why, "the run's model is not admitted; it is not dispatched");
+        return Ok(Ending::new(
+            RunState::Failed,
+            Some(ErrorCode::ModelNotAuthorized),
+            format!("{why}; the run was not dispatched"),
+        ));
+    }
     let Some(mut executor) = ctx.executors.for_placement(run.placement) else {
         return wait_without_executor(run, lost, cancel_seen).await;
     };
