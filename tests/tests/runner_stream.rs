@@ -3,6 +3,7 @@
 //! within its bound even though its connection stays open (a runner process
 //! stalled on PING liveness: `cli/tests/crash_recovery.rs`).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use automesh_desktop_runner_gateway::stream::StreamSettings;
@@ -990,4 +991,228 @@ async fn a_runner_on_grpc_core_is_welcomed_and_kept_alive() {
     assert_eq!(acks, 3, "{said}");
     assert_eq!(lines.last(), Some(&"ended OK"), "{said}");
     mesh.stop().await.expect("stop");
+}
+
+/// A heartbeating runner's liveness is judged by what it sends, not by how
+/// fast the gateway stores it. A third-party runner on grpc C-core that
+/// keeps the documented heartbeat liveness (no PINGs of its own) reports
+/// 50,000 events — one message of 30,000 and 40 of 500, its heartbeats
+/// queued behind them in its one stream — while the database is slowed (a
+/// lock on the run's assignment, or SQLite's write lock, held for twice the
+/// dead-after bound): its stream stays alive, every event is stored once and
+/// in order, and the run ends with its result. Then the runner is stopped
+/// with SIGSTOP, and the gateway declares its stream dead within the bound.
+async fn a_heartbeating_runner_reporting_a_flood_to_a_slow_database_stays_alive(backend: Backend) {
+    use prost::Message as _;
+    use rpb::connect_request::Message as Up;
+    let dead_after = Duration::from_secs(2);
+    let mesh = Mesh::start_with(
+        backend,
+        MeshOptions {
+            desktop_via_runner_gateway: true,
+            runner_streams: StreamSettings {
+                heartbeat_interval: Duration::from_millis(500),
+                dead_after,
+                hello_timeout: Duration::from_secs(2),
+                ..Default::default()
+            },
+            ..MeshOptions::default()
+        },
+    )
+    .await
+    .expect("mesh");
+    let minted = mint(&mesh).await;
+    // Offered while no runner is connected: it waits for this one.
+    let run = mesh.desktop_run_now("acme", "alice").await;
+
+    let events = |from: usize, n: usize| -> Up {
+        Up::RunEvents(rpb::RunEvents {
+            run_id: run.id.clone(),
+            events: (from..from + n)
+                .map(|i| pb::RunEvent {
+                    event_id: format!("flood-{i:05}"),
+                    payload: Some(pb::run_event::Payload::AssistantText(pb::AssistantText {
+                        text: format!("event {i}"),
+                    })),
+                    ..Default::default()
+                })
+                .collect(),
+        })
+    };
+    let mut reports = vec![events(0, 30_000)];
+    reports.extend((0..40).map(|k| events(30_000 + k * 500, 500)));
+    reports.push(Up::RunFinished(rpb::RunFinished {
+        run_id: run.id.clone(),
+        outcome: pb::RunState::Succeeded as i32,
+        engine: "grpcio-flood".into(),
+        ..Default::default()
+    }));
+    let mut lines = vec![
+        hex::encode(hello().encode_to_vec()),
+        hex::encode(heartbeat().encode_to_vec()),
+        hex::encode(
+            up(Up::AssignmentAccepted(rpb::AssignmentAccepted {
+                run_id: run.id.clone(),
+            }))
+            .encode_to_vec(),
+        ),
+    ];
+    lines.extend(
+        reports
+            .into_iter()
+            .map(|r| hex::encode(up(r).encode_to_vec())),
+    );
+    let messages = std::env::temp_dir().join(format!("automesh-flood-{}.hex", run.id));
+    std::fs::write(&messages, lines.join("\n")).expect("messages");
+
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/peers/grpcio_flood.py");
+    let mut runner = tokio::process::Command::new(grpcio_python())
+        .arg(script)
+        .arg(mesh.runner_gateway.trim_start_matches("http://"))
+        .arg(&minted.token)
+        .arg(&messages)
+        .arg("0.5")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("python runs");
+    let pid = runner.id().expect("pid");
+    let mut stdin = runner.stdin.take().expect("stdin");
+    let said = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let reader = {
+        use tokio::io::AsyncBufReadExt;
+        let said = said.clone();
+        let mut out = tokio::io::BufReader::new(runner.stdout.take().expect("stdout")).lines();
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = out.next_line().await {
+                said.lock().expect("lock").push(line);
+            }
+        })
+    };
+    let saw = |prefix: &str| said_line(&said, prefix);
+    until_said(&said, "got 32", Duration::from_secs(30)).await;
+
+    // The database is slowed: the run's assignment row (PostgreSQL) or the
+    // whole database (SQLite's write lock) held for twice the bound.
+    let mut held = mesh.store().pool().acquire().await.expect("a connection");
+    match backend {
+        Backend::Postgres => {
+            sqlx::query("BEGIN")
+                .execute(&mut *held)
+                .await
+                .expect("begin");
+            sqlx::query("SELECT run_id FROM desktop_assignments WHERE run_id = $1 FOR UPDATE")
+                .bind(run.id.clone())
+                .fetch_all(&mut *held)
+                .await
+                .expect("lock the assignment");
+        }
+        Backend::Sqlite => {
+            sqlx::query("BEGIN IMMEDIATE")
+                .execute(&mut *held)
+                .await
+                .expect("take the write lock");
+        }
+    }
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(dead_after * 2).await;
+        sqlx::query("COMMIT")
+            .execute(&mut *held)
+            .await
+            .expect("commit");
+    });
+    use tokio::io::AsyncWriteExt;
+    stdin.write_all(b"go\n").await.expect("go");
+    stdin.flush().await.expect("flush");
+    until_said(&said, "sent 42", Duration::from_secs(120)).await;
+    release.await.expect("released");
+    let ended = mesh.until_terminal(&run.id, Duration::from_secs(120)).await;
+    assert_eq!(
+        ended.state,
+        automesh_domain::RunState::Succeeded,
+        "{ended:?}"
+    );
+    assert_eq!(
+        saw("ended"),
+        None,
+        "the stream ended: {:?}",
+        said.lock().expect("lock")
+    );
+
+    // Every event stored once, in the order sent.
+    let mut stored = vec![];
+    loop {
+        let after = stored.len() as i64;
+        let page = mesh
+            .store()
+            .internal()
+            .events(&run.id, after, 1000)
+            .await
+            .expect("events");
+        if page.is_empty() {
+            break;
+        }
+        stored.extend(page);
+    }
+    let flood: Vec<&str> = stored
+        .iter()
+        .map(|e| e.event_id.as_str())
+        .filter(|id| id.starts_with("flood-"))
+        .collect();
+    assert_eq!(flood.len(), 50_000);
+    for (i, id) in flood.iter().enumerate() {
+        assert_eq!(*id, format!("flood-{i:05}"), "in order");
+    }
+
+    // Stopped: the gateway declares it dead, well before the runner would
+    // heartbeat again once continued.
+    automesh_rpc::process::signal(pid, automesh_rpc::process::Signal::STOP);
+    tokio::time::sleep(dead_after * 3).await;
+    automesh_rpc::process::signal(pid, automesh_rpc::process::Signal::CONT);
+    let end = until_said(&said, "ended", Duration::from_secs(30)).await;
+    assert!(
+        end.starts_with("ended DEADLINE_EXCEEDED") && end.contains("declared dead")
+            || end.starts_with("ended UNAVAILABLE"),
+        "{end}"
+    );
+    let _ = runner.kill().await;
+    reader.abort();
+    let _ = std::fs::remove_file(&messages);
+    mesh.stop().await.expect("stop");
+}
+
+automesh_e2e_tests::on_both_backends!(
+    a_heartbeating_runner_reporting_a_flood_to_a_slow_database_stays_alive
+);
+
+/// The first line a peer printed that starts with `prefix`.
+fn said_line(said: &std::sync::Mutex<Vec<String>>, prefix: &str) -> Option<String> {
+    said.lock()
+        .expect("lock")
+        .iter()
+        .find(|l| l.starts_with(prefix))
+        .cloned()
+}
+
+/// Waits (bounded by `within`) until a peer printed a line starting with
+/// `prefix`; returns it.
+async fn until_said(
+    said: &std::sync::Mutex<Vec<String>>,
+    prefix: &str,
+    within: Duration,
+) -> String {
+    let give_up = tokio::time::Instant::now() + within;
+    loop {
+        if let Some(line) = said_line(said, prefix) {
+            return line;
+        }
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "the peer never said {prefix:?}: {:?}",
+            said.lock().expect("lock")
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

@@ -14,6 +14,15 @@ pub struct StreamSettings {
     /// Silence after which a runner's stream is declared dead.
     #[arg(long = "dead-after", env = "AUTOMESH_RUNNER_DEAD_AFTER", default_value = "10s", value_parser = automesh_rpc::runtime::parse_duration)]
     pub dead_after: Duration,
+    /// How long the gateway may take to store one report of a runner (its
+    /// events, a result) before it gives up on the stream (UNAVAILABLE: the
+    /// runner reconnects and sends it again, event ids make that harmless).
+    /// While a report is stored the runner's next messages are still read —
+    /// its heartbeats keep it alive — until a few reports wait; then the
+    /// gateway stops reading (HTTP/2 flow control holds the runner back)
+    /// and its silence is not counted against it.
+    #[arg(long = "report-timeout", env = "AUTOMESH_RUNNER_REPORT_TIMEOUT", default_value = "60s", value_parser = automesh_rpc::runtime::parse_duration)]
+    pub report_timeout: Duration,
     /// How long a new stream may take to say `Hello`.
     #[arg(long = "hello-timeout", env = "AUTOMESH_RUNNER_HELLO_TIMEOUT", default_value = "5s", value_parser = automesh_rpc::runtime::parse_duration)]
     pub hello_timeout: Duration,
@@ -57,6 +66,7 @@ impl StreamSettings {
         );
         for (bound, what) in [
             (self.hello_timeout, "AUTOMESH_RUNNER_HELLO_TIMEOUT"),
+            (self.report_timeout, "AUTOMESH_RUNNER_REPORT_TIMEOUT"),
             (self.accept_within, "AUTOMESH_RUNNER_ACCEPT_WITHIN"),
         ] {
             anyhow::ensure!(!bound.is_zero(), "{what} must be longer than 0");

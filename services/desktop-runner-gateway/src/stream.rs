@@ -377,7 +377,36 @@ impl DesktopRunnerService for RunnerStreams {
     }
 }
 
-/// Reads the runner's messages until it leaves, falls silent, or is replaced.
+/// How many of a runner's reports may wait while one is stored, before the
+/// gateway stops reading the runner's stream (HTTP/2 flow control then
+/// holds the runner back). Each is at most one message (4 MiB).
+const REPORTS_WAITING: usize = 2;
+
+/// One report being stored, bounded by the report timeout.
+type Recording<'a> = Pin<
+    Box<
+        dyn std::future::Future<
+                Output = Result<
+                    Result<Answer, automesh_store::StoreError>,
+                    tokio::time::error::Elapsed,
+                >,
+            > + Send
+            + 'a,
+    >,
+>;
+
+/// Reads the runner's messages until it leaves, falls silent, or is
+/// replaced.
+///
+/// A runner's liveness is judged by what it sends, never by how fast the
+/// gateway stores it: reading goes on while a report is stored — a
+/// heartbeat is answered at once, reports wait their turn in order — until
+/// [`REPORTS_WAITING`] reports wait; then the gateway stops reading (flow
+/// control back-pressures the runner), tells the runner it lives with an
+/// unsolicited `HeartbeatAck` every heartbeat interval, and does not count
+/// the runner's silence until it reads again. A runner that truly stops
+/// sending is declared dead after `dead_after` of silence while the gateway
+/// reads.
 async fn follow(
     inbound: &mut Streaming<rpb::ConnectRequest>,
     session: &Session,
@@ -390,80 +419,47 @@ async fn follow(
     let tx = &session.tx;
     // A PING-liveness stream has no silence bound of its own: the
     // connection's keepalive closes it when it stops answering.
-    let silence = if session.ping_liveness {
-        Duration::MAX
-    } else {
-        settings.dead_after
+    let silence = (!session.ping_liveness).then_some(settings.dead_after);
+    let record_bounded = |report: Message| -> Recording<'_> {
+        Box::pin(tokio::time::timeout(
+            settings.report_timeout,
+            record(store, session, report),
+        ))
     };
+    let mut recording: Option<Recording<'_>> = None;
+    let mut waiting: std::collections::VecDeque<Message> = Default::default();
+    // The runner's stream ended (how), with reports still to store.
+    let mut ended: Option<Result<(), Status>> = None;
+    // Since when the gateway has been reading without hearing the runner.
+    let mut quiet_since = tokio::time::Instant::now();
+    let mut was_reading = true;
+    let mut busy = tokio::time::interval(settings.heartbeat_interval);
+    busy.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let next = tokio::select! {
-            next = timeout_unless_max(silence, inbound.next()) => next,
+        if let Some(end) = ended.take() {
+            if recording.is_none() {
+                return end;
+            }
+            ended = Some(end);
+        }
+        let reading = ended.is_none() && waiting.len() < REPORTS_WAITING;
+        if reading && !was_reading {
+            // Listening again: silence counts from now, not from while the
+            // gateway held the runner back.
+            quiet_since = tokio::time::Instant::now();
+        }
+        if !reading && was_reading {
+            busy.reset();
+        }
+        was_reading = reading;
+        let silent_at = silence.map(|bound| quiet_since + bound);
+        tokio::select! {
             () = session.closed.cancelled() => return Err(Status::aborted("replaced by a newer stream of this runner")),
             () = session.revoked.cancelled() => return Err(Status::unauthenticated("the runner was revoked")),
             () = shutdown.cancelled() => return Err(status::shutting_down("reconnect")),
-        };
-        let message = match next {
-            Err(_) => {
-                return Err(Status::deadline_exceeded(format!(
-                    "no heartbeat for {:?}: the stream is declared dead",
-                    settings.dead_after
-                )));
-            }
-            // The runner ended its stream; or its connection went (a
-            // PING-liveness connection that stopped answering is closed by
-            // the keepalive), which drops the way back too, a moment later.
-            Ok(None) => {
-                return match tokio::time::timeout(LOST_GRACE, tx.closed()).await {
-                    Ok(()) => Err(status::connection_lost(
-                        "the runner's stream is declared dead",
-                    )),
-                    Err(_) => Ok(()),
-                };
-            }
-            // A runner message over the size limit is RESOURCE_EXHAUSTED,
-            // as for every request (see the server builder).
-            Ok(Some(Err(status)))
-                if status.code() == tonic::Code::OutOfRange
-                    && status.message().contains("message length too large") =>
-            {
-                return Err(Status::resource_exhausted(status.message().to_owned()));
-            }
-            Ok(Some(Err(status))) => return Err(status),
-            Ok(Some(Ok(m))) => m,
-        };
-        session.last_heard.store(heard_now(), Ordering::Relaxed);
-        match message.message {
-            Some(Message::Heartbeat(h)) => {
-                let ack = rpb::ConnectResponse {
-                    message: Some(rpb::connect_response::Message::HeartbeatAck(
-                        rpb::HeartbeatAck {
-                            send_time: h.send_time,
-                        },
-                    )),
-                };
-                // A runner that does not read its acks for a whole dead
-                // period is as dead as one that does not write.
-                match tokio::time::timeout(settings.dead_after, tx.send(Ok(Box::new(ack)))).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(_)) => return Ok(()),
-                    Err(_) => {
-                        return Err(Status::resource_exhausted(
-                            "the runner stopped reading its stream",
-                        ));
-                    }
-                }
-            }
-            Some(Message::Hello(_)) => {
-                return Err(Status::failed_precondition(
-                    "Hello may be sent only once per stream",
-                ));
-            }
-            Some(other) => {
-                // Bounded like every wait; a report that cannot be recorded
-                // ends the stream, and the runner resends what it holds when
-                // it reconnects (event ids make that harmless).
-                match tokio::time::timeout(settings.dead_after, record(store, session, other)).await
-                {
+            stored = async { recording.as_mut().expect("guarded").await }, if recording.is_some() => {
+                recording = waiting.pop_front().map(record_bounded);
+                match stored {
                     Ok(Ok(Answer::Nothing)) => {}
                     Ok(Ok(Answer::Confirmed(run_id))) => {
                         dispatch.accepted(&run_id);
@@ -494,32 +490,108 @@ async fn follow(
                             return Ok(());
                         }
                     }
+                    // A report that cannot be recorded ends the stream; the
+                    // runner resends what it holds when it reconnects
+                    // (event ids make that harmless).
                     Ok(Err(error)) => {
                         return Err(status::of(&error, "recording the runner's report"));
                     }
                     Err(_) => {
                         return Err(status::unavailable(
                             "recording the runner's report",
-                            &"timed out; reconnect",
+                            &format!("not stored within {:?}; reconnect", settings.report_timeout),
                         ));
                     }
                 }
             }
-            None => {}
+            _ = busy.tick(), if !reading && ended.is_none() => {
+                // Held back by the gateway, not silent: say so, so that a
+                // runner judging the gateway by its acks does not leave.
+                let alive = rpb::ConnectResponse {
+                    message: Some(rpb::connect_response::Message::HeartbeatAck(
+                        rpb::HeartbeatAck { send_time: None },
+                    )),
+                };
+                let _ = tx.try_send(Ok(Box::new(alive)));
+            }
+            () = sleep_until_some(silent_at), if reading => {
+                return Err(Status::deadline_exceeded(format!(
+                    "no heartbeat for {:?}: the stream is declared dead",
+                    settings.dead_after
+                )));
+            }
+            next = inbound.next(), if reading => {
+                let message = match next {
+                    // The runner ended its stream; or its connection went (a
+                    // PING-liveness connection that stopped answering is
+                    // closed by the keepalive), which drops the way back too,
+                    // a moment later. What it sent before is stored first.
+                    None => {
+                        ended = Some(match tokio::time::timeout(LOST_GRACE, tx.closed()).await {
+                            Ok(()) => Err(status::connection_lost(
+                                "the runner's stream is declared dead",
+                            )),
+                            Err(_) => Ok(()),
+                        });
+                        continue;
+                    }
+                    // A runner message over the size limit is
+                    // RESOURCE_EXHAUSTED, as for every request (see the
+                    // server builder).
+                    Some(Err(status))
+                        if status.code() == tonic::Code::OutOfRange
+                            && status.message().contains("message length too large") =>
+                    {
+                        return Err(Status::resource_exhausted(status.message().to_owned()));
+                    }
+                    Some(Err(status)) => return Err(status),
+                    Some(Ok(m)) => m,
+                };
+                quiet_since = tokio::time::Instant::now();
+                session.last_heard.store(heard_now(), Ordering::Relaxed);
+                match message.message {
+                    Some(Message::Heartbeat(h)) => {
+                        let ack = rpb::ConnectResponse {
+                            message: Some(rpb::connect_response::Message::HeartbeatAck(
+                                rpb::HeartbeatAck {
+                                    send_time: h.send_time,
+                                },
+                            )),
+                        };
+                        // A runner that does not read its acks for a whole
+                        // dead period is as dead as one that does not write.
+                        match tokio::time::timeout(settings.dead_after, tx.send(Ok(Box::new(ack)))).await {
+                            Ok(Ok(())) => {}
+                            Ok(Err(_)) => return Ok(()),
+                            Err(_) => {
+                                return Err(Status::resource_exhausted(
+                                    "the runner stopped reading its stream",
+                                ));
+                            }
+                        }
+                    }
+                    Some(Message::Hello(_)) => {
+                        return Err(Status::failed_precondition(
+                            "Hello may be sent only once per stream",
+                        ));
+                    }
+                    // Reports are stored one at a time, in the order sent.
+                    Some(report) => match recording {
+                        None => recording = Some(record_bounded(report)),
+                        Some(_) => waiting.push_back(report),
+                    },
+                    None => {}
+                }
+            }
         }
     }
 }
 
-/// `future` bounded by `bound`, unless the bound is `Duration::MAX` (no
-/// timer at all then).
-async fn timeout_unless_max<F: std::future::Future>(
-    bound: Duration,
-    future: F,
-) -> Result<F::Output, tokio::time::error::Elapsed> {
-    if bound == Duration::MAX {
-        Ok(future.await)
-    } else {
-        tokio::time::timeout(bound, future).await
+/// Sleeps until `at`, or forever without one.
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 
