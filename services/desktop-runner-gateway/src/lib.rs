@@ -16,6 +16,7 @@
 
 pub mod dispatch;
 pub mod executor;
+mod follow;
 mod metrics;
 mod outbound;
 mod reports;
