@@ -75,17 +75,19 @@ pub fn connection_lost(what: &str) -> Status {
     Status::unavailable(format!("{what}: the connection was lost"))
 }
 
-/// What a request stream's reader hears when the stream was reset
-/// (RST_STREAM with the HTTP/2 error code `reason`), as gRPC maps HTTP/2
-/// codes: CANCEL is CANCELLED (a call its caller abandoned), any other code
-/// INTERNAL. `by_peer`: the caller reset it, not this server.
-pub fn stream_reset(reason: &str, by_peer: bool) -> Status {
-    let who = if by_peer { "the caller" } else { "this server" };
-    let message = format!("{who} reset the stream (RST_STREAM {reason})");
-    if reason == "CANCEL" {
-        Status::cancelled(message)
-    } else {
-        Status::internal(message)
+/// A request body of the lean HTTP/2 server that ended early, as tonic
+/// reads its own: a stream the caller cancelled (or a lost connection) is a
+/// call the caller abandoned, which ends a request stream; any other reset
+/// is INTERNAL.
+pub fn lean_stream(error: automesh_http2::StreamError) -> Status {
+    use automesh_http2::{Reason, StreamError};
+    match error {
+        StreamError::Lost => Status::cancelled(error.to_string()),
+        StreamError::Reset {
+            reason: Reason::CANCEL,
+            ..
+        } => Status::cancelled(error.to_string()),
+        StreamError::Reset { .. } => Status::internal(error.to_string()),
     }
 }
 

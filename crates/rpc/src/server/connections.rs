@@ -20,6 +20,7 @@ use std::pin::{Pin, pin};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use automesh_http2::GridTimer;
 use hyper::rt::{Sleep, Timer};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
@@ -41,44 +42,23 @@ pub const PING_GRID: Duration = Duration::from_millis(50);
 /// A boxed error, as hyper and tower pass them.
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// hyper's timer with deadlines rounded up to a grid shared by every
-/// connection of the process, so that timers set at nearby instants fire in
-/// one wake-up.
+/// hyper's timer with deadlines rounded up to the grid shared by every
+/// connection of the process (`automesh_http2::GridTimer`), so that timers
+/// set at nearby instants fire in one wake-up.
 #[derive(Debug, Clone)]
-pub(crate) struct GridTimer {
-    epoch: Instant,
-    grid: Duration,
-}
+struct HyperGrid(GridTimer);
 
-impl GridTimer {
-    pub(crate) fn new(grid: Duration) -> Self {
-        static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-        Self {
-            epoch: *EPOCH.get_or_init(Instant::now),
-            grid: grid.max(Duration::from_millis(1)),
-        }
-    }
-
-    /// The first grid point at or after `at`.
-    pub(crate) fn round(&self, at: Instant) -> Instant {
-        let since = at.saturating_duration_since(self.epoch).as_nanos();
-        let grid = self.grid.as_nanos();
-        let steps = since.div_ceil(grid);
-        self.epoch + Duration::from_nanos(u64::try_from(steps * grid).unwrap_or(u64::MAX))
-    }
-}
-
-impl Timer for GridTimer {
+impl Timer for HyperGrid {
     fn sleep(&self, duration: Duration) -> Pin<Box<dyn Sleep>> {
-        TokioTimer::new().sleep_until(self.round(Instant::now() + duration))
+        TokioTimer::new().sleep_until(self.0.round(Instant::now() + duration))
     }
 
     fn sleep_until(&self, deadline: Instant) -> Pin<Box<dyn Sleep>> {
-        TokioTimer::new().sleep_until(self.round(deadline))
+        TokioTimer::new().sleep_until(self.0.round(deadline))
     }
 
     fn reset(&self, sleep: &mut Pin<Box<dyn Sleep>>, new_deadline: Instant) {
-        TokioTimer::new().reset(sleep, self.round(new_deadline))
+        TokioTimer::new().reset(sleep, self.0.round(new_deadline))
     }
 }
 
@@ -92,7 +72,7 @@ pub(crate) type SpanOf = fn(&http::Request<()>) -> tracing::Span;
 /// Serves `routes` on `listener` until `shutdown` resolves, then lets every
 /// connection finish its calls (new streams are refused) and returns once
 /// all have closed. Connections are served by hyper's HTTP/2, or by the
-/// lean one (`super::http2`) when the settings ask for it.
+/// lean one (`automesh_http2`) when the settings ask for it.
 pub(crate) async fn serve(
     listener: TcpListener,
     routes: Routes,
@@ -102,11 +82,11 @@ pub(crate) async fn serve(
 ) {
     let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     http2
-        .timer(GridTimer::new(settings.ping_grid))
+        .timer(HyperGrid(GridTimer::new(settings.ping_grid)))
         .keep_alive_interval(Some(settings.keepalive.0))
         .keep_alive_timeout(settings.keepalive.1)
         .max_concurrent_streams(settings.max_concurrent_streams);
-    let limits = super::http2::Limits {
+    let limits = automesh_http2::Limits {
         max_concurrent_streams: settings.max_concurrent_streams,
         keepalive: settings.keepalive,
         ping_grid: settings.ping_grid,
@@ -131,8 +111,15 @@ pub(crate) async fn serve(
         let _ = tcp.set_nodelay(true);
         let draining = draining.clone();
         if settings.lean_http2 {
-            let calls = calls(&routes, settings, span_of);
-            let connection = super::http2::Connection::new(tcp, calls, limits);
+            // A body that ended early is read as tonic reads its own.
+            let calls = ServiceBuilder::new()
+                .map_request(|req: http::Request<automesh_http2::RecvBody>| {
+                    req.map(|body| {
+                        http_body_util::BodyExt::map_err(body, crate::status::lean_stream)
+                    })
+                })
+                .service(calls(&routes, settings, span_of));
+            let connection = automesh_http2::Connection::new(tcp, calls, limits);
             tokio::spawn(drive(
                 connection,
                 |c| c.get_mut().graceful_shutdown(),
@@ -309,22 +296,6 @@ fn causes(error: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn grid_deadlines_round_up_to_one_shared_grid() {
-        let timer = GridTimer::new(Duration::from_millis(250));
-        let now = Instant::now();
-        let a = timer.round(now + Duration::from_millis(4_010));
-        let b = timer.round(now + Duration::from_millis(4_200));
-        // Never early, at most one step late.
-        assert!(a >= now + Duration::from_millis(4_010));
-        assert!(a < now + Duration::from_millis(4_010 + 250));
-        // On the grid: rounding again changes nothing, and nearby
-        // deadlines share a point or are a whole number of steps apart.
-        assert_eq!(timer.round(a), a);
-        let apart = b.duration_since(a).as_millis();
-        assert!(apart == 0 || apart == 250, "{apart}");
-    }
 
     #[test]
     fn grpc_timeout_headers_are_read_as_the_protocol_spells_them() {

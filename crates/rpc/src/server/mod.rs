@@ -23,7 +23,6 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 use crate::propagation;
 
 mod connections;
-mod http2;
 pub use connections::PING_GRID;
 
 /// Limits and timeouts of a server.

@@ -24,6 +24,7 @@
 
 mod control;
 mod frame;
+mod grid;
 mod hpack;
 mod inbound;
 mod io;
@@ -45,14 +46,15 @@ use bytes::Bytes;
 use tokio::net::TcpStream;
 use tower::Service;
 
-pub(crate) use frame::Reason;
-pub(crate) use stream::RecvBody;
+pub use frame::Reason;
+pub use grid::GridTimer;
+pub use stream::{RecvBody, StreamError};
 
 use keepalive::Keepalive;
 use stream::{ConnShared, StreamShared};
 
 /// A boxed error, as tower passes them.
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Each stream's receive window (SETTINGS_INITIAL_WINDOW_SIZE), and the
 /// connection's: what a peer may send before the service reads it.
@@ -94,15 +96,30 @@ const ROUNDS: usize = 16;
 
 /// How long a closing connection waits to flush its last frames (GOAWAY)
 /// and for the peer to close its side.
-pub(crate) const CLOSE_WITHIN: Duration = Duration::from_secs(1);
+pub const CLOSE_WITHIN: Duration = Duration::from_secs(1);
 
 /// Streams that closed lately, remembered so that frames the peer sent
 /// before it heard are told apart from a peer's mistakes.
 const RECENT: usize = 16;
 
+/// How a stream that is no longer open closed, which decides what a frame
+/// the peer sends on it means (RFC 9113 §5.1, "closed").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Closed {
+    /// This server reset it: what the peer sent before it heard is
+    /// ignored.
+    ByUs,
+    /// The peer reset it: anything but PRIORITY after that is a stream
+    /// error STREAM_CLOSED.
+    ByPeer,
+    /// Both sides ended it (END_STREAM): a HEADERS on it is a connection
+    /// error STREAM_CLOSED, other frames a stream error.
+    Ended,
+}
+
 /// What a connection serves: a service of requests whose bodies are
 /// [`RecvBody`], answering with response bodies `B`.
-pub(crate) trait Calls<B>:
+pub trait Calls<B>:
     Service<http::Request<RecvBody>, Response = http::Response<B>, Error: Into<BoxError>> + Unpin
 {
 }
@@ -114,10 +131,7 @@ impl<S, B> Calls<B> for S where
 }
 
 /// A response body a connection sends.
-pub(crate) trait SendBody:
-    http_body::Body<Data = Bytes, Error: Into<BoxError>> + Unpin
-{
-}
+pub trait SendBody: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Unpin {}
 
 impl<B> SendBody for B where B: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Unpin {}
 
@@ -126,7 +140,7 @@ type Handled<T = ()> = std::result::Result<T, ConnError>;
 
 /// A connection's bounds, from the server's settings.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Limits {
+pub struct Limits {
     pub max_concurrent_streams: u32,
     pub keepalive: (Duration, Duration),
     pub ping_grid: Duration,
@@ -134,7 +148,7 @@ pub(crate) struct Limits {
 
 /// Why a connection ended with an error.
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum ConnError {
+pub enum ConnError {
     #[error("keep-alive timed out: no PING answer within {0:?}")]
     KeepAlive(Duration),
     #[error("connection error {reason}: {why}")]
@@ -169,18 +183,26 @@ impl ConnError {
     }
 }
 
+/// The meter this crate's metrics are on: automesh's (the process's
+/// Prometheus endpoint and OTLP export read it).
+fn meter() -> opentelemetry::metrics::Meter {
+    opentelemetry::global::meter("automesh")
+}
+
 /// Counts a lean connection's end by cause (`closed` for a clean end).
 fn count_end(ended: &Result<(), ConnError>) {
     static ENDED: std::sync::OnceLock<opentelemetry::metrics::Counter<u64>> =
         std::sync::OnceLock::new();
     let counter = ENDED.get_or_init(|| {
-        crate::metrics::counter(
-            "automesh.http2.connections_ended",
-            "Connections of the lean HTTP/2 server (the runner listener) that ended, by cause: \
-             closed (by the peer, or drained), keepalive (a PING unanswered within the bound), \
-             protocol (a breach of HTTP/2, answered with GOAWAY), peer_error (the peer's GOAWAY \
-             with an error), not_http2 (no HTTP/2 preface), io, service",
-        )
+        meter()
+            .u64_counter("automesh.http2.connections_ended")
+            .with_description(
+                "Connections of the lean HTTP/2 server (the runner listener) that ended, by \
+                 cause: closed (by the peer, or drained), keepalive (a PING unanswered within \
+                 the bound), protocol (a breach of HTTP/2, answered with GOAWAY), peer_error \
+                 (the peer's GOAWAY with an error), not_http2 (no HTTP/2 preface), io, service",
+            )
+            .build()
     });
     let cause = ended.as_ref().err().map_or("closed", ConnError::cause);
     counter.add(1, &[opentelemetry::KeyValue::new("cause", cause)]);
@@ -243,7 +265,7 @@ struct PartialBlock {
 
 /// One HTTP/2 connection served by `service`, a future that ends when the
 /// connection does.
-pub(crate) struct Connection<S, B>
+pub struct Connection<S, B>
 where
     S: Service<http::Request<RecvBody>>,
 {
@@ -266,8 +288,9 @@ where
     waiting: VecDeque<u32>,
     /// The highest stream id the peer opened.
     last_stream: u32,
-    /// Lately closed streams: id, and whether this server reset it.
-    recent: [(u32, bool); RECENT],
+    /// Lately closed streams: id, and how each closed, oldest first from
+    /// `next_recent`.
+    recent: [(u32, Closed); RECENT],
     next_recent: usize,
     /// The peer's settings that bind what this server sends.
     peer_initial_window: i64,
@@ -290,7 +313,7 @@ where
 }
 
 impl<S: Calls<B>, B: SendBody> Connection<S, B> {
-    pub(crate) fn new(io: TcpStream, service: S, limits: Limits) -> Self {
+    pub fn new(io: TcpStream, service: S, limits: Limits) -> Self {
         let mut decoder = loona_hpack::Decoder::new();
         // Our SETTINGS_HEADER_TABLE_SIZE is the default, 4096.
         decoder.set_max_allowed_table_size(4096);
@@ -324,7 +347,7 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
             ready: Vec::new(),
             waiting: VecDeque::new(),
             last_stream: 0,
-            recent: [(0, false); RECENT],
+            recent: [(0, Closed::Ended); RECENT],
             next_recent: 0,
             peer_initial_window: frame::DEFAULT_WINDOW,
             peer_max_frame: frame::DEFAULT_MAX_FRAME as usize,
@@ -343,7 +366,7 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
     /// heard is lost: a GOAWAY naming no last stream and a PING, then, once
     /// the PING is answered (everything sent before it has been read), the
     /// GOAWAY naming the last stream taken.
-    pub(crate) fn graceful_shutdown(&mut self) {
+    pub fn graceful_shutdown(&mut self) {
         if matches!(self.phase, Phase::Preface | Phase::Settings) {
             // Nothing asked yet: nothing to finish.
             self.close(None);
@@ -399,21 +422,19 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
         self.streams.iter().position(|s| s.id == id)
     }
 
-    /// Remembers that stream `id` closed (`reset`: by a reset of ours, so
-    /// what the peer sent before it heard is ignored).
-    fn remember(&mut self, id: u32, reset: bool) {
-        self.recent[self.next_recent] = (id, reset);
+    /// Remembers how stream `id` closed.
+    fn remember(&mut self, id: u32, how: Closed) {
+        self.recent[self.next_recent] = (id, how);
         self.next_recent = (self.next_recent + 1) % RECENT;
     }
 
-    /// Whether stream `id` closed lately, and whether by a reset of ours.
-    fn recently(&self, id: u32) -> Option<bool> {
-        self.recent
-            .iter()
+    /// How stream `id` closed, when it did lately (the latest news of it).
+    fn recently(&self, id: u32) -> Option<Closed> {
+        (0..RECENT)
+            .map(|k| self.recent[(self.next_recent + k) % RECENT])
             .filter(|(i, _)| *i == id && id != 0)
-            .fold(None, |seen, (_, reset)| {
-                Some(seen.unwrap_or(false) || *reset)
-            })
+            .last()
+            .map(|(_, how)| how)
     }
 
     /// Forgets open stream `i`: what its reader holds unread or read and

@@ -161,9 +161,14 @@ async fn a_cancelled_stream_ends_its_reader_and_drops_its_response() {
     assert_eq!(head.stream, 1);
     c.send(kind::DATA, 0, 1, b"part").await;
     assert_eq!(server.event().await, Event::Read(4));
-    c.send(kind::RST_STREAM, 0, 1, &Reason(0x8).0.to_be_bytes())
+    c.send(kind::RST_STREAM, 0, 1, &Reason::CANCEL.0.to_be_bytes())
         .await;
-    server.cancelled_and_dropped().await;
+    server
+        .ended_and_dropped(super::StreamError::Reset {
+            reason: Reason::CANCEL,
+            by_peer: true,
+        })
+        .await;
     // Frames the client sent before it heard are no error.
     c.send(kind::DATA, 0, 1, b"late").await;
     c.still_serves(3).await;
@@ -176,7 +181,7 @@ async fn a_lost_connection_ends_its_readers_as_cancelled() {
     c.request(1, "/hold", false).await;
     let _ = c.until(|h| h.kind == kind::HEADERS).await;
     drop(c);
-    server.cancelled_and_dropped().await;
+    server.ended_and_dropped(super::StreamError::Lost).await;
 }
 
 #[tokio::test]
@@ -231,7 +236,7 @@ async fn streams_past_the_limit_are_refused() {
         .await;
     assert_eq!(payload, Reason::REFUSED_STREAM.0.to_be_bytes());
     // One ends; then a new one is taken.
-    c.send(kind::RST_STREAM, 0, 1, &Reason(0x8).0.to_be_bytes())
+    c.send(kind::RST_STREAM, 0, 1, &Reason::CANCEL.0.to_be_bytes())
         .await;
     c.still_serves(19).await;
 }

@@ -12,7 +12,7 @@ use tokio::time::Sleep;
 
 use super::ConnError;
 use super::frame;
-use crate::server::connections::GridTimer;
+use crate::GridTimer;
 
 /// The payload of our keepalive PINGs; an answer carries it back.
 pub(super) const PAYLOAD: [u8; 8] = *b"automesh";
@@ -22,13 +22,16 @@ fn answer_times() -> &'static opentelemetry::metrics::Histogram<f64> {
     static ANSWERS: std::sync::OnceLock<opentelemetry::metrics::Histogram<f64>> =
         std::sync::OnceLock::new();
     ANSWERS.get_or_init(|| {
-        crate::metrics::seconds(
-            "automesh.http2.ping.answer.duration",
-            "How long peers of the lean HTTP/2 server (the runner listener) took to answer its \
-             PINGs (keepalive and shutdown), as the server read the answer: answers near the \
-             keepalive bound mean a loaded fleet, or a server too loaded to read them",
-            &[0.001, 0.005, 0.025, 0.1, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0],
-        )
+        super::meter()
+            .f64_histogram("automesh.http2.ping.answer.duration")
+            .with_unit("s")
+            .with_description(
+                "How long peers of the lean HTTP/2 server (the runner listener) took to answer \
+                 its PINGs (keepalive and shutdown), as the server read the answer: answers near \
+                 the keepalive bound mean a loaded fleet, or a server too loaded to read them",
+            )
+            .with_boundaries(vec![0.001, 0.005, 0.025, 0.1, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0])
+            .build()
     })
 }
 

@@ -11,8 +11,8 @@ use bytes::Buf;
 use super::frame::{self, Reason};
 use super::stream::End;
 use super::{
-    BoxError, CONN_WINDOW, Calls, ConnError, Connection, Handled, OUT_HIGH, Out, STREAM_WINDOW,
-    SendBody,
+    BoxError, CONN_WINDOW, Calls, Closed, ConnError, Connection, Handled, OUT_HIGH, Out,
+    STREAM_WINDOW, SendBody,
 };
 
 impl<S: Calls<B>, B: SendBody> Connection<S, B> {
@@ -218,7 +218,7 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
         let id = s.id;
         if !open {
             self.remove_stream(i);
-            self.remember(id, false);
+            self.remember(id, Closed::Ended);
         } else if dropped {
             self.reset_stream(i, Reason::NO_ERROR);
         }

@@ -54,7 +54,7 @@ pub(super) mod setting {
 
 /// An HTTP/2 error code (RFC 9113 §7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Reason(pub u32);
+pub struct Reason(pub u32);
 
 impl Reason {
     pub const NO_ERROR: Reason = Reason(0x0);
@@ -64,6 +64,7 @@ impl Reason {
     pub const STREAM_CLOSED: Reason = Reason(0x5);
     pub const FRAME_SIZE_ERROR: Reason = Reason(0x6);
     pub const REFUSED_STREAM: Reason = Reason(0x7);
+    pub const CANCEL: Reason = Reason(0x8);
     pub const COMPRESSION_ERROR: Reason = Reason(0x9);
     pub const ENHANCE_YOUR_CALM: Reason = Reason(0xb);
 

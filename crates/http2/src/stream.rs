@@ -194,9 +194,21 @@ impl Wake for StreamShared {
     }
 }
 
+/// Why a request's body ended before its END_STREAM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum StreamError {
+    /// The connection ended before the stream did.
+    #[error("the connection was lost")]
+    Lost,
+    /// The stream was reset: by the peer (`by_peer`), or by this server (a
+    /// malformed request, a flow control breach, the response over first).
+    #[error("{} reset the stream (RST_STREAM {})", if *by_peer { "the caller" } else { "this server" }, reason.name())]
+    Reset { reason: Reason, by_peer: bool },
+}
+
 /// A request's body as the service reads it.
 #[derive(Debug)]
-pub(crate) struct RecvBody {
+pub struct RecvBody {
     shared: Arc<StreamShared>,
 }
 
@@ -212,12 +224,12 @@ const RELEASE_STEP: usize = 16 * 1024;
 
 impl http_body::Body for RecvBody {
     type Data = Bytes;
-    type Error = tonic::Status;
+    type Error = StreamError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Bytes>, tonic::Status>>> {
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, StreamError>>> {
         let mut recv = self.shared.recv();
         if let Some(data) = recv.data.pop_front() {
             recv.buffered -= data.len();
@@ -244,18 +256,15 @@ impl http_body::Body for RecvBody {
                 Poll::Pending
             }
             End::Ended => Poll::Ready(None),
-            // As tonic reads its own errors: a cancelled stream (and a lost
-            // connection) is a call the caller abandoned, which ends a
-            // request stream.
-            End::Lost => Poll::Ready(Some(Err(tonic::Status::cancelled(
-                "the connection was lost",
-            )))),
-            End::Reset(reason) => {
-                Poll::Ready(Some(Err(crate::status::stream_reset(reason.name(), true))))
-            }
-            End::Refused(reason) => {
-                Poll::Ready(Some(Err(crate::status::stream_reset(reason.name(), false))))
-            }
+            End::Lost => Poll::Ready(Some(Err(StreamError::Lost))),
+            End::Reset(reason) => Poll::Ready(Some(Err(StreamError::Reset {
+                reason,
+                by_peer: true,
+            }))),
+            End::Refused(reason) => Poll::Ready(Some(Err(StreamError::Reset {
+                reason,
+                by_peer: false,
+            }))),
         }
     }
 

@@ -11,15 +11,15 @@ use http::HeaderMap;
 use http_body::{Body, Frame};
 use tokio::sync::mpsc;
 
-use super::super::RecvBody;
+use super::super::{RecvBody, StreamError};
 
 /// What the held stream saw.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
     /// Its reader took this many octets.
     Read(usize),
-    /// Its request body ended: cleanly, or with this code.
-    BodyEnded(Result<(), tonic::Code>),
+    /// Its request body ended: cleanly, or with this error.
+    BodyEnded(Result<(), StreamError>),
     /// Its response body was dropped.
     ResponseDropped,
 }
@@ -70,7 +70,7 @@ fn ok_trailers() -> HeaderMap {
     t
 }
 
-async fn next(body: &mut RecvBody) -> Option<Result<Frame<Bytes>, tonic::Status>> {
+async fn next(body: &mut RecvBody) -> Option<Result<Frame<Bytes>, StreamError>> {
     std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await
 }
 
@@ -134,7 +134,7 @@ pub async fn answer(
                             }
                         }
                         Some(Err(status)) => {
-                            let _ = reports.send(Event::BodyEnded(Err(status.code())));
+                            let _ = reports.send(Event::BodyEnded(Err(status)));
                             return;
                         }
                         None => {

@@ -339,3 +339,35 @@ async fn stream_errors_reset_one_stream_and_the_connection_goes_on() {
         .await;
     assert_eq!(c.response(id).await.data, b"still here");
 }
+
+/// After the client's own RST_STREAM, anything but PRIORITY it sends on
+/// that stream is a stream error STREAM_CLOSED (RFC 9113 §5.1, "closed";
+/// h2spec http2/5.1/8 and 5.1/9): a DATA frame, and a HEADERS frame (whose
+/// block is still decoded, so the table stays in step); a PRIORITY changes
+/// nothing; the connection goes on serving.
+#[tokio::test]
+async fn frames_after_the_clients_reset_are_stream_closed() {
+    let server = Server::start().await;
+    let mut c = Client::connect(server.addr).await;
+    c.request(1, "/hold", false).await;
+    c.send(kind::RST_STREAM, 0, 1, &u32s(Reason::CANCEL.0))
+        .await;
+    c.send(kind::PRIORITY, 0, 1, &[0, 0, 0, 0, 16]).await;
+    c.send(kind::DATA, 0, 1, b"late").await;
+    assert_eq!(c.reset_of(1).await, Reason::STREAM_CLOSED);
+    c.request(3, "/hold", false).await;
+    c.send(kind::RST_STREAM, 0, 3, &u32s(Reason::CANCEL.0))
+        .await;
+    let trailers = c.block(&[("grpc-status", "0")]);
+    c.send(
+        kind::HEADERS,
+        flag::END_HEADERS | flag::END_STREAM,
+        3,
+        &trailers,
+    )
+    .await;
+    assert_eq!(c.reset_of(3).await, Reason::STREAM_CLOSED);
+    // What it sends after our answer is ignored; the connection serves on.
+    c.send(kind::DATA, 0, 3, b"later").await;
+    c.still_serves(5).await;
+}

@@ -7,8 +7,8 @@ use bytes::Bytes;
 use super::frame::{self, Head, PREFACE, Reason, flag, kind};
 use super::stream::{End, RecvBody, StreamShared};
 use super::{
-    Calls, ConnError, Connection, Handled, MAX_CONTINUATIONS, MAX_HEADER_BLOCK, MAX_HEADER_LIST,
-    Out, PartialBlock, Phase, SendBody, Stream,
+    Calls, Closed, ConnError, Connection, Handled, MAX_CONTINUATIONS, MAX_HEADER_BLOCK,
+    MAX_HEADER_LIST, Out, PartialBlock, Phase, SendBody, Stream,
 };
 
 impl<S: Calls<B>, B: SendBody> Connection<S, B> {
@@ -162,10 +162,11 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
                 "a frame on an idle stream",
             ));
         }
-        if self.recently(id) != Some(true) {
-            // Closed, and not by a reset of ours whose news is on its way.
+        if self.recently(id) != Some(Closed::ByUs) {
+            // Closed by the peer's reset or by both sides' END_STREAM, not
+            // by a reset of ours whose news may be on its way.
             frame::rst_stream(&mut self.out, id, Reason::STREAM_CLOSED);
-            self.remember(id, true);
+            self.remember(id, Closed::ByUs);
         }
         Ok(())
     }
@@ -270,8 +271,9 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
         }
         if id <= self.last_stream {
             return match self.recently(id) {
-                Some(true) => Ok(()),
-                Some(false) => Err(ConnError::protocol(
+                Some(Closed::ByUs) => Ok(()),
+                Some(Closed::ByPeer) => self.refuse(id, Reason::STREAM_CLOSED),
+                Some(Closed::Ended) => Err(ConnError::protocol(
                     Reason::STREAM_CLOSED,
                     "HEADERS on a closed stream",
                 )),
@@ -309,7 +311,7 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
             if !block.end_stream {
                 frame::rst_stream(&mut self.out, id, Reason::NO_ERROR);
             }
-            self.remember(id, true);
+            self.remember(id, Closed::ByUs);
             return Ok(());
         }
         let end = if block.end_stream {
@@ -380,7 +382,7 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
                 }
                 self.streams[i].shared.end(End::Reset(reason));
                 self.remove_stream(i);
-                self.remember(head.stream, true);
+                self.remember(head.stream, Closed::ByPeer);
                 Ok(())
             }
             None if head.stream > self.last_stream => Err(ConnError::protocol(
@@ -394,7 +396,7 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
     /// A stream error on a stream that never opened (or is not open).
     fn refuse(&mut self, id: u32, reason: Reason) -> Handled {
         frame::rst_stream(&mut self.out, id, reason);
-        self.remember(id, true);
+        self.remember(id, Closed::ByUs);
         Ok(())
     }
 
@@ -416,6 +418,6 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
         frame::rst_stream(&mut self.out, id, reason);
         self.streams[i].shared.end(End::Refused(reason));
         self.remove_stream(i);
-        self.remember(id, true);
+        self.remember(id, Closed::ByUs);
     }
 }

@@ -11,7 +11,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
 use super::super::frame::{self, Head, Reason, flag, kind};
-use super::super::{Connection, Limits};
+use super::super::{Connection, Limits, StreamError};
 use super::service::{Event, answer};
 
 /// How long any one read of the tests may wait.
@@ -81,15 +81,12 @@ impl Server {
             .expect("the server runs")
     }
 
-    /// The held stream's reader heard it cancelled, and its response was
-    /// dropped (in either order).
-    pub async fn cancelled_and_dropped(&mut self) {
+    /// The held stream's reader heard `how` it ended early, and its
+    /// response was dropped (in either order).
+    pub async fn ended_and_dropped(&mut self, how: StreamError) {
         let mut events = vec![self.event().await, self.event().await];
         events.sort_by_key(|e| format!("{e:?}"));
-        let want = [
-            Event::BodyEnded(Err(tonic::Code::Cancelled)),
-            Event::ResponseDropped,
-        ];
+        let want = [Event::BodyEnded(Err(how)), Event::ResponseDropped];
         assert_eq!(events, want);
     }
 
@@ -248,9 +245,16 @@ impl Client {
         }
     }
 
-    /// Frames are read until one matches.
+    /// Frames are read until one matches (within twice [`WAIT`] in all:
+    /// the server's own PINGs never keep a wait going).
     pub async fn until(&mut self, matches: impl Fn(&Head) -> bool) -> (Head, Vec<u8>) {
+        let give_up = tokio::time::Instant::now() + 2 * WAIT;
         loop {
+            assert!(
+                tokio::time::Instant::now() < give_up,
+                "no matching frame within {:?}",
+                2 * WAIT
+            );
             let (head, payload) = self.frame().await.expect("the connection stays open");
             if matches(&head) {
                 return (head, payload);
