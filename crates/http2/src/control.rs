@@ -96,6 +96,19 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
             }
         }
         frame::settings_ack(&mut self.out);
+        self.demanded()
+    }
+
+    /// One more acknowledgement the peer demanded is waiting to be written;
+    /// past [`super::MAX_UNANSWERED`] the connection ends.
+    fn demanded(&mut self) -> Handled {
+        self.unanswered += 1;
+        if self.unanswered > super::MAX_UNANSWERED {
+            return Err(ConnError::protocol(
+                Reason::ENHANCE_YOUR_CALM,
+                "too many PINGs and SETTINGS unanswered: the peer does not read",
+            ));
+        }
         Ok(())
     }
 
@@ -121,6 +134,7 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
             }
         } else {
             frame::ping(&mut self.out, true, payload);
+            return self.demanded();
         }
         Ok(())
     }

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-use super::{Calls, ConnError, Connection, OUT_HIGH, READ_BUDGET, READ_CHUNK, SendBody};
+use super::{Calls, ConnError, Connection, OUT_HIGH, OUT_LOW, READ_BUDGET, READ_CHUNK, SendBody};
 
 impl<S: Calls<B>, B: SendBody> Connection<S, B> {
     /// Reads what the socket has, up to the budget, and handles every
@@ -17,10 +17,17 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
         let mut budget = READ_BUDGET;
         let mut stack = [std::mem::MaybeUninit::<u8>::uninit(); READ_CHUNK];
         loop {
-            if self.out.len() - self.written > OUT_HIGH || self.ending.is_some() {
-                // The peer is not reading: read nothing more until it does.
+            if self.ending.is_some() {
                 return Poll::Pending;
             }
+            let waiting = self.out.len() - self.written;
+            if waiting > OUT_HIGH || (self.paused && waiting > OUT_LOW) {
+                // The peer is not reading: read nothing more until it does
+                // (the flush that drains the output resumes reading).
+                self.paused = true;
+                return Poll::Pending;
+            }
+            self.paused = false;
             let mut buf = ReadBuf::uninit(&mut stack);
             match Pin::new(&mut self.io).poll_read(cx, &mut buf) {
                 Poll::Pending => return Poll::Pending,
@@ -46,6 +53,13 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
             if self.input.is_empty() && self.input.capacity() > 0 {
                 self.input = Vec::new();
             }
+            // What this read demanded goes out before the next read, so the
+            // answers of a peer that reads them never pile up.
+            if self.unanswered > 0
+                && let Poll::Ready(Err(e)) = self.poll_flush(cx)
+            {
+                return Poll::Ready(Err(e));
+            }
             budget = budget.saturating_sub(n);
             if budget == 0 {
                 // Others' turn; this task goes on at once.
@@ -70,6 +84,7 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
             }
         }
         self.written = 0;
+        self.unanswered = 0;
         if self.out.capacity() > 4096 {
             // A burst's buffer goes; an idle connection keeps a small one.
             self.out = Vec::new();

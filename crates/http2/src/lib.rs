@@ -81,8 +81,18 @@ const MAX_CONTINUATIONS: u32 = 64;
 const MAX_EARLY_RESETS: u32 = 200;
 
 /// Output waiting to be written past which the connection reads nothing
-/// and polls no response body, until the peer reads.
+/// and polls no response body, until the peer reads; reading resumes as
+/// soon as what waits drains to [`OUT_LOW`] (no timer involved).
 const OUT_HIGH: usize = 64 * 1024;
+const OUT_LOW: usize = 16 * 1024;
+
+/// Replies the peer demanded (PING and SETTINGS acknowledgements) made and
+/// not yet written, past which the connection ends ENHANCE_YOUR_CALM: a
+/// peer that floods them without reading the answers costs the server
+/// memory and work for nothing (CVE-2019-9512 "ping flood", CVE-2019-9515
+/// "settings flood"). The answers are written after every read, so a peer
+/// that reads its answers never comes near it.
+const MAX_UNANSWERED: usize = 4096;
 
 /// Input read in one go, into the task's stack.
 const READ_CHUNK: usize = 32 * 1024;
@@ -302,6 +312,11 @@ where
     recv_released: i64,
     /// Some stream could not send for the output buffer was full.
     starved: bool,
+    /// Reading stopped for the output waiting to be written (see
+    /// [`OUT_HIGH`]).
+    paused: bool,
+    /// PING and SETTINGS acknowledgements made and not yet written.
+    unanswered: usize,
     /// The last stream id a GOAWAY of ours named.
     goaway: Option<u32>,
     /// Streams the peer reset before their answer was over, in the second
@@ -355,6 +370,8 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
             recv_window: CONN_WINDOW,
             recv_released: 0,
             starved: false,
+            paused: false,
+            unanswered: 0,
             goaway: None,
             early_resets: (Instant::now(), 0),
             ending: None,
@@ -485,9 +502,16 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
                 self.close(Some(e));
                 continue;
             }
-            if let Poll::Ready(Err(e)) = self.poll_flush(cx) {
-                self.close(Some(e));
-                continue;
+            match self.poll_flush(cx) {
+                Poll::Ready(Err(e)) => {
+                    self.close(Some(e));
+                    continue;
+                }
+                // The output drained while reading was stopped for it:
+                // read again now, not when some timer next wakes the task
+                // (nothing else would: the socket was not asked to).
+                Poll::Ready(Ok(())) if self.paused => continue,
+                _ => {}
             }
             if self.phase == Phase::Draining
                 && self.streams.is_empty()

@@ -140,9 +140,31 @@ impl Client {
         }
     }
 
+    /// A TCP connection whose receive buffer is as small as the kernel
+    /// allows, nothing sent: what the server writes piles up in its own
+    /// output while this client does not read.
+    pub async fn raw_small_window(addr: SocketAddr) -> Self {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.set_recv_buffer_size(4096).expect("buffer");
+        Self {
+            tcp: socket.connect(addr).await.expect("connect"),
+            ..Self::raw(addr).await
+        }
+    }
+
     /// Connected, prefaces exchanged and acknowledged both ways.
     pub async fn connect(addr: SocketAddr) -> Self {
-        let mut c = Self::raw(addr).await;
+        let c = Self::raw(addr).await;
+        c.handshake().await
+    }
+
+    /// [`Client::connect`] on a connection made by [`Client::raw_small_window`].
+    pub async fn connect_small_window(addr: SocketAddr) -> Self {
+        Self::raw_small_window(addr).await.handshake().await
+    }
+
+    async fn handshake(mut self) -> Self {
+        let c = &mut self;
         c.write(frame::PREFACE).await;
         c.settings(&[]).await;
         for (want, flags) in [
@@ -156,7 +178,7 @@ impl Client {
                 c.send(kind::SETTINGS, flag::ACK, 0, &[]).await;
             }
         }
-        c
+        self
     }
 
     pub async fn write(&mut self, octets: &[u8]) {

@@ -7,6 +7,7 @@
 
 mod client;
 mod errors;
+mod floods;
 mod service;
 
 use std::time::Duration;
