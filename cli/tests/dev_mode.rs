@@ -886,6 +886,69 @@ async fn a_first_run_succeeds_out_of_the_box_on_both_placements() {
     drop(dev);
 }
 
+/// `AUTOMESH_RUNNER_HTTP2=hyper` (or `--runner-http2 hyper`) serves the dev
+/// mesh's runner listener with hyper's HTTP/2 instead of the lean one: the
+/// banner says which, and the dev runner, connected through it, runs a
+/// desktop run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dev_runner_listener_can_be_served_by_hyper() {
+    use automesh_proto::v1 as pb;
+    let (dev, gateway, token) = tokio::task::spawn_blocking(|| {
+        start_dev(
+            "hyper-runners",
+            &[("AUTOMESH_RUNNER_HTTP2", "hyper".into())],
+        )
+    })
+    .await
+    .expect("start");
+    let banner = dev.banner.join("\n");
+    assert!(
+        banner
+            .lines()
+            .any(|l| l.contains("desktop runners") && l.contains("(HTTP/2: hyper)")),
+        "{banner}"
+    );
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{gateway}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    let mut automations = pb::automations_client::AutomationsClient::new(channel.clone());
+    let mut runs = pb::runs_client::RunsClient::new(channel);
+    let automation = automations
+        .create_automation(automesh_e2e_tests::with_bearer(
+            &token,
+            daily_automation(
+                "desk",
+                "tidy my downloads",
+                "openai/gpt-4.1-mini",
+                pb::Surface::Desktop,
+                (9, 30, "Europe/Paris"),
+            ),
+        ))
+        .await
+        .expect("create")
+        .into_inner()
+        .automation
+        .expect("automation");
+    let run = automations
+        .run_automation_now(automesh_e2e_tests::with_bearer(
+            &token,
+            pb::RunAutomationNowRequest {
+                id: automation.id,
+                idempotency_key: "over-hyper".into(),
+            },
+        ))
+        .await
+        .expect("run now")
+        .into_inner()
+        .run
+        .expect("run");
+    let run = until_receipt(&mut runs, &token, &run.id, Duration::from_secs(90)).await;
+    assert_eq!(run.state, pb::RunState::Succeeded as i32, "{run:?}");
+    drop(dev);
+}
+
 /// The README's quick start is what the binary does: its commands exist and
 /// take the flags it shows (they are run, in order, against a real `automesh
 /// dev` with an empty environment), and where the README shows output, the

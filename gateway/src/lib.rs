@@ -149,13 +149,16 @@ impl Gateway {
 #[derive(Debug)]
 pub struct Service {
     gateway: Gateway,
+    server: ServerSettings,
 }
 
 impl Service {
     /// Checks `config` (the token key, the upstream addresses) and
     /// assembles the gateway; the internal services need not be up yet.
     pub fn new(config: &Config, credential: InternalCredential) -> Result<Self> {
+        config.connections.check()?;
         Ok(Self {
+            server: ServerSettings::default().limited(&config.connections),
             gateway: Gateway::new(
                 Authenticator::hs256(config.jwt_secret.expose().as_bytes())?,
                 config.models.catalog(),
@@ -168,7 +171,7 @@ impl Service {
     /// it reports SERVING while every upstream does.
     pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
         let gateway = self.gateway;
-        let mut server = GrpcServer::new(ServerSettings::default())?;
+        let mut server = GrpcServer::new(self.server.clone())?;
         server.add_service(AutomationsServer::new(gateway.clone()));
         server.add_service(RunsServer::new(gateway.clone()));
         let upstreams = gateway.upstreams.clone();

@@ -81,6 +81,9 @@ pub struct MeshOptions {
     pub cloud: Option<CloudOptions>,
     /// The model catalogue of the gateway and the coordinators.
     pub models: ModelCatalog,
+    /// What the public gateway's and the runner gateways' listeners let in
+    /// (their flags' defaults unless set).
+    pub connections: Option<automesh_rpc::runtime::ConnectionLimits>,
 }
 
 /// The cloud path of a test mesh: the lifecycle's configuration, and the
@@ -138,6 +141,7 @@ impl Default for MeshOptions {
             runner_gateways: 1,
             cloud: None,
             models: test_models(),
+            connections: None,
         }
     }
 }
@@ -383,9 +387,14 @@ impl Mesh {
         }
         tasks.spawn(cloud.serve(ll, shutdown.clone()));
         let mut runner_gateway_stops = vec![];
+        let defaults: automesh_desktop_runner_gateway::Config = service_config();
         let config = automesh_desktop_runner_gateway::Config {
             streams: options.runner_streams.clone(),
-            ..service_config()
+            connections: options
+                .connections
+                .clone()
+                .unwrap_or(defaults.connections.clone()),
+            ..defaults
         };
         for (i, l) in runner_listeners.into_iter().enumerate() {
             // The first replica shares the mesh's pool; the others have
@@ -404,7 +413,7 @@ impl Mesh {
             )?;
             tasks.spawn(replica.serve(l, stop));
         }
-        let config = automesh_gateway::Config {
+        let mut config = automesh_gateway::Config {
             upstreams: automesh_gateway::UpstreamAddrs {
                 scheduler_addr: scheduler.clone(),
                 coordinator_addr: coordinator.clone(),
@@ -417,6 +426,9 @@ impl Mesh {
                 std::str::from_utf8(JWT_SECRET)?,
             ])?
         };
+        if let Some(limits) = &options.connections {
+            config.connections = limits.clone();
+        }
         let gw = automesh_gateway::Service::new(&config, credential.clone())?;
         tasks.spawn(gw.serve(gl, shutdown.clone()));
         let mesh = Mesh {

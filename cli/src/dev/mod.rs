@@ -49,6 +49,11 @@ pub struct DevArgs {
     /// Where desktop runners connect.
     #[arg(long, default_value = "127.0.0.1:50052")]
     pub runner_gateway_listen: SocketAddr,
+    /// What serves the runner listener's HTTP/2: `lean` (automesh-http2,
+    /// which keeps no buffers on an idle connection) or `hyper` (hyper's, as
+    /// every other listener).
+    #[arg(long, env = "AUTOMESH_RUNNER_HTTP2", default_value = "lean")]
+    pub runner_http2: automesh_desktop_runner_gateway::settings::Http2,
     /// The desktop-runner-gateway's internal listener (the desktop executor
     /// and the runner token service; the mesh only).
     #[arg(long, default_value = "127.0.0.1:50056")]
@@ -325,7 +330,8 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         worker: outside.worker.clone(),
         ..config_from_args(&url)?
     };
-    let runner_gateway: automesh_desktop_runner_gateway::Config = config_from_args(&url)?;
+    let mut runner_gateway: automesh_desktop_runner_gateway::Config = config_from_args(&url)?;
+    runner_gateway.streams.http2 = args.runner_http2;
     let gateway = automesh_gateway::Config {
         upstreams: upstreams.clone(),
         models: automesh_rpc::runtime::Models::of(gateway_models),
@@ -405,7 +411,16 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         "public gateway",
         &format!("{public}   (automesh.v1.Automations, automesh.v1.Runs)"),
     );
-    line("desktop runners", &runners);
+    line(
+        "desktop runners",
+        &format!(
+            "{runners}   (HTTP/2: {})",
+            match args.runner_http2 {
+                automesh_desktop_runner_gateway::settings::Http2::Lean => "lean, automesh-http2",
+                automesh_desktop_runner_gateway::settings::Http2::Hyper => "hyper",
+            }
+        ),
+    );
     line("scheduler", &upstreams.scheduler_addr);
     line("run-coordinator", &upstreams.coordinator_addr);
     line("cloud-worker-lifecycle", &upstreams.lifecycle_addr);

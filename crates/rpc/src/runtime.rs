@@ -248,6 +248,41 @@ fn parse_models_file(path: &str) -> Result<automesh_domain::ModelCatalog, String
     automesh_domain::ModelCatalog::load(Some(std::path::Path::new(path)))
 }
 
+/// What every listener of a service accepts: flags every service has.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ConnectionLimits {
+    /// The most connections each of the service's listeners holds at once.
+    /// At the cap it accepts no more until one closes (new ones wait in the
+    /// kernel's backlog). Default: what the process's open-file limit
+    /// allows, less a reserve for its other files.
+    #[arg(long = "max-connections", env = "AUTOMESH_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// How long a new connection may take to send its first request (the
+    /// HTTP/2 preface and the request's headers) before it is closed.
+    #[arg(
+        long = "first-request-within",
+        env = "AUTOMESH_FIRST_REQUEST_WITHIN",
+        default_value = "10s",
+        value_parser = parse_duration
+    )]
+    pub first_request_within: std::time::Duration,
+}
+
+impl ConnectionLimits {
+    /// Refuses limits that would let no connection in.
+    pub fn check(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.max_connections != Some(0),
+            "AUTOMESH_MAX_CONNECTIONS (--max-connections) must be at least 1"
+        );
+        anyhow::ensure!(
+            !self.first_request_within.is_zero(),
+            "AUTOMESH_FIRST_REQUEST_WITHIN (--first-request-within) must be longer than 0"
+        );
+        Ok(())
+    }
+}
+
 /// Parses `500ms`, `90s`, `30m`, `2h` or a bare number of seconds (for
 /// duration flags).
 pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
@@ -355,6 +390,8 @@ macro_rules! service_config {
             /// Address to listen on.
             #[arg(long = "listen", env = $env, default_value = $default)]
             pub listen: ::std::net::SocketAddr,
+            #[command(flatten)]
+            pub connections: $crate::runtime::ConnectionLimits,
             $($fields)*
         }
     };

@@ -282,6 +282,7 @@ pub struct Service {
     store: Store,
     settings: cloud::CloudSettings,
     credential: InternalCredential,
+    server: ServerSettings,
 }
 
 impl Service {
@@ -307,11 +308,13 @@ impl Service {
         }
         let (driver, settings) = config.cloud()?;
         store.observe_pool(&automesh_rpc::metrics::meter());
+        config.connections.check()?;
         Ok(Self {
             driver,
             store,
             settings,
             credential,
+            server: ServerSettings::default().limited(&config.connections),
         })
     }
 
@@ -330,10 +333,11 @@ impl Service {
             store,
             settings,
             credential,
+            server,
         } = self;
         let registry = WorkerRegistry::new(store.clone(), driver.name());
         let cloud = cloud::Cloud::new(store.clone(), driver, settings, credential.clone());
-        let mut server = GrpcServer::new(ServerSettings::default())?;
+        let mut server = GrpcServer::new(server)?;
         server.add_service(CloudWorkerLifecycleServiceServer::with_interceptor(
             registry,
             RequireInternal(credential.clone()),

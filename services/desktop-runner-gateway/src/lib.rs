@@ -141,6 +141,7 @@ pub struct Service {
     streams: stream::StreamSettings,
     store: Store,
     credential: InternalCredential,
+    server: ServerSettings,
 }
 
 impl Service {
@@ -153,10 +154,12 @@ impl Service {
         );
         config.streams.check()?;
         store.observe_pool(&automesh_rpc::metrics::meter());
+        config.connections.check()?;
         Ok(Self {
             streams: config.streams.clone(),
             store,
             credential,
+            server: ServerSettings::default().limited(&config.connections),
         })
     }
 
@@ -168,6 +171,7 @@ impl Service {
             streams: settings,
             store,
             credential,
+            server: limited,
         } = self;
         // The runner listener's PINGs are the liveness of PING-liveness
         // streams (see `stream`).
@@ -176,9 +180,9 @@ impl Service {
             ping_grid: settings.ping_grid(),
             // Thousands of idle runner connections: no buffers while idle.
             lean_http2: settings.http2 == stream::Http2::Lean,
-            ..ServerSettings::default()
+            ..limited.clone()
         })?;
-        let mut internal = GrpcServer::new(ServerSettings::default())?;
+        let mut internal = GrpcServer::new(limited)?;
         let streams = stream::RunnerStreams::new(store.clone(), settings, shutdown.clone());
         metrics::observe_streams(streams.sessions.clone());
         let desktop = executor::DesktopExecutor::new(store.clone(), streams.dispatch.clone());

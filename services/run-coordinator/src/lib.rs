@@ -69,6 +69,7 @@ pub struct Service {
     /// the settings and its lease identity.
     context: Arc<drive::Context>,
     credential: InternalCredential,
+    server: ServerSettings,
 }
 
 impl Service {
@@ -142,9 +143,11 @@ impl Service {
             owner: format!("coordinator-{}", uuid::Uuid::new_v4()),
             active: Default::default(),
         });
+        config.connections.check()?;
         Ok(Self {
             context,
             credential,
+            server: ServerSettings::default().limited(&config.connections),
         })
     }
 
@@ -154,7 +157,7 @@ impl Service {
     pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
         let store = self.context.store.clone();
         let coordinator = Coordinator::new(self.context.clone(), shutdown.clone());
-        let mut server = GrpcServer::new(ServerSettings::default())?;
+        let mut server = GrpcServer::new(self.server.clone())?;
         server.add_service(RunCoordinatorServiceServer::with_interceptor(
             coordinator,
             RequireInternal(self.credential),

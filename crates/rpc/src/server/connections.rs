@@ -29,7 +29,7 @@ use tonic::body::Body;
 use tower::{Service, ServiceBuilder};
 use tracing::Instrument;
 
-use super::ServerSettings;
+use super::{ServerSettings, admission};
 
 /// Keepalive deadlines are rounded up to a multiple of this by default:
 /// 20 wake-ups a second for any number of idle connections, and bursts
@@ -69,12 +69,17 @@ pub(crate) type Routes =
 /// Makes the span of one request.
 pub(crate) type SpanOf = fn(&http::Request<()>) -> tracing::Span;
 
-/// Serves `routes` on `listener` until `shutdown` resolves, then lets every
-/// connection finish its calls (new streams are refused) and returns once
-/// all have closed. Connections are served by hyper's HTTP/2, or by the
-/// lean one (`automesh_http2`) when the settings ask for it.
+/// Serves `routes` on `listener` (named `name` in metrics and logs) until
+/// `shutdown` resolves, then lets every connection finish its calls (new
+/// streams are refused) and returns once all have closed. Connections are
+/// served by hyper's HTTP/2, or by the lean one (`automesh_http2`) when the
+/// settings ask for it; alike for both, at most `max_connections` are open
+/// at once (a permit is taken before each accept, so at the cap new ones
+/// wait in the kernel's backlog), and one that sends no request within
+/// `first_request_within` is closed.
 pub(crate) async fn serve(
     listener: TcpListener,
+    name: &'static str,
     routes: Routes,
     settings: &ServerSettings,
     span_of: SpanOf,
@@ -92,9 +97,26 @@ pub(crate) async fn serve(
         ping_grid: settings.ping_grid,
     };
     let (drain, draining) = tokio::sync::watch::channel(());
+    let cap = std::sync::Arc::new(tokio::sync::Semaphore::new(settings.max_connections));
     let mut shutdown = pin!(shutdown);
     loop {
-        let (tcp, _) = tokio::select! {
+        let permit = match cap.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                admission::at_cap(name, settings.max_connections);
+                tokio::select! {
+                    () = &mut shutdown => break,
+                    permit = cap.clone().acquire_owned() => match permit {
+                        Ok(permit) => {
+                            tracing::info!(listener = name, "below the connection cap again: accepting");
+                            permit
+                        }
+                        Err(_) => break,
+                    },
+                }
+            }
+        };
+        let (tcp, peer) = tokio::select! {
             () = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
@@ -109,6 +131,8 @@ pub(crate) async fn serve(
             },
         };
         let _ = tcp.set_nodelay(true);
+        let open = admission::Open::new(name, permit);
+        let first = admission::FirstRequest::new(name, peer, settings.first_request_within);
         let draining = draining.clone();
         if settings.lean_http2 {
             // A body that ended early is read as tonic reads its own.
@@ -118,17 +142,26 @@ pub(crate) async fn serve(
                         http_body_util::BodyExt::map_err(body, crate::status::lean_stream)
                     })
                 })
-                .service(calls(&routes, settings, span_of));
+                .service(calls(&routes, settings, span_of, first.asked()));
             let connection = automesh_http2::Connection::new(tcp, calls, limits);
             tokio::spawn(drive(
                 connection,
                 |c| c.get_mut().graceful_shutdown(),
                 draining,
+                first,
+                open,
             ));
         } else {
-            let calls = TowerToHyperService::new(calls(&routes, settings, span_of));
-            let connection = http2.serve_connection(TokioIo::new(tcp), calls);
-            tokio::spawn(drive(connection, |c| c.graceful_shutdown(), draining));
+            let calls = calls(&routes, settings, span_of, first.asked());
+            let connection =
+                http2.serve_connection(TokioIo::new(tcp), TowerToHyperService::new(calls));
+            tokio::spawn(drive(
+                connection,
+                |c| c.graceful_shutdown(),
+                draining,
+                first,
+                open,
+            ));
         }
     }
     // Refuse new connections at once, then drain the open ones.
@@ -145,6 +178,7 @@ fn calls<B>(
     routes: &Routes,
     settings: &ServerSettings,
     span_of: SpanOf,
+    asked: std::sync::Arc<std::sync::atomic::AtomicBool>,
 ) -> impl Service<
     http::Request<B>,
     Response = http::Response<
@@ -161,7 +195,12 @@ where
     B::Error: Into<BoxError>,
 {
     ServiceBuilder::new()
-        .map_request(|req: http::Request<B>| req.map(Body::new))
+        .map_request(move |req: http::Request<B>| {
+            // The connection asked something: it is past its first-request
+            // bound.
+            asked.store(true, std::sync::atomic::Ordering::Relaxed);
+            req.map(Body::new)
+        })
         .layer_fn(move |inner| Traced { inner, span_of })
         .layer(tonic::service::RecoverErrorLayer::new())
         .concurrency_limit(settings.concurrency_per_connection)
@@ -173,10 +212,15 @@ where
 }
 
 /// Runs one connection to its end; a drain signal lets its calls finish.
+/// One that asks nothing within its first-request bound is drained the
+/// same way (a GOAWAY, when it got as far as HTTP/2), and dropped if it has
+/// not closed within [`automesh_http2::CLOSE_WITHIN`] after that.
 async fn drive<C, E>(
     connection: C,
     drain: impl FnOnce(Pin<&mut C>),
     mut draining: tokio::sync::watch::Receiver<()>,
+    first: admission::FirstRequest,
+    _open: admission::Open,
 ) where
     C: Future<Output = Result<(), E>>,
     E: std::error::Error + 'static,
@@ -190,6 +234,12 @@ async fn drive<C, E>(
             return;
         }
         _ = draining.changed() => drain(connection.as_mut()),
+        () = first.overdue() => {
+            first.closing();
+            drain(connection.as_mut());
+            let _ = tokio::time::timeout(automesh_http2::CLOSE_WITHIN, connection).await;
+            return;
+        }
     }
     if let Err(error) = connection.await {
         tracing::debug!(%error, cause = causes(&error), "connection ended while draining");

@@ -22,6 +22,7 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::propagation;
 
+mod admission;
 mod connections;
 pub use connections::PING_GRID;
 
@@ -47,6 +48,35 @@ pub struct ServerSettings {
     /// hold many idle connections (the desktop runner listener). Otherwise
     /// hyper's.
     pub lean_http2: bool,
+    /// The most connections this listener holds at once: at the cap it
+    /// accepts no more until one closes.
+    pub max_connections: usize,
+    /// How long a new connection may take to send its first request (the
+    /// HTTP/2 preface and the request's headers) before it is closed.
+    pub first_request_within: Duration,
+}
+
+/// Open files a process keeps for other things than its connections (its
+/// database pool, logs, its own outbound channels).
+const FILES_RESERVED: u64 = 256;
+
+/// The connections a listener may hold by default: what the process's
+/// open-file limit allows, less a reserve (at least 64).
+pub fn default_max_connections() -> usize {
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
+    let files = limit.unwrap_or(1 << 20);
+    usize::try_from(files.saturating_sub(FILES_RESERVED).max(64)).unwrap_or(usize::MAX)
+}
+
+impl ServerSettings {
+    /// These settings with a service's connection flags.
+    pub fn limited(self, limits: &crate::runtime::ConnectionLimits) -> Self {
+        Self {
+            max_connections: limits.max_connections.unwrap_or(self.max_connections),
+            first_request_within: limits.first_request_within,
+            ..self
+        }
+    }
 }
 
 impl Default for ServerSettings {
@@ -59,6 +89,8 @@ impl Default for ServerSettings {
             keepalive: (Duration::from_secs(20), Duration::from_secs(10)),
             ping_grid: PING_GRID,
             lean_http2: false,
+            max_connections: default_max_connections(),
+            first_request_within: Duration::from_secs(10),
         }
     }
 }
@@ -197,6 +229,7 @@ impl GrpcServer {
             .service(routes.routes());
         connections::serve(
             listener,
+            names.first().copied().unwrap_or(HEALTH_SERVICE),
             connections::Routes::new(routes),
             &settings,
             request_span,
