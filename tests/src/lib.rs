@@ -4,6 +4,7 @@
 
 pub mod bench;
 pub mod executor;
+pub mod flood;
 pub mod otlp;
 pub mod processes;
 pub mod relay;

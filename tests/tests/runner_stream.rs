@@ -1216,3 +1216,47 @@ async fn until_said(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// One connection flooding the runner listener with PINGs and SETTINGS
+/// (answered as fast as they come) does not stop another runner's
+/// assignments: a run made while the flood goes on is delivered to its
+/// runner, and the flood is answered all along. (How much the flood delays
+/// an assignment is `bench-desktop`'s to report, as a ratio.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ping_and_settings_flood_on_one_connection_does_not_stop_another_runners_assignments() {
+    use std::sync::atomic::Ordering;
+    let mesh = dispatching_mesh().await;
+    let minted = mint(&mesh).await;
+    let flood = automesh_e2e_tests::flood::Flood::start(&mesh.runner_gateway);
+    let (tx, mut stream) = connect_holding(&mesh, &minted.token, &[]).await;
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(20);
+    while flood.counts.answered.load(Ordering::Relaxed) < 10_000 {
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "the flood is answered: {:?}",
+            flood.counts
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for _ in 0..3 {
+        let run = mesh.desktop_run_now("acme", "alice").await;
+        let rpb::connect_response::Message::Assignment(a) = next(&mut stream).await else {
+            panic!("an assignment while the flood goes on")
+        };
+        assert_eq!(a.run_id, run.id);
+        tx.send(up(rpb::connect_request::Message::RunFinished(
+            rpb::RunFinished {
+                run_id: run.id.clone(),
+                outcome: pb::RunState::Succeeded as i32,
+                ..Default::default()
+            },
+        )))
+        .await
+        .expect("finish");
+    }
+    let answered = flood.counts.answered.load(Ordering::Relaxed);
+    assert!(answered >= 10_000, "{:?}", flood.counts);
+    drop(flood);
+    drop(tx);
+    mesh.stop().await.expect("stop");
+}

@@ -2,9 +2,9 @@
 //! GOAWAY and WINDOW_UPDATE, and the rapid-reset bound.
 
 use super::frame::{self, Head, Reason, flag, setting};
-use super::{Calls, ConnError, Connection, Handled, Phase, SendBody};
+use super::{Calls, ConnError, Connection, Handled, Io, Phase, SendBody};
 
-impl<S: Calls<B>, B: SendBody> Connection<S, B> {
+impl<S: Calls<B>, B: SendBody, T: Io> Connection<S, B, T> {
     /// One more stream the peer reset before its answer was over; too many
     /// in a second end the connection.
     pub(super) fn count_early_reset(&mut self) -> Handled {

@@ -7,11 +7,11 @@ use bytes::Bytes;
 use super::frame::{self, Head, PREFACE, Reason, flag, kind};
 use super::stream::{End, RecvBody, StreamShared};
 use super::{
-    Calls, Closed, ConnError, Connection, Handled, MAX_CONTINUATIONS, MAX_HEADER_BLOCK,
+    Calls, Closed, ConnError, Connection, Handled, Io, MAX_CONTINUATIONS, MAX_HEADER_BLOCK,
     MAX_HEADER_LIST, Out, PartialBlock, Phase, SendBody, Stream,
 };
 
-impl<S: Calls<B>, B: SendBody> Connection<S, B> {
+impl<S: Calls<B>, B: SendBody, T: Io> Connection<S, B, T> {
     /// Handles the preface and every complete frame at the start of
     /// `input`; returns how many octets it used (the rest is kept until
     /// more arrives).

@@ -6,11 +6,13 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::ReadBuf;
 
-use super::{Calls, ConnError, Connection, OUT_HIGH, OUT_LOW, READ_BUDGET, READ_CHUNK, SendBody};
+use super::{
+    Calls, ConnError, Connection, Io, OUT_HIGH, OUT_LOW, READ_BUDGET, READ_CHUNK, SendBody,
+};
 
-impl<S: Calls<B>, B: SendBody> Connection<S, B> {
+impl<S: Calls<B>, B: SendBody, T: Io> Connection<S, B, T> {
     /// Reads what the socket has, up to the budget, and handles every
     /// complete frame. `Ready(Ok(false))` at end of input.
     pub(super) fn poll_input(&mut self, cx: &mut Context<'_>) -> Poll<Result<bool, ConnError>> {

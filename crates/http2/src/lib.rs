@@ -24,6 +24,8 @@
 
 mod control;
 mod frame;
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fuzzing;
 mod grid;
 mod hpack;
 mod inbound;
@@ -139,6 +141,12 @@ impl<S, B> Calls<B> for S where
         + Unpin
 {
 }
+
+/// What a connection runs over: a TCP socket, or (fuzzing, tests) any byte
+/// stream.
+pub trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin {}
+
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> Io for T {}
 
 /// A response body a connection sends.
 pub trait SendBody: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Unpin {}
@@ -275,11 +283,11 @@ struct PartialBlock {
 
 /// One HTTP/2 connection served by `service`, a future that ends when the
 /// connection does.
-pub struct Connection<S, B>
+pub struct Connection<S, B, T = TcpStream>
 where
     S: Service<http::Request<RecvBody>>,
 {
-    io: TcpStream,
+    io: T,
     service: S,
     limits: Limits,
     shared: Arc<ConnShared>,
@@ -327,8 +335,8 @@ where
     ending: Option<(Option<ConnError>, Instant)>,
 }
 
-impl<S: Calls<B>, B: SendBody> Connection<S, B> {
-    pub fn new(io: TcpStream, service: S, limits: Limits) -> Self {
+impl<S: Calls<B>, B: SendBody, T: Io> Connection<S, B, T> {
+    pub fn new(io: T, service: S, limits: Limits) -> Self {
         let mut decoder = loona_hpack::Decoder::new();
         // Our SETTINGS_HEADER_TABLE_SIZE is the default, 4096.
         decoder.set_max_allowed_table_size(4096);
@@ -535,7 +543,7 @@ impl<S: Calls<B>, B: SendBody> Connection<S, B> {
     }
 }
 
-impl<S: Calls<B>, B: SendBody> Future for Connection<S, B> {
+impl<S: Calls<B>, B: SendBody, T: Io> Future for Connection<S, B, T> {
     type Output = Result<(), ConnError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
@@ -545,7 +553,7 @@ impl<S: Calls<B>, B: SendBody> Future for Connection<S, B> {
     }
 }
 
-impl<S, B> Drop for Connection<S, B>
+impl<S, B, T> Drop for Connection<S, B, T>
 where
     S: Service<http::Request<RecvBody>>,
 {

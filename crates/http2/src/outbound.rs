@@ -11,11 +11,11 @@ use bytes::Buf;
 use super::frame::{self, Reason};
 use super::stream::End;
 use super::{
-    BoxError, CONN_WINDOW, Calls, Closed, ConnError, Connection, Handled, OUT_HIGH, Out,
+    BoxError, CONN_WINDOW, Calls, Closed, ConnError, Connection, Handled, Io, OUT_HIGH, Out,
     STREAM_WINDOW, SendBody,
 };
 
-impl<S: Calls<B>, B: SendBody> Connection<S, B> {
+impl<S: Calls<B>, B: SendBody, T: Io> Connection<S, B, T> {
     /// Starts what waits for the service, then looks at every stream that
     /// is ready.
     pub(super) fn poll_streams(&mut self, cx: &mut Context<'_>) -> Handled {

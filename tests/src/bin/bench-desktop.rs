@@ -20,7 +20,9 @@
 //!   crosses PostgreSQL (NOTIFY + claim);
 //! - then with `--more` streams in all: memory per stream again, and the
 //!   latency from a public-API RunAutomationNow call to the runner
-//!   receiving the assignment (p50, p99).
+//!   receiving the assignment (p50, p99); and that latency again while one
+//!   more connection floods the runner listener with PINGs and SETTINGS,
+//!   as a ratio to the latency without the flood.
 //!
 //! The machine is shared; read medians and ratios. `--quick` is the short
 //! form CI runs once (500 and 950 streams; figures printed, not checked).
@@ -316,6 +318,23 @@ async fn main() -> anyhow::Result<()> {
                 p50 / spaced,
                 p99 / spaced
             );
+            // The same while one more connection floods the runner listener
+            // with PINGs and SETTINGS (reading the answers as they come).
+            let flood = automesh_e2e_tests::flood::Flood::start(&addr);
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let before = flood.counts.answered.load(Ordering::Relaxed);
+            let t = Instant::now();
+            let (f50, f99, flooded_runs) =
+                run_now_latency(&mesh, latency_runs, latency_users, &mut assigned_rx).await?;
+            let rate = (flood.counts.answered.load(Ordering::Relaxed) - before) as f64
+                / t.elapsed().as_secs_f64();
+            println!(
+                "flood     at {alive} streams, one connection flooding PING and SETTINGS ({rate:.0} answered/s, {} times ended by the gateway): RunAutomationNow → assignment   p50 {f50:>7.1} ms   p99 {f99:>7.1} ms   ({flooded_runs} runs; {:.2} × / {:.2} × without the flood)",
+                flood.counts.ended.load(Ordering::Relaxed),
+                f50 / p50,
+                f99 / p99
+            );
+            drop(flood);
         }
         if streams == more {
             break;

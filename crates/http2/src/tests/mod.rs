@@ -291,3 +291,23 @@ async fn what_the_reader_takes_is_given_back_as_window() {
         0
     );
 }
+
+/// The fuzz targets' entry points run over the committed corpus (what the
+/// fuzzer starts from) without a panic: the harness builds and runs in
+/// every test run, not only under `scripts/fuzz-http2`.
+#[test]
+fn the_fuzz_corpus_runs_clean() {
+    let corpus = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus");
+    for (target, run) in [
+        ("frames", super::fuzzing::frames as fn(&[u8])),
+        ("headers", super::fuzzing::headers as fn(&[u8])),
+    ] {
+        let mut inputs = 0;
+        for entry in std::fs::read_dir(corpus.join(target)).expect("the corpus") {
+            let input = std::fs::read(entry.expect("an input").path()).expect("readable");
+            run(&input);
+            inputs += 1;
+        }
+        assert!(inputs > 0, "{target} has a corpus");
+    }
+}
