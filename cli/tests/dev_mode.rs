@@ -908,43 +908,7 @@ async fn the_dev_runner_listener_can_be_served_by_hyper() {
             .any(|l| l.contains("desktop runners") && l.contains("(HTTP/2: hyper)")),
         "{banner}"
     );
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{gateway}"))
-        .expect("endpoint")
-        .connect()
-        .await
-        .expect("connect");
-    let mut automations = pb::automations_client::AutomationsClient::new(channel.clone());
-    let mut runs = pb::runs_client::RunsClient::new(channel);
-    let automation = automations
-        .create_automation(automesh_e2e_tests::with_bearer(
-            &token,
-            daily_automation(
-                "desk",
-                "tidy my downloads",
-                "openai/gpt-4.1-mini",
-                pb::Surface::Desktop,
-                (9, 30, "Europe/Paris"),
-            ),
-        ))
-        .await
-        .expect("create")
-        .into_inner()
-        .automation
-        .expect("automation");
-    let run = automations
-        .run_automation_now(automesh_e2e_tests::with_bearer(
-            &token,
-            pb::RunAutomationNowRequest {
-                id: automation.id,
-                idempotency_key: "over-hyper".into(),
-            },
-        ))
-        .await
-        .expect("run now")
-        .into_inner()
-        .run
-        .expect("run");
-    let run = until_receipt(&mut runs, &token, &run.id, Duration::from_secs(90)).await;
+    let run = desktop_run_to_its_end(&gateway, &token, "over-hyper", Duration::from_secs(90)).await;
     assert_eq!(run.state, pb::RunState::Succeeded as i32, "{run:?}");
     drop(dev);
 }
@@ -1211,43 +1175,8 @@ async fn a_configured_provider_and_connect_endpoint_replace_the_demo_ones() {
     let banner = dev.banner.join("\n");
     assert!(!banner.contains("DEMO"), "{banner}");
     assert!(banner.contains(&provider_url), "{banner}");
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{gateway}"))
-        .expect("endpoint")
-        .connect()
-        .await
-        .expect("connect");
-    let mut automations = pb::automations_client::AutomationsClient::new(channel.clone());
-    let mut runs = pb::runs_client::RunsClient::new(channel);
-    let automation = automations
-        .create_automation(automesh_e2e_tests::with_bearer(
-            &token,
-            daily_automation(
-                "configured",
-                "say hello",
-                "openai/gpt-4.1-mini",
-                pb::Surface::Desktop,
-                (9, 0, "UTC"),
-            ),
-        ))
-        .await
-        .expect("create")
-        .into_inner()
-        .automation
-        .expect("automation");
-    let run = automations
-        .run_automation_now(automesh_e2e_tests::with_bearer(
-            &token,
-            pb::RunAutomationNowRequest {
-                id: automation.id,
-                idempotency_key: "configured".into(),
-            },
-        ))
-        .await
-        .expect("run now")
-        .into_inner()
-        .run
-        .expect("run");
-    let ended = until_receipt(&mut runs, &token, &run.id, Duration::from_secs(60)).await;
+    let ended =
+        desktop_run_to_its_end(&gateway, &token, "configured", Duration::from_secs(60)).await;
     assert_eq!(ended.state, pb::RunState::Succeeded as i32, "{ended:?}");
     assert_eq!(fake.calls(), 1, "the configured provider answered");
     let receipt = ended.receipt.expect("receipt");
@@ -1263,6 +1192,54 @@ async fn a_configured_provider_and_connect_endpoint_replace_the_demo_ones() {
             .all(|a| a == "Bearer sk-configured")
     );
     drop(dev);
+}
+
+/// A daily desktop automation made through `gateway`'s public API and run
+/// now once; the run, once it has its receipt (bounded by `within`).
+async fn desktop_run_to_its_end(
+    gateway: &str,
+    token: &str,
+    name: &str,
+    within: Duration,
+) -> automesh_proto::v1::Run {
+    use automesh_proto::v1 as pb;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{gateway}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    let mut automations = pb::automations_client::AutomationsClient::new(channel.clone());
+    let mut runs = pb::runs_client::RunsClient::new(channel);
+    let automation = automations
+        .create_automation(automesh_e2e_tests::with_bearer(
+            token,
+            daily_automation(
+                name,
+                "say hello",
+                "openai/gpt-4.1-mini",
+                pb::Surface::Desktop,
+                (9, 0, "UTC"),
+            ),
+        ))
+        .await
+        .expect("create")
+        .into_inner()
+        .automation
+        .expect("automation");
+    let run = automations
+        .run_automation_now(automesh_e2e_tests::with_bearer(
+            token,
+            pb::RunAutomationNowRequest {
+                id: automation.id,
+                idempotency_key: name.into(),
+            },
+        ))
+        .await
+        .expect("run now")
+        .into_inner()
+        .run
+        .expect("run");
+    until_receipt(&mut runs, token, &run.id, within).await
 }
 
 /// The run, once it has its receipt, read through the public API; fails
