@@ -85,16 +85,23 @@ pub(crate) async fn admit_update(
         return Ok(());
     };
     // The model rules depend on the stored placement.
+    let (_, placement) = stored(gateway, owner, update.id).await?;
+    gateway.check_model(owner, &model, placement)
+}
+
+/// The caller's stored automation `id` and its placement.
+async fn stored(
+    gateway: &Gateway,
+    owner: &Principal,
+    id: String,
+) -> Result<(pb::Automation, Placement), Status> {
     let caller = Some(convert::caller(owner));
-    let stored = spb::GetAutomationRequest {
-        caller,
-        id: update.id,
-    };
+    let stored = spb::GetAutomationRequest { caller, id };
     let stored = gateway.upstreams.scheduler().get_automation(stored).await;
     let stored = forwarded(stored)?.automation.unwrap_or_default();
     let placement = convert::placement_from_pb(stored.placement)
         .ok_or_else(|| status::internal("the stored automation", &"no placement"))?;
-    gateway.check_model(owner, &model, placement)
+    Ok((stored, placement))
 }
 
 /// An automation is activated only while the catalogue admits its model
@@ -105,14 +112,7 @@ async fn admit_activation(
     gateway: &Gateway,
     owner: &Principal,
 ) -> Result<(), Status> {
-    let stored = spb::GetAutomationRequest {
-        caller: Some(convert::caller(owner)),
-        id: activate.id.clone(),
-    };
-    let stored = gateway.upstreams.scheduler().get_automation(stored).await;
-    let stored = forwarded(stored)?.automation.unwrap_or_default();
-    let placement = convert::placement_from_pb(stored.placement)
-        .ok_or_else(|| status::internal("the stored automation", &"no placement"))?;
+    let (stored, placement) = stored(gateway, owner, activate.id.clone()).await?;
     match gateway
         .models
         .admits(&stored.model, &owner.org_id, placement)

@@ -156,9 +156,8 @@ impl Service {
     /// Checks `config` (the token key, the upstream addresses) and
     /// assembles the gateway; the internal services need not be up yet.
     pub fn new(config: &Config, credential: InternalCredential) -> Result<Self> {
-        config.connections.check()?;
         Ok(Self {
-            server: ServerSettings::default().limited(&config.connections),
+            server: ServerSettings::default().limited(&config.connections)?,
             gateway: Gateway::new(
                 Authenticator::hs256(config.jwt_secret.expose().as_bytes())?,
                 config.models.catalog(),

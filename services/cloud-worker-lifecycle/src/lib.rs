@@ -308,13 +308,12 @@ impl Service {
         }
         let (driver, settings) = config.cloud()?;
         store.observe_pool(&automesh_rpc::metrics::meter());
-        config.connections.check()?;
         Ok(Self {
             driver,
             store,
             settings,
             credential,
-            server: ServerSettings::default().limited(&config.connections),
+            server: ServerSettings::default().limited(&config.connections)?,
         })
     }
 

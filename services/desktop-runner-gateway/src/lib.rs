@@ -154,12 +154,11 @@ impl Service {
         );
         config.streams.check()?;
         store.observe_pool(&automesh_rpc::metrics::meter());
-        config.connections.check()?;
         Ok(Self {
             streams: config.streams.clone(),
             store,
             credential,
-            server: ServerSettings::default().limited(&config.connections),
+            server: ServerSettings::default().limited(&config.connections)?,
         })
     }
 

@@ -143,11 +143,10 @@ impl Service {
             owner: format!("coordinator-{}", uuid::Uuid::new_v4()),
             active: Default::default(),
         });
-        config.connections.check()?;
         Ok(Self {
             context,
             credential,
-            server: ServerSettings::default().limited(&config.connections),
+            server: ServerSettings::default().limited(&config.connections)?,
         })
     }
 

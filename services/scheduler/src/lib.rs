@@ -70,8 +70,7 @@ impl Service {
         // An edit wakes the occurrence loop.
         let wake = Arc::new(Notify::new());
         let scheduler = Scheduler::new(store.clone(), config.run_deadline, wake.clone());
-        config.connections.check()?;
-        let mut server = GrpcServer::new(ServerSettings::default().limited(&config.connections))?;
+        let mut server = GrpcServer::new(ServerSettings::default().limited(&config.connections)?)?;
         server.add_service(SchedulerServiceServer::with_interceptor(
             scheduler,
             RequireInternal(credential),

@@ -69,13 +69,14 @@ pub fn default_max_connections() -> usize {
 }
 
 impl ServerSettings {
-    /// These settings with a service's connection flags.
-    pub fn limited(self, limits: &crate::runtime::ConnectionLimits) -> Self {
-        Self {
+    /// These settings with a service's connection flags, once checked.
+    pub fn limited(self, limits: &crate::runtime::ConnectionLimits) -> anyhow::Result<Self> {
+        limits.check()?;
+        Ok(Self {
             max_connections: limits.max_connections.unwrap_or(self.max_connections),
             first_request_within: limits.first_request_within,
             ..self
-        }
+        })
     }
 }
 
