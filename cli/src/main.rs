@@ -1,6 +1,7 @@
 //! `automesh`: one binary for the whole mesh.
 //!
 //! - `automesh dev` starts every service in one process on SQLite;
+//! - `automesh console` serves the web console (a client of the gateway);
 //! - `automesh gateway|scheduler|run-coordinator|cloud-worker-lifecycle|desktop-runner-gateway`
 //!   runs one service, for separate deployment;
 //! - `automesh runner` is the reference desktop runner;
@@ -34,6 +35,8 @@ enum Command {
     Dev(dev::DevArgs),
     /// Run the public API gateway.
     Gateway(automesh_gateway::Command),
+    /// Run the web console (browsers; a client of the public API).
+    Console(automesh_console::Command),
     /// Run the scheduler service.
     Scheduler(automesh_scheduler::Command),
     /// Run the run-coordinator service.
@@ -60,6 +63,7 @@ async fn execute(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Dev(args) => dev::run(args).await,
         Command::Gateway(c) => c.execute().await,
+        Command::Console(c) => c.execute().await,
         Command::Scheduler(c) => c.execute().await,
         Command::RunCoordinator(c) => c.execute().await,
         Command::CloudWorkerLifecycle(c) => c.execute().await,

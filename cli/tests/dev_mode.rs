@@ -106,6 +106,8 @@ fn start_dev_with(
             "127.0.0.1:0",
             "--lifecycle-listen",
             "127.0.0.1:0",
+            "--console-listen",
+            "127.0.0.1:0",
             "--metrics-listen",
             "127.0.0.1:0",
         ])

@@ -28,6 +28,13 @@ impl Automations for Gateway {
         create_runner_token(CreateRunnerTokenRequest) -> CreateRunnerTokenResponse;
         revoke_runner_token(RevokeRunnerTokenRequest) -> RevokeRunnerTokenResponse;
     }
+
+    async fn preview_schedule(
+        &self,
+        request: tonic::Request<pb::PreviewScheduleRequest>,
+    ) -> Result<tonic::Response<pb::PreviewScheduleResponse>, Status> {
+        self.preview(request).map(tonic::Response::new)
+    }
 }
 
 /// A new automation's model must be one the caller may use where it runs,

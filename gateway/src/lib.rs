@@ -7,6 +7,7 @@
 pub mod auth;
 mod automations;
 mod pass;
+mod preview;
 mod runs;
 pub mod upstream;
 

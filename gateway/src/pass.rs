@@ -231,6 +231,7 @@ mod checks {
 
     pub(super) fn list_runs(r: &pb::ListRunsRequest) -> Result<(), Violations> {
         convert::page_size(r.page_size, 50, "page_size")?;
+        convert::run_list_filter(r)?;
         convert::check_optional_text(&[
             ("automation_id", &r.automation_id),
             ("page_token", &r.page_token),

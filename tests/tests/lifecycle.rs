@@ -47,7 +47,7 @@ async fn terminal(store: &Store, run_id: &str, within: Duration) -> Run {
 
 async fn all_runs(store: &Store, owner: &Principal) -> Vec<Run> {
     store
-        .list_runs(owner, None, &Cursor::start(), 1000)
+        .list_runs(owner, &Default::default(), &Cursor::start(), 1000)
         .await
         .expect("list runs")
         .items

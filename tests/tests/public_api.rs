@@ -1314,6 +1314,7 @@ async fn activation_needs_a_model_the_catalogue_admits(backend: Backend) {
 }
 
 on_both_backends!(
+    run_history_filters_by_state_and_creation_time,
     activation_needs_a_model_the_catalogue_admits,
     nul_and_out_of_range_input_is_invalid_on_both_backends,
     automation_lifecycle,
@@ -1501,5 +1502,238 @@ async fn runner_tokens_are_returned_once_and_stored_hashed() {
         Code::InvalidArgument,
         "runner_name",
     );
+    mesh.stop().await.expect("stop");
+}
+
+/// `ListRuns` narrowed by state (the skipped and missed occurrences among
+/// them, with their reason) and by creation time; bad filters are named.
+async fn run_history_filters_by_state_and_creation_time(backend: Backend) {
+    use automesh_domain::{ErrorCode, NewRun, RunState, RunTrigger};
+    let mesh = Mesh::start(backend).await.expect("mesh");
+    let owner = Principal::new("acme", "alice");
+    let token = mesh.token(&owner.org_id, &owner.user_id);
+    let a = mesh
+        .automations(Some(&token))
+        .create(create_req(
+            automation("filtered", "fake/echo", daily(9, 0, "UTC")),
+            pb::Surface::Desktop,
+        ))
+        .await;
+    let manual = mesh.automations(Some(&token)).run_now(&a.id, "k").await;
+    let stored = mesh
+        .store()
+        .get_automation(&owner, &a.id)
+        .await
+        .expect("automation");
+    let now = Utc::now();
+    for (id, state, code) in [
+        ("skipped-1", RunState::Skipped, ErrorCode::PreviousRunLive),
+        (
+            "missed-1",
+            RunState::Missed,
+            ErrorCode::MissedDuringDowntime,
+        ),
+    ] {
+        let run = NewRun {
+            id: id.into(),
+            automation: &stored,
+            trigger: RunTrigger::Schedule,
+            scheduled_for: Some(now),
+            idempotency_key: None,
+            state,
+            error: Some((code, "not run".to_owned())),
+            deadline_at: now + chrono::Duration::hours(1),
+            traceparent: None,
+        };
+        mesh.store().create_run(&run, now).await.expect("create");
+    }
+    let runs = mesh.runs(Some(&token));
+    let list = |req: pb::ListRunsRequest| {
+        let mut runs = runs.clone();
+        async move { runs.list_runs(req).await.map(|r| r.into_inner().runs) }
+    };
+    let not_run = list(pb::ListRunsRequest {
+        automation_id: a.id.clone(),
+        states: vec![pb::RunState::Skipped as i32, pb::RunState::Missed as i32],
+        ..Default::default()
+    })
+    .await
+    .expect("list");
+    let mut reasons: Vec<(String, String)> = not_run
+        .iter()
+        .map(|r| (r.id.clone(), r.error_code.clone()))
+        .collect();
+    reasons.sort();
+    assert_eq!(
+        reasons,
+        [
+            ("missed-1".to_owned(), "missed_during_downtime".to_owned()),
+            ("skipped-1".to_owned(), "previous_run_live".to_owned()),
+        ]
+    );
+    let pending = list(pb::ListRunsRequest {
+        states: vec![pb::RunState::Pending as i32],
+        ..Default::default()
+    })
+    .await
+    .expect("list");
+    assert_eq!(
+        pending.iter().map(|r| &r.id).collect::<Vec<_>>(),
+        [&manual.id]
+    );
+    let future = list(pb::ListRunsRequest {
+        created_after: Some(automesh_rpc::convert::timestamp(
+            now + chrono::Duration::hours(1),
+        )),
+        ..Default::default()
+    })
+    .await
+    .expect("list");
+    assert!(future.is_empty());
+    let all = list(pb::ListRunsRequest {
+        created_before: Some(automesh_rpc::convert::timestamp(
+            now + chrono::Duration::hours(1),
+        )),
+        ..Default::default()
+    })
+    .await
+    .expect("list");
+    assert_eq!(all.len(), 3);
+    for (request, field) in [
+        (
+            pb::ListRunsRequest {
+                states: vec![99],
+                ..Default::default()
+            },
+            "states[0]",
+        ),
+        (
+            pb::ListRunsRequest {
+                created_after: Some(automesh_rpc::convert::timestamp(now)),
+                created_before: Some(automesh_rpc::convert::timestamp(now)),
+                ..Default::default()
+            },
+            "created_before",
+        ),
+    ] {
+        let refused = list(request).await.expect_err("refused");
+        assert_eq!(refused.code(), Code::InvalidArgument);
+        assert!(
+            field_violations(&refused).iter().any(|(f, _)| f == field),
+            "{field}: {refused:?}"
+        );
+    }
+    mesh.stop().await.expect("stop");
+}
+
+/// `PreviewSchedule`: the next occurrences in the zone and in UTC, and the
+/// first one across the zone's next offset change; bad input is named and
+/// a caller without a token is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schedule_previews_cross_the_next_dst_change() {
+    let mesh = Mesh::start(Backend::Sqlite).await.expect("mesh");
+    let token = mesh.token("acme", "alice");
+    let mut api = mesh.automations(Some(&token));
+    let weekly = pb::Schedule {
+        kind: Some(pb::schedule::Kind::Weekly(pb::WeeklySchedule {
+            days: vec![pb::DayOfWeek::Monday as i32],
+            time_of_day: Some(pb::TimeOfDay {
+                hours: 9,
+                minutes: 30,
+            }),
+            time_zone: "America/New_York".into(),
+        })),
+    };
+    let after = chrono::DateTime::parse_from_rfc3339("2027-02-01T00:00:00Z")
+        .expect("t")
+        .with_timezone(&Utc);
+    let preview = api
+        .preview_schedule(pb::PreviewScheduleRequest {
+            schedule: Some(weekly.clone()),
+            count: 0,
+            after_time: Some(automesh_rpc::convert::timestamp(after)),
+        })
+        .await
+        .expect("preview")
+        .into_inner();
+    assert_eq!(preview.time_zone, "America/New_York");
+    let local: Vec<&str> = preview
+        .occurrences
+        .iter()
+        .map(|o| o.local_time.as_str())
+        .collect();
+    assert_eq!(
+        local,
+        [
+            "2027-02-01T09:30:00-05:00",
+            "2027-02-08T09:30:00-05:00",
+            "2027-02-15T09:30:00-05:00",
+            "2027-02-22T09:30:00-05:00",
+            "2027-03-01T09:30:00-05:00",
+        ]
+    );
+    assert_eq!(preview.occurrences[0].zone_abbreviation, "EST");
+    assert_eq!(preview.occurrences[0].utc_offset_seconds, -5 * 3600);
+    // New York springs forward on 2027-03-14 at 07:00 UTC; the next Monday
+    // 09:30 is then 13:30 UTC, not 14:30.
+    let change = preview.next_offset_change_time.expect("a change");
+    assert_eq!(
+        automesh_rpc::convert::from_timestamp(&change).map(|t| t.to_rfc3339()),
+        Some("2027-03-14T07:00:00+00:00".to_owned())
+    );
+    let across = preview.first_after_offset_change.expect("across");
+    assert_eq!(across.local_time, "2027-03-15T09:30:00-04:00");
+    assert_eq!(across.zone_abbreviation, "EDT");
+
+    let past_once = pb::Schedule {
+        kind: Some(pb::schedule::Kind::Once(pb::OnceSchedule {
+            at: Some(automesh_rpc::convert::timestamp(
+                Utc::now() - chrono::Duration::hours(1),
+            )),
+        })),
+    };
+    for (request, field) in [
+        (
+            pb::PreviewScheduleRequest {
+                schedule: Some(weekly.clone()),
+                count: 51,
+                after_time: None,
+            },
+            "count",
+        ),
+        (
+            pb::PreviewScheduleRequest {
+                schedule: Some(past_once),
+                count: 1,
+                after_time: None,
+            },
+            "schedule.once.at",
+        ),
+        (
+            pb::PreviewScheduleRequest {
+                schedule: None,
+                count: 1,
+                after_time: None,
+            },
+            "schedule",
+        ),
+    ] {
+        let refused = api.preview_schedule(request).await.expect_err("refused");
+        assert_eq!(refused.code(), Code::InvalidArgument);
+        assert!(
+            field_violations(&refused).iter().any(|(f, _)| f == field),
+            "{field}: {refused:?}"
+        );
+    }
+    let anonymous = mesh
+        .automations(None)
+        .preview_schedule(pb::PreviewScheduleRequest {
+            schedule: Some(weekly),
+            count: 1,
+            after_time: None,
+        })
+        .await
+        .expect_err("refused");
+    assert_eq!(anonymous.code(), Code::Unauthenticated);
     mesh.stop().await.expect("stop");
 }

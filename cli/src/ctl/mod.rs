@@ -126,6 +126,16 @@ enum CtlCommand {
         automation: Option<String>,
         #[arg(long, default_value_t = 20)]
         limit: i32,
+        /// Only runs in this state (repeatable): pending, waking, admitted,
+        /// running, succeeded, failed, timed_out, cancelled, skipped, missed.
+        #[arg(long = "state", value_parser = parse_run_state)]
+        states: Vec<i32>,
+        /// Only runs created at or after this instant (RFC 3339).
+        #[arg(long, value_parser = parse_instant)]
+        since: Option<prost_types::Timestamp>,
+        /// Only runs created before this instant (RFC 3339).
+        #[arg(long, value_parser = parse_instant)]
+        until: Option<prost_types::Timestamp>,
     },
     /// Show one run and its receipt.
     Run { id: String },
@@ -437,12 +447,21 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
             println!("idempotency key: {key}");
             print_run(r.into_inner().run);
         }
-        CtlCommand::Runs { automation, limit } => {
+        CtlCommand::Runs {
+            automation,
+            limit,
+            states,
+            since,
+            until,
+        } => {
             let page = runs
                 .list_runs(pb::ListRunsRequest {
                     automation_id: automation.unwrap_or_default(),
                     page_size: limit,
                     page_token: String::new(),
+                    states,
+                    created_after: since,
+                    created_before: until,
                 })
                 .await
                 .map_err(explain)?
@@ -547,4 +566,25 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
         CtlCommand::Token { .. } => unreachable!("handled above"),
     }
     Ok(())
+}
+
+/// A run state as `ctl` takes it (`timed_out`, `missed`, …).
+fn parse_run_state(s: &str) -> Result<i32, String> {
+    let name = format!("RUN_STATE_{}", s.trim().to_ascii_uppercase());
+    pb::RunState::from_str_name(&name)
+        .filter(|v| *v != pb::RunState::Unspecified)
+        .map(|v| v as i32)
+        .ok_or_else(|| {
+            format!(
+                "unknown run state {s:?}; one of pending, waking, admitted, running, succeeded, \
+                 failed, timed_out, cancelled, skipped, missed"
+            )
+        })
+}
+
+/// An RFC 3339 instant (`2026-12-01T00:00:00Z`).
+fn parse_instant(s: &str) -> Result<prost_types::Timestamp, String> {
+    chrono::DateTime::parse_from_rfc3339(s.trim())
+        .map(|t| automesh_rpc::convert::timestamp(t.with_timezone(&chrono::Utc)))
+        .map_err(|e| format!("expected an RFC 3339 instant such as 2026-12-01T00:00:00Z: {e}"))
 }

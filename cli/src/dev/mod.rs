@@ -46,6 +46,10 @@ pub struct DevArgs {
     /// The public API (web backend, `automesh ctl`).
     #[arg(long, default_value = "127.0.0.1:50051")]
     pub gateway_listen: SocketAddr,
+    /// The web console (open it in a browser; one click signs the dev user
+    /// in).
+    #[arg(long, env = "AUTOMESH_CONSOLE_LISTEN", default_value = "127.0.0.1:8080")]
+    pub console_listen: SocketAddr,
     /// Where desktop runners connect.
     #[arg(long, default_value = "127.0.0.1:50052")]
     pub runner_gateway_listen: SocketAddr,
@@ -280,6 +284,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let scheduler_l = bind(args.scheduler_listen).await?;
     let coordinator_l = bind(args.coordinator_listen).await?;
     let lifecycle_l = bind(args.lifecycle_listen).await?;
+    let console_l = bind(args.console_listen).await?;
     let addr = |l: &tokio::net::TcpListener| -> anyhow::Result<String> {
         Ok(format!("http://{}", l.local_addr()?))
     };
@@ -291,6 +296,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     };
     let public = addr(&gateway_l)?;
     let runners = addr(&runner_l)?;
+    let console_url = addr(&console_l)?;
 
     if !args.no_dev_worker {
         store
@@ -344,6 +350,14 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let runner_gateway =
         automesh_desktop_runner_gateway::Service::new(&runner_gateway, st(), cred())?;
     let gateway = automesh_gateway::Service::new(&gateway, cred())?;
+    let token = automesh_gateway::mint(
+        jwt_secret.as_bytes(),
+        DEV_ORG,
+        DEV_USER,
+        chrono::Duration::days(30),
+    )?;
+    let console: automesh_console::Config = config_from_args(&["--gateway", public.as_str()])?;
+    let console = automesh_console::Service::new(&console)?.with_dev_sign_in(token.clone());
     let mut tasks: JoinSet<(&'static str, anyhow::Result<()>)> = JoinSet::new();
     let sd = || shutdown.clone();
     spawn(&mut tasks, "scheduler", scheduler.serve(scheduler_l, sd()));
@@ -369,6 +383,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         ),
     );
     spawn(&mut tasks, "gateway", gateway.serve(gateway_l, sd()));
+    spawn(&mut tasks, "console", console.serve(console_l, sd()));
 
     let runner_line = if args.no_runner {
         "none (--no-runner): start one with `automesh runner`".to_owned()
@@ -388,12 +403,6 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         format!("for user {DEV_USER:?}, in this process (native engine; --no-runner turns it off)")
     };
 
-    let token = automesh_gateway::mint(
-        jwt_secret.as_bytes(),
-        DEV_ORG,
-        DEV_USER,
-        chrono::Duration::days(30),
-    )?;
     let token_path = args.data_dir.join("dev-token");
     write_private(&token_path, &token)?;
 
@@ -407,6 +416,10 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     };
     println!("automesh dev mesh");
     line("database", &redact_url(&database_url));
+    line(
+        "console",
+        &format!("{console_url}   (open it in a browser: one click signs in the dev user)"),
+    );
     line(
         "public gateway",
         &format!("{public}   (automesh.v1.Automations, automesh.v1.Runs)"),

@@ -149,6 +149,66 @@ impl Schedule {
     }
 }
 
+impl Schedule {
+    /// The zone the schedule's wall-clock times are in (UTC for `once`).
+    pub fn zone(&self) -> Tz {
+        match *self {
+            Schedule::Once { .. } => Tz::UTC,
+            Schedule::Daily { zone, .. } | Schedule::Weekly { zone, .. } => zone,
+        }
+    }
+
+    /// Up to `count` occurrences after `after`, in order.
+    pub fn occurrences(&self, after: DateTime<Utc>, count: usize) -> Vec<DateTime<Utc>> {
+        let mut out = Vec::with_capacity(count);
+        let mut at = after;
+        while out.len() < count {
+            match self.next_after(at) {
+                Some(next) => {
+                    out.push(next);
+                    at = next;
+                }
+                None => break,
+            }
+        }
+        out
+    }
+}
+
+/// The first instant after `after`, within `within`, at which `zone`'s
+/// offset from UTC changes (a DST transition), to the second.
+pub fn next_offset_change(
+    zone: Tz,
+    after: DateTime<Utc>,
+    within: Duration,
+) -> Option<DateTime<Utc>> {
+    use chrono::Offset;
+    let offset = |t: DateTime<Utc>| t.with_timezone(&zone).offset().fix().local_minus_utc();
+    let first = offset(after);
+    // Offsets hold for weeks at least: look a day at a time, then bisect
+    // the day that changed it down to the second.
+    let mut lo = after;
+    let end = after + within;
+    while lo < end {
+        let hi = (lo + Duration::days(1)).min(end);
+        if offset(hi) != first {
+            let (mut a, mut b) = (lo.timestamp(), hi.timestamp());
+            while b - a > 1 {
+                let mid = a + (b - a) / 2;
+                let at = DateTime::from_timestamp(mid, 0)?;
+                if offset(at) == first {
+                    a = mid;
+                } else {
+                    b = mid;
+                }
+            }
+            return DateTime::from_timestamp(b, 0);
+        }
+        lo = hi;
+    }
+    None
+}
+
 /// 9999-12-31T23:59:59Z, the last second a protobuf Timestamp holds.
 pub const LATEST_INSTANT_SECONDS: i64 = 253_402_300_799;
 
@@ -399,5 +459,39 @@ mod tests {
             let back: ScheduleRecord = serde_json::from_str(&json).expect("parse");
             assert_eq!(Schedule::try_from(back).expect("valid"), s);
         }
+    }
+
+    #[test]
+    fn occurrences_cross_the_next_offset_change() {
+        let paris = parse_time_zone("Europe/Paris").expect("zone");
+        let after = Utc
+            .with_ymd_and_hms(2027, 3, 20, 0, 0, 0)
+            .single()
+            .expect("t");
+        let change = next_offset_change(paris, after, Duration::days(730)).expect("dst");
+        // Europe/Paris springs forward at 01:00 UTC on the last Sunday of March.
+        assert_eq!(
+            change,
+            Utc.with_ymd_and_hms(2027, 3, 28, 1, 0, 0)
+                .single()
+                .expect("t")
+        );
+        let daily = Schedule::Daily {
+            time: TimeOfDay::new(9, 30).expect("time"),
+            zone: paris,
+        };
+        let next = daily.occurrences(change, 2);
+        // 09:30 CEST is 07:30 UTC, where it was 08:30 UTC before.
+        assert_eq!(
+            next[0],
+            Utc.with_ymd_and_hms(2027, 3, 28, 7, 30, 0)
+                .single()
+                .expect("t")
+        );
+        assert_eq!(daily.occurrences(after, 5).len(), 5);
+        let utc = Tz::UTC;
+        assert_eq!(next_offset_change(utc, after, Duration::days(730)), None);
+        let once = Schedule::Once { at: after };
+        assert_eq!(once.occurrences(after, 5), Vec::<DateTime<Utc>>::new());
     }
 }

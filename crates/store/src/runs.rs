@@ -89,7 +89,9 @@ const LIST: &str = rows::select!(
     "FROM runs \
      WHERE org_id = $1 AND owner_id = $2 AND ($3 = '' OR automation_id = $3) \
        AND (created_at < $4 OR (created_at = $4 AND id < $5)) \
-     ORDER BY created_at DESC, id DESC LIMIT $6"
+       AND ($6 = '' OR (',' || $6 || ',') LIKE ('%,' || state || ',%')) \
+       AND created_at >= $7 AND created_at < $8 \
+     ORDER BY created_at DESC, id DESC LIMIT $9"
 );
 
 /// A live run's end (its receipt is written in the same transaction,
@@ -205,20 +207,24 @@ impl Store {
         rows::owned(self.db(), GET, owner, id, decode).await
     }
 
-    /// A page of `owner`'s runs, newest first, optionally of one automation.
+    /// A page of `owner`'s runs, newest first, narrowed by `filter`.
     pub async fn list_runs(
         &self,
         owner: &Principal,
-        automation_id: Option<&str>,
+        filter: &RunFilter<'_>,
         after: &Cursor,
         limit: u32,
     ) -> Result<Page<Run>> {
+        let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
         let params = (
             &owner.org_id,
             &owner.user_id,
-            automation_id.unwrap_or(""),
+            filter.automation_id.unwrap_or(""),
             after.created_micros,
             &after.id,
+            states.join(","),
+            filter.created_after.map_or(i64::MIN, micros),
+            filter.created_before.map_or(i64::MAX, micros),
         );
         rows::page(self.db(), LIST, params, limit, decode).await
     }
@@ -258,6 +264,29 @@ impl Store {
                 from: run.state.to_string(),
                 to: to.to_string(),
             })
+        }
+    }
+}
+
+/// Which of an owner's runs a list holds: every field narrows it.
+#[derive(Debug, Clone, Default)]
+pub struct RunFilter<'a> {
+    /// Only this automation's.
+    pub automation_id: Option<&'a str>,
+    /// Only runs in one of these states (all when empty).
+    pub states: Vec<RunState>,
+    /// Only runs created at or after this instant.
+    pub created_after: Option<DateTime<Utc>>,
+    /// Only runs created before this instant.
+    pub created_before: Option<DateTime<Utc>>,
+}
+
+impl<'a> RunFilter<'a> {
+    /// Every run of one automation.
+    pub fn automation(id: &'a str) -> Self {
+        Self {
+            automation_id: Some(id),
+            ..Self::default()
         }
     }
 }

@@ -151,10 +151,16 @@ impl Coordinator {
         owner: Principal,
         list: pb::ListRunsRequest,
     ) -> Reply<cpb::ListRunsResponse> {
-        let filter = (!list.automation_id.is_empty()).then_some(list.automation_id.as_str());
+        let narrowed = convert::run_list_filter(&list)?;
+        let filter = automesh_store::runs::RunFilter {
+            automation_id: (!list.automation_id.is_empty()).then_some(list.automation_id.as_str()),
+            states: narrowed.states,
+            created_after: narrowed.created_after,
+            created_before: narrowed.created_before,
+        };
         let size = convert::page_size(list.page_size, 50, "page_size")?;
         let cursor = Cursor::decode(&list.page_token)?;
-        let page = self.store.list_runs(&owner, filter, &cursor, size).await?;
+        let page = self.store.list_runs(&owner, &filter, &cursor, size).await?;
         let mut runs = Vec::with_capacity(page.items.len());
         for run in &page.items {
             runs.push(self.to_pb(run).await?);

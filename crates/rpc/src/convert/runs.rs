@@ -177,3 +177,47 @@ pub fn event_payload_from_pb(e: &pb::RunEvent) -> Option<RunEventPayload> {
         },
     })
 }
+
+/// What a `ListRunsRequest` narrows the list to, besides its automation:
+/// the states (all when none) and the creation window.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RunListFilter {
+    pub states: Vec<RunState>,
+    pub created_after: Option<chrono::DateTime<chrono::Utc>>,
+    pub created_before: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// Reads a list request's filters, naming each bad field: an unknown or
+/// unspecified state, a timestamp out of range, an empty window.
+pub fn run_list_filter(
+    r: &pb::ListRunsRequest,
+) -> Result<RunListFilter, automesh_domain::Violations> {
+    let mut v = automesh_domain::Violations::default();
+    let mut states = Vec::with_capacity(r.states.len());
+    for (i, s) in r.states.iter().enumerate() {
+        match run_state_from_pb(*s) {
+            Some(state) => states.push(state),
+            None => v.field(format!("states[{i}]"), format!("unknown run state {s}")),
+        }
+    }
+    let mut instant = |field: &str, t: &Option<prost_types::Timestamp>| {
+        let t = t.as_ref()?;
+        let at = from_timestamp(t);
+        if at.is_none() {
+            v.field(field, "is not a valid timestamp");
+        }
+        at
+    };
+    let created_after = instant("created_after", &r.created_after);
+    let created_before = instant("created_before", &r.created_before);
+    if let (Some(a), Some(b)) = (created_after, created_before)
+        && a >= b
+    {
+        v.field("created_before", "must be later than created_after");
+    }
+    v.into_result(RunListFilter {
+        states,
+        created_after,
+        created_before,
+    })
+}

@@ -12,6 +12,7 @@ use automesh_store::cloud::WorkerMove;
 use automesh_store::desktop::{Claim, RunnerReport};
 use automesh_store::events::NewEvent;
 use automesh_store::page::Cursor;
+use automesh_store::runs::RunFilter;
 use chrono::{DateTime, Duration, Utc};
 
 fn t(secs: i64) -> DateTime<Utc> {
@@ -270,7 +271,7 @@ pub async fn run_creation_is_idempotent_by_id(store: &Store) {
     assert_eq!(first, second);
     assert_eq!(second.prompt, a.prompt);
     let page = store
-        .list_runs(&alice(), Some("a1"), &Cursor::start(), 10)
+        .list_runs(&alice(), &RunFilter::automation("a1"), &Cursor::start(), 10)
         .await
         .expect("list");
     assert_eq!(page.items.len(), 1);
@@ -666,7 +667,7 @@ pub async fn runs_are_scoped_and_listed(store: &Store) {
     ));
     assert_eq!(store.get_run(&alice(), "r1").await.expect("get").id, "r1");
     let all = store
-        .list_runs(&alice(), None, &Cursor::start(), 10)
+        .list_runs(&alice(), &RunFilter::default(), &Cursor::start(), 10)
         .await
         .expect("list");
     assert_eq!(
@@ -674,15 +675,62 @@ pub async fn runs_are_scoped_and_listed(store: &Store) {
         ["r2", "r1"]
     );
     let only_a = store
-        .list_runs(&alice(), Some("a1"), &Cursor::start(), 10)
+        .list_runs(&alice(), &RunFilter::automation("a1"), &Cursor::start(), 10)
         .await
         .expect("list");
     assert_eq!(only_a.items.len(), 1);
     let none = store
-        .list_runs(&mallory(), None, &Cursor::start(), 10)
+        .list_runs(&mallory(), &RunFilter::default(), &Cursor::start(), 10)
         .await
         .expect("list");
     assert!(none.items.is_empty());
+}
+
+pub async fn runs_are_filtered_by_state_and_creation_time(store: &Store) {
+    let a = create(store, &alice(), "a1", t(0)).await;
+    // r1 pending at t(1); r2 missed at t(2); r3 skipped at t(3); r4 timed
+    // out (its state name holds an underscore, a LIKE wildcard) at t(4).
+    store
+        .create_run(&new_run(&a, "r1"), t(1))
+        .await
+        .expect("create");
+    for (id, at, state) in [
+        ("r2", 2, RunState::Missed),
+        ("r3", 3, RunState::Skipped),
+        ("r4", 4, RunState::TimedOut),
+    ] {
+        let mut run = new_run(&a, id);
+        run.state = state;
+        store.create_run(&run, t(at)).await.expect("create");
+    }
+    let ids = |filter: RunFilter<'static>| async move {
+        let page = store
+            .list_runs(&alice(), &filter, &Cursor::start(), 10)
+            .await
+            .expect("list");
+        page.items.into_iter().map(|r| r.id).collect::<Vec<_>>()
+    };
+    let not_run = RunFilter {
+        states: vec![RunState::Skipped, RunState::Missed],
+        ..RunFilter::automation("a1")
+    };
+    assert_eq!(ids(not_run).await, ["r3", "r2"]);
+    let timed_out = RunFilter {
+        states: vec![RunState::TimedOut],
+        ..RunFilter::default()
+    };
+    assert_eq!(ids(timed_out).await, ["r4"]);
+    let window = RunFilter {
+        created_after: Some(t(2)),
+        created_before: Some(t(4)),
+        ..RunFilter::default()
+    };
+    assert_eq!(ids(window).await, ["r3", "r2"]);
+    let nothing = RunFilter {
+        states: vec![RunState::Succeeded],
+        ..RunFilter::default()
+    };
+    assert!(ids(nothing).await.is_empty());
 }
 
 pub async fn workers_register_once_per_owner(store: &Store) {
@@ -1596,7 +1644,7 @@ pub async fn an_occurrence_fires_unlocked_only_while_its_guards_hold(store: &Sto
         let store = store.clone();
         async move {
             store
-                .list_runs(&alice(), Some("a1"), &Cursor::start(), 10)
+                .list_runs(&alice(), &RunFilter::automation("a1"), &Cursor::start(), 10)
                 .await
                 .expect("list")
                 .items
@@ -1707,7 +1755,7 @@ pub async fn occurrences_fired_together_each_fire_as_alone(store: &Store) {
     assert_eq!(again, vec![false, false, false]);
     assert!(!tx.commit().await.expect("commit"), "nothing was created");
     let listed = store
-        .list_runs(&alice(), None, &Cursor::start(), 10)
+        .list_runs(&alice(), &RunFilter::default(), &Cursor::start(), 10)
         .await
         .expect("list");
     assert_eq!(listed.items.len(), 3);

@@ -39,6 +39,7 @@ macro_rules! conformance_suite {
             occurrences_fired_together_each_fire_as_alone,
             many_runs_ended_at_once_each_by_its_own_guard,
             many_reports_and_offers_joined_each_as_alone,
+            runs_are_filtered_by_state_and_creation_time,
         );
     };
     ($backend:expr; $($case:ident),* $(,)?) => {
