@@ -122,3 +122,11 @@
     };
   }
 })();
+
+// A form that would start something doomed (a desktop run with no runner
+// connected) asks first.
+document.querySelectorAll("form[data-confirm]").forEach((form) => {
+  form.addEventListener("submit", (event) => {
+    if (!window.confirm(form.dataset.confirm)) event.preventDefault();
+  });
+});

@@ -27,6 +27,54 @@ impl Automations for Gateway {
         run_automation_now(RunAutomationNowRequest) -> RunAutomationNowResponse;
         create_runner_token(CreateRunnerTokenRequest) -> CreateRunnerTokenResponse;
         revoke_runner_token(RevokeRunnerTokenRequest) -> RevokeRunnerTokenResponse;
+        list_runners(ListRunnersRequest) -> ListRunnersResponse;
+    }
+
+    async fn batch_activate_automations(
+        &self,
+        request: tonic::Request<pb::BatchActivateAutomationsRequest>,
+    ) -> Result<tonic::Response<pb::BatchActivateAutomationsResponse>, Status> {
+        // A caller that is not signed in is refused once, not per id.
+        self.principal(&request)?;
+        let (metadata, _, batch) = request.into_parts();
+        convert::require_ids(&batch.ids, "ids", BATCH_LIMIT)
+            .map_err(|v| status::invalid_argument(&v))?;
+        let results = self
+            .batch(&metadata, batch.ids, |id| pb::ActivateAutomationRequest {
+                id,
+                etag: String::new(),
+            })
+            .await;
+        Ok(tonic::Response::new(pb::BatchActivateAutomationsResponse {
+            results,
+        }))
+    }
+
+    async fn batch_deactivate_automations(
+        &self,
+        request: tonic::Request<pb::BatchDeactivateAutomationsRequest>,
+    ) -> Result<tonic::Response<pb::BatchDeactivateAutomationsResponse>, Status> {
+        // A caller that is not signed in is refused once, not per id.
+        self.principal(&request)?;
+        let (metadata, _, batch) = request.into_parts();
+        let mut checked = convert::require_ids(&batch.ids, "ids", BATCH_LIMIT);
+        if let Err(v) = convert::parse_pause_reason(&batch.reason, "reason") {
+            let mut all = checked.err().unwrap_or_default();
+            v.iter().cloned().for_each(|x| all.push(x));
+            checked = Err(all);
+        }
+        checked.map_err(|v| status::invalid_argument(&v))?;
+        let reason = batch.reason;
+        let results = self
+            .batch(&metadata, batch.ids, |id| pb::DeactivateAutomationRequest {
+                id,
+                etag: String::new(),
+                reason: reason.clone(),
+            })
+            .await;
+        Ok(tonic::Response::new(
+            pb::BatchDeactivateAutomationsResponse { results },
+        ))
     }
 
     async fn preview_schedule(
@@ -34,6 +82,61 @@ impl Automations for Gateway {
         request: tonic::Request<pb::PreviewScheduleRequest>,
     ) -> Result<tonic::Response<pb::PreviewScheduleResponse>, Status> {
         self.preview(request).map(tonic::Response::new)
+    }
+}
+
+/// The most automations one batch call changes.
+const BATCH_LIMIT: usize = 100;
+
+/// A batch's state changes: each passed on as the single call would be
+/// (its checks, its admission, its own answer), a few at a time.
+trait Answers: Pass {
+    fn automation(reply: Self::Reply) -> Option<pb::Automation>;
+}
+
+impl Answers for pb::ActivateAutomationRequest {
+    fn automation(reply: pb::ActivateAutomationResponse) -> Option<pb::Automation> {
+        reply.automation
+    }
+}
+
+impl Answers for pb::DeactivateAutomationRequest {
+    fn automation(reply: pb::DeactivateAutomationResponse) -> Option<pb::Automation> {
+        reply.automation
+    }
+}
+
+impl Gateway {
+    async fn batch<R: Answers>(
+        &self,
+        metadata: &tonic::metadata::MetadataMap,
+        ids: Vec<String>,
+        single: impl Fn(String) -> R,
+    ) -> Vec<pb::AutomationResult> {
+        use futures_util::stream::{self, StreamExt};
+        let calls = ids.into_iter().map(|id| {
+            let mut request = tonic::Request::new(single(id.clone()));
+            *request.metadata_mut() = metadata.clone();
+            async move {
+                match self.pass(request).await {
+                    Ok(reply) => pb::AutomationResult {
+                        id,
+                        automation: R::automation(reply.into_inner()),
+                        code: 0,
+                        message: String::new(),
+                    },
+                    Err(status) => pb::AutomationResult {
+                        id,
+                        automation: None,
+                        code: status.code() as i32,
+                        message: status.message().to_owned(),
+                    },
+                }
+            }
+        });
+        // In the request's order; a few at a time, so one batch cannot take
+        // every upstream connection.
+        stream::iter(calls).buffered(8).collect().await
     }
 }
 
@@ -141,7 +244,7 @@ async fn admit_activation(
 /// named. Each row is the public request, the change (and what must hold
 /// before it goes on, if anything) and the public answer.
 macro_rules! state_changes {
-    ($($req:ident => $change:ident $(, admit $admit:path)? => $reply:ident;)+) => {$(
+    ($($req:ident => $change:ident $(, admit $admit:path)? $(, with $reason:ident)? => $reply:ident;)+) => {$(
         #[tonic::async_trait]
         impl Pass for pb::$req {
             type Up = spb::SetAutomationStateRequest;
@@ -149,6 +252,7 @@ macro_rules! state_changes {
             type Reply = pb::$reply;
             fn check(&self) -> Result<(), Violations> {
                 convert::require_id(&self.id, "id")?;
+                $(convert::parse_pause_reason(&self.$reason, "reason")?;)?
                 convert::parse_optional_etag(&self.etag, "etag").map(drop)
             }
             $(
@@ -158,7 +262,8 @@ macro_rules! state_changes {
             )?
             fn up(self, caller: Option<Caller>) -> Self::Up {
                 let change = spb::StateChange::$change as i32;
-                spb::SetAutomationStateRequest { caller, id: self.id, etag: self.etag, change }
+                let reason: String = None$(.or(Some(self.$reason)))?.unwrap_or_default();
+                spb::SetAutomationStateRequest { caller, id: self.id, etag: self.etag, change, reason }
             }
             async fn call(upstreams: &Upstreams, up: Self::Up) -> Answer<Self::Down> {
                 upstreams.scheduler().set_automation_state(up).await
@@ -175,6 +280,6 @@ macro_rules! state_changes {
 
 state_changes! {
     ActivateAutomationRequest => Activate, admit admit_activation => ActivateAutomationResponse;
-    DeactivateAutomationRequest => Deactivate => DeactivateAutomationResponse;
+    DeactivateAutomationRequest => Deactivate, with reason => DeactivateAutomationResponse;
     ArchiveAutomationRequest => Archive => ArchiveAutomationResponse;
 }

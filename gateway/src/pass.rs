@@ -194,12 +194,14 @@ upstream!(
     spb::UpdateAutomationRequest => spb::UpdateAutomationResponse,
     cpb::ListRunsRequest => cpb::ListRunsResponse,
     cpb::ListRunEventsRequest => cpb::ListRunEventsResponse,
+    cpb::SummarizeUsageRequest => cpb::SummarizeUsageResponse,
     spb::ListAutomationsRequest => spb::ListAutomationsResponse,
 );
 
 wraps!(
     cpb::ListRunsResponse => pb::ListRunsResponse,
     cpb::ListRunEventsResponse => pb::ListRunEventsResponse,
+    cpb::SummarizeUsageResponse => pb::SummarizeUsageResponse,
     spb::ListAutomationsResponse => pb::ListAutomationsResponse,
 );
 
@@ -210,13 +212,15 @@ by_id! {
         => GetAutomationResponse.automation;
 }
 
-use cpb::{ListRunEventsRequest, ListRunsRequest};
+use cpb::{ListRunEventsRequest, ListRunsRequest, SummarizeUsageRequest};
 use spb::{ListAutomationsRequest, RunAutomationNowRequest, UpdateAutomationRequest};
 
 whole! {
     pb::ListRunsRequest, checks::list_runs => coordinator.list_runs(ListRunsRequest);
     pb::ListRunEventsRequest, checks::list_run_events
         => coordinator.list_run_events(ListRunEventsRequest);
+    pb::SummarizeUsageRequest, checks::summarize_usage
+        => coordinator.summarize_usage(SummarizeUsageRequest);
     pb::ListAutomationsRequest, checks::list_automations
         => scheduler.list_automations(ListAutomationsRequest);
     pb::RunAutomationNowRequest, convert::parse_run_now
@@ -236,6 +240,10 @@ mod checks {
             ("automation_id", &r.automation_id),
             ("page_token", &r.page_token),
         ])
+    }
+
+    pub(super) fn summarize_usage(r: &pb::SummarizeUsageRequest) -> Result<(), Violations> {
+        convert::parse_usage_query(r).map(drop)
     }
 
     pub(super) fn list_run_events(r: &pb::ListRunEventsRequest) -> Result<(), Violations> {
@@ -290,5 +298,21 @@ impl Pass for pb::RevokeRunnerTokenRequest {
     }
     fn reply(_revoked: Self::Down) -> Result<Self::Reply, Status> {
         Ok(pb::RevokeRunnerTokenResponse {})
+    }
+}
+
+#[tonic::async_trait]
+impl Pass for pb::ListRunnersRequest {
+    type Up = rpb::ListRunnersRequest;
+    type Down = rpb::ListRunnersResponse;
+    type Reply = pb::ListRunnersResponse;
+    async fn call(upstreams: &Upstreams, up: Self::Up) -> Answer<Self::Down> {
+        upstreams.runner_tokens().list_runners(up).await
+    }
+    fn up(self, caller: Option<Caller>) -> Self::Up {
+        rpb::ListRunnersRequest { caller }
+    }
+    fn reply(listed: Self::Down) -> Result<Self::Reply, Status> {
+        Ok(listed.response.unwrap_or_default())
     }
 }

@@ -20,6 +20,7 @@ impl Runs for Gateway {
         list_runs(ListRunsRequest) -> ListRunsResponse;
         cancel_run(CancelRunRequest) -> CancelRunResponse;
         list_run_events(ListRunEventsRequest) -> ListRunEventsResponse;
+        summarize_usage(SummarizeUsageRequest) -> SummarizeUsageResponse;
     }
 
     type WatchRunStream = Pin<Box<dyn Stream<Item = Result<pb::WatchRunResponse, Status>> + Send>>;

@@ -214,6 +214,19 @@ try {
   if (!/^[0-9a-f]{32}$/.test(await text("#trace-id"))) throw new Error("no trace id");
   await check("run-receipt");
 
+  begin("the automation's spend this month and over 30 days, with its chart");
+  await page.goto(`${consoleUrl}/automations/${cloudId}`);
+  const month = await text("#spend-month");
+  if (!/^\$0\.\d{6} · \d+ tokens$/.test(month) || month.startsWith("$0.000000")) throw new Error(`no spend this month: ${month}`);
+  const bars = await page.locator("svg.chart rect").evaluateAll((rs) => rs.filter((r) => Number(r.getAttribute("height")) > 0).length);
+  if (bars < 1) throw new Error("the spend chart draws no day");
+  const lastRun = await page.locator("table.runs tbody tr").count();
+  if (lastRun < 1) throw new Error("the run history is empty");
+  await page.goto(consoleUrl + "/");
+  const lastCell = await page.locator(`tr[data-automation="${cloudId}"] td`).nth(6).innerText();
+  if (!/succeeded · \$0\.\d{6}/.test(lastCell)) throw new Error(`the list does not show the last run and its cost: ${lastCell}`);
+  await check("automation-spend");
+
   begin("a desktop automation made through the API shows its placement");
   const desk = ctl("create", "--name", "desk-report", "--prompt", "report [never]", "--surface", "desktop", "--daily", "08:00", "--tz", "Europe/Paris");
   const deskId = field(desk, "id");
@@ -285,6 +298,52 @@ try {
   await page.click("#archive");
   await page.waitForSelector(".state:text('archived')");
   await check("archived");
+
+  begin("runners: online with last seen, mint a token shown once, revoke");
+  await page.goto(consoleUrl + "/runners");
+  const online = await page.locator("table.runners tbody tr", { hasText: "online" }).count();
+  if (online !== 1) throw new Error(`the dev runner is not listed online (${online})`);
+  await page.fill("#runner_name", "spare-laptop");
+  await page.click("button:text('Mint a runner token')");
+  const minted = await text("#minted-token");
+  const spareId = await text("#minted-runner");
+  if (minted.length < 20) throw new Error(`no token shown: ${minted}`);
+  await check("runner-minted");
+  await page.goto(consoleUrl + "/runners");
+  const spare = page.locator(`tr[data-runner="${spareId}"]`);
+  if (!(await spare.innerText()).includes("offline")) throw new Error("a runner never connected is not offline");
+  if ((await page.content()).includes(minted)) throw new Error("the token is shown again");
+  await spare.locator("button:text('Revoke')").click();
+  await page.waitForSelector("p.notice:text('Revoked.')");
+  if (await page.locator(`tr[data-runner="${spareId}"]`).count()) throw new Error("a revoked runner is still listed");
+  await check("runners");
+
+  begin("with no runner connected, a desktop automation warns on its card and before run-now");
+  const devRunner = page.locator("table.runners tbody tr", { hasText: "online" });
+  await devRunner.locator("button:text('Revoke')").click();
+  await page.waitForSelector("p.notice:text('Revoked.')");
+  await page.goto(consoleUrl + "/?sort=name");
+  const warned = await page.locator(`tr[data-automation="${deskId}"] .warning`).innerText();
+  if (!warned.includes("no runner connected")) throw new Error(`the desktop card does not warn: ${warned}`);
+  await page.goto(`${consoleUrl}/automations/${deskId}`);
+  if (!(await text("p.warning")).includes("runner_offline")) throw new Error("the automation page does not warn");
+  // The page-wide handler dismisses it (the run is not started) and keeps
+  // what it said.
+  await page.click("#run-now");
+  await until("the run-now confirmation", () => dialogs.length > 0, 10_000);
+  const asked = dialogs.splice(0).join(" ");
+  if (!asked.includes("runner_offline")) throw new Error(`run-now did not warn: ${asked}`);
+  if (!page.url().includes(`/automations/${deskId}`)) throw new Error("a dismissed run-now still started a run");
+  await check("runner-offline-warning");
+
+  begin("deactivate with a reason, shown afterwards");
+  await page.fill("#pause-reason-input", "on holiday <b>until</b> Monday");
+  await page.click("#deactivate");
+  await page.waitForSelector("#pause-reason");
+  if (!(await text("#pause-reason")).includes("on holiday <b>until</b> Monday")) throw new Error("the pause reason is not shown as text");
+  await page.goto(consoleUrl + "/?sort=name");
+  if (!(await page.locator(`tr[data-automation="${deskId}"]`).innerText()).includes("Paused: on holiday")) throw new Error("the list does not show the pause reason");
+  await check("paused-with-reason");
 
   begin("sign out");
   await page.click("button:text('Sign out')");

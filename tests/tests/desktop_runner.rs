@@ -799,3 +799,82 @@ async fn a_desktop_run_of_a_model_gone_from_the_catalogue_is_not_dispatched(back
 automesh_e2e_tests::on_both_backends!(
     a_desktop_run_of_a_model_gone_from_the_catalogue_is_not_dispatched
 );
+
+/// `ListRunners`: a runner reads online while its stream is held and
+/// offline (with when it was last seen) once the stream ends; another
+/// user's runners are not listed, and a revoked runner is not listed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runners_are_listed_online_while_connected_and_offline_after() {
+    let desk = desk_on(
+        Backend::Sqlite,
+        Duration::from_secs(60),
+        streams(),
+        |_, _| Reply::Json(text_completion("done")),
+    )
+    .await;
+    let token = desk.mesh.token("acme", "alice");
+    let automations = desk.mesh.automations(Some(&token));
+    let list = || {
+        let mut automations = automations.clone();
+        async move {
+            automations
+                .list_runners(pb::ListRunnersRequest {})
+                .await
+                .expect("list")
+                .into_inner()
+                .runners
+        }
+    };
+    let before = list().await;
+    assert_eq!(before.len(), 1, "{before:?}");
+    assert_eq!(before[0].name, "laptop");
+    assert!(!before[0].connected && before[0].last_seen_time.is_none());
+    let runner_id = before[0].runner_id.clone();
+
+    let a = desk.mesh.runner_gateways[0].clone();
+    let (hold, stream) = stalled_runner(&a, &desk.runner_token).await;
+    let online = list().await;
+    assert!(online[0].connected, "{online:?}");
+    let seen = online[0].last_seen_time.expect("seen");
+
+    // Another user sees none of alice's runners.
+    let eve = desk.mesh.token("acme", "eve");
+    let eves = desk
+        .mesh
+        .automations(Some(&eve))
+        .list_runners(pb::ListRunnersRequest {})
+        .await
+        .expect("list")
+        .into_inner()
+        .runners;
+    assert!(eves.is_empty(), "{eves:?}");
+
+    // The runner goes away: offline, last seen no earlier than before.
+    drop(hold);
+    drop(stream);
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(20);
+    let offline = loop {
+        let now = list().await;
+        if !now[0].connected {
+            break now;
+        }
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "still online: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let last = offline[0].last_seen_time.expect("last seen");
+    assert!(
+        (last.seconds, last.nanos) >= (seen.seconds, seen.nanos),
+        "{last:?} < {seen:?}"
+    );
+
+    automations
+        .clone()
+        .revoke_runner_token(pb::RevokeRunnerTokenRequest { runner_id })
+        .await
+        .expect("revoke");
+    assert!(list().await.is_empty());
+    desk.stop().await;
+}

@@ -227,6 +227,7 @@ async fn automation_lifecycle(backend: Backend) {
         .deactivate_automation(pb::DeactivateAutomationRequest {
             id: ids[0].clone(),
             etag: updated.etag.clone(),
+            reason: String::new(),
         })
         .await
         .expect("deactivate")
@@ -572,6 +573,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
             .deactivate_automation(pb::DeactivateAutomationRequest {
                 id: desktop.id.clone(),
                 etag: desktop.etag.clone(),
+                reason: String::new(),
             })
             .await,
         Code::Aborted,
@@ -725,6 +727,7 @@ async fn bad_input_changes_nothing(backend: Backend) {
             api.deactivate_automation(pb::DeactivateAutomationRequest {
                 id: cloud.id.clone(),
                 etag: String::new(),
+                reason: String::new(),
             })
             .await,
             Code::NotFound,
@@ -1278,6 +1281,7 @@ async fn activation_needs_a_model_the_catalogue_admits(backend: Backend) {
         api.deactivate_automation(pb::DeactivateAutomationRequest {
             id: id.into(),
             etag: String::new(),
+            reason: String::new(),
         })
         .await
         .expect("deactivate");
@@ -1313,7 +1317,276 @@ async fn activation_needs_a_model_the_catalogue_admits(backend: Backend) {
     mesh.stop().await.expect("stop");
 }
 
+async fn get_automation(
+    api: &mut automesh_proto::v1::automations_client::AutomationsClient<
+        automesh_e2e_tests::AuthedChannel,
+    >,
+    id: &str,
+) -> pb::Automation {
+    api.get_automation(pb::GetAutomationRequest { id: id.into() })
+        .await
+        .expect("get")
+        .into_inner()
+        .automation
+        .expect("automation")
+}
+
+/// What a console page reads beyond the basics: the reason given when
+/// pausing (kept while paused, cleared by activation, bounded), batch
+/// pause and resume with one answer per id (another user's is NOT_FOUND),
+/// each automation's last run, and usage per calendar day of a zone
+/// across a DST change.
+async fn pause_reasons_batches_last_runs_and_usage_per_day(backend: Backend) {
+    use automesh_domain::{NewRun, Placement, Receipt, RunState, RunTrigger, Usage};
+    let mesh = Mesh::start(backend).await.expect("mesh");
+    let owner = Principal::new("acme", "alice");
+    let token = mesh.token(&owner.org_id, &owner.user_id);
+    let mut api = mesh.automations(Some(&token));
+    let a = api
+        .create(create_req(
+            automation("paused with a reason", "fake/echo", daily(9, 0, "UTC")),
+            pb::Surface::Desktop,
+        ))
+        .await;
+    let b = api
+        .create(create_req(
+            automation("second", "fake/echo", daily(10, 0, "UTC")),
+            pb::Surface::Desktop,
+        ))
+        .await;
+    let eves = mesh
+        .automations(Some(&mesh.token("acme", "eve")))
+        .create(create_req(
+            automation("eve's", "fake/echo", daily(9, 0, "UTC")),
+            pb::Surface::Desktop,
+        ))
+        .await;
+
+    // A reason is kept while paused and cleared by activation.
+    let paused = api
+        .deactivate_automation(pb::DeactivateAutomationRequest {
+            id: a.id.clone(),
+            etag: String::new(),
+            reason: "on holiday until Monday".into(),
+        })
+        .await
+        .expect("deactivate")
+        .into_inner()
+        .automation
+        .expect("automation");
+    assert_eq!(paused.pause_reason, "on holiday until Monday");
+    let got = get_automation(&mut api, &a.id).await;
+    assert_eq!(got.pause_reason, "on holiday until Monday");
+    let too_long = api
+        .deactivate_automation(pb::DeactivateAutomationRequest {
+            id: a.id.clone(),
+            etag: String::new(),
+            reason: "x".repeat(501),
+        })
+        .await;
+    expect_field(too_long, Code::InvalidArgument, "reason");
+
+    // Batches: one answer per id, in order; another user's id is NOT_FOUND
+    // and changes nothing of theirs.
+    let resumed = api
+        .batch_activate_automations(pb::BatchActivateAutomationsRequest {
+            ids: vec![a.id.clone(), eves.id.clone(), b.id.clone()],
+        })
+        .await
+        .expect("batch")
+        .into_inner()
+        .results;
+    let codes: Vec<(String, i32)> = resumed.iter().map(|r| (r.id.clone(), r.code)).collect();
+    assert_eq!(
+        codes,
+        [
+            (a.id.clone(), 0),
+            (eves.id.clone(), Code::NotFound as i32),
+            (b.id.clone(), 0)
+        ]
+    );
+    let first = resumed[0].automation.as_ref().expect("automation");
+    assert_eq!(first.state, pb::AutomationState::Active as i32);
+    assert!(
+        first.pause_reason.is_empty(),
+        "activation clears the reason"
+    );
+    let batch_paused = api
+        .batch_deactivate_automations(pb::BatchDeactivateAutomationsRequest {
+            ids: vec![a.id.clone(), b.id.clone(), "no-such-automation".into()],
+            reason: "cost review".into(),
+        })
+        .await
+        .expect("batch")
+        .into_inner()
+        .results;
+    assert_eq!(batch_paused.len(), 3);
+    for r in &batch_paused[..2] {
+        let paused = r.automation.as_ref().expect("changed");
+        assert_eq!(paused.state, pb::AutomationState::Inactive as i32);
+        assert_eq!(paused.pause_reason, "cost review");
+    }
+    assert_eq!(batch_paused[2].code, Code::NotFound as i32);
+    let eves_now = mesh
+        .store()
+        .get_automation(&Principal::new("acme", "eve"), &eves.id)
+        .await
+        .expect("eve's");
+    assert_eq!(eves_now.state, automesh_domain::AutomationState::Active);
+    for (ids, field) in [
+        (vec![], "ids"),
+        ((0..101).map(|i| format!("id-{i}")).collect(), "ids"),
+        (vec![a.id.clone(), a.id.clone()], "ids[1]"),
+    ] {
+        let refused = api
+            .batch_activate_automations(pb::BatchActivateAutomationsRequest { ids })
+            .await;
+        expect_field(refused, Code::InvalidArgument, field);
+    }
+
+    // Usage: three runs around New York's spring-forward (2026-03-08 07:00 UTC).
+    let stored = mesh
+        .store()
+        .get_automation(&owner, &a.id)
+        .await
+        .expect("automation");
+    let at = |s: &str| s.parse::<chrono::DateTime<Utc>>().expect("instant");
+    for (id, created, cost) in [
+        ("usage-1", "2026-03-08T06:30:00Z", 100), // 01:30 EST on the 8th
+        ("usage-2", "2026-03-08T04:30:00Z", 20),  // 23:30 EST on the 7th
+        ("usage-3", "2026-03-09T03:30:00Z", 3),   // 23:30 EDT on the 8th
+    ] {
+        let run = NewRun {
+            id: id.into(),
+            automation: &stored,
+            trigger: RunTrigger::Schedule,
+            scheduled_for: Some(at(created)),
+            idempotency_key: None,
+            state: RunState::Skipped,
+            error: None,
+            deadline_at: at(created) + chrono::Duration::hours(1),
+            traceparent: None,
+        };
+        mesh.store()
+            .create_run(&run, at(created))
+            .await
+            .expect("run");
+        let mut receipt = Receipt::bare(id, RunState::Skipped, Placement::Desktop, at(created));
+        receipt.usage = Usage {
+            input_tokens: cost * 10,
+            output_tokens: cost,
+            cost_micros: cost,
+        };
+        mesh.store()
+            .insert_receipt(&receipt)
+            .await
+            .expect("receipt");
+    }
+    let mut runs = mesh.runs(Some(&token));
+    let summary = |zone: &str| pb::SummarizeUsageRequest {
+        automation_id: a.id.clone(),
+        start_time: Some(automesh_rpc::convert::timestamp(at("2026-03-07T05:00:00Z"))),
+        end_time: Some(automesh_rpc::convert::timestamp(at("2026-03-10T04:00:00Z"))),
+        time_zone: zone.into(),
+    };
+    let days = |r: &pb::SummarizeUsageResponse| -> Vec<(String, i64, i64)> {
+        r.days
+            .iter()
+            .map(|d| {
+                (
+                    d.date.clone(),
+                    d.runs,
+                    d.usage.unwrap_or_default().cost_micros,
+                )
+            })
+            .collect()
+    };
+    let new_york = runs
+        .summarize_usage(summary("America/New_York"))
+        .await
+        .expect("summary")
+        .into_inner();
+    assert_eq!(
+        days(&new_york),
+        [
+            ("2026-03-07".to_owned(), 1, 20),
+            ("2026-03-08".to_owned(), 2, 103),
+            ("2026-03-09".to_owned(), 0, 0),
+        ]
+    );
+    let total = new_york.total.expect("total");
+    assert_eq!(
+        (new_york.runs, total.cost_micros, total.input_tokens),
+        (3, 123, 1230)
+    );
+    let utc = runs
+        .summarize_usage(summary(""))
+        .await
+        .expect("summary")
+        .into_inner();
+    assert_eq!(utc.time_zone, "UTC");
+    assert_eq!(
+        days(&utc),
+        [
+            ("2026-03-07".to_owned(), 0, 0),
+            ("2026-03-08".to_owned(), 2, 120),
+            ("2026-03-09".to_owned(), 1, 3),
+            ("2026-03-10".to_owned(), 0, 0),
+        ]
+    );
+    let mut theirs = summary("UTC");
+    theirs.automation_id = eves.id.clone();
+    let refused = runs.summarize_usage(theirs).await.expect_err("not found");
+    assert_eq!(refused.code(), Code::NotFound);
+    for (request, field) in [
+        (
+            pb::SummarizeUsageRequest {
+                start_time: None,
+                ..summary("UTC")
+            },
+            "start_time",
+        ),
+        (
+            pb::SummarizeUsageRequest {
+                end_time: Some(automesh_rpc::convert::timestamp(at("2027-06-01T00:00:00Z"))),
+                ..summary("UTC")
+            },
+            "end_time",
+        ),
+        (summary("Mars/Olympus"), "time_zone"),
+    ] {
+        expect_field(
+            runs.summarize_usage(request).await,
+            Code::InvalidArgument,
+            field,
+        );
+    }
+
+    // The last run: the newest, with its receipt, on Get and List.
+    let got = get_automation(&mut api, &a.id).await;
+    let last = got.last_run.expect("last run");
+    assert_eq!(last.id, "usage-3");
+    assert_eq!(
+        last.receipt.and_then(|r| r.usage).map(|u| u.cost_micros),
+        Some(3)
+    );
+    let listed = api
+        .list_automations(pb::ListAutomationsRequest::default())
+        .await
+        .expect("list")
+        .into_inner()
+        .automations;
+    let by_id = |id: &str| listed.iter().find(|x| x.id == id).expect("listed").clone();
+    assert_eq!(
+        by_id(&a.id).last_run.map(|r| r.id).as_deref(),
+        Some("usage-3")
+    );
+    assert!(by_id(&b.id).last_run.is_none());
+    mesh.stop().await.expect("stop");
+}
+
 on_both_backends!(
+    pause_reasons_batches_last_runs_and_usage_per_day,
     run_history_filters_by_state_and_creation_time,
     activation_needs_a_model_the_catalogue_admits,
     nul_and_out_of_range_input_is_invalid_on_both_backends,

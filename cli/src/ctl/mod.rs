@@ -106,10 +106,21 @@ enum CtlCommand {
         #[arg(long)]
         etag: Option<String>,
     },
-    /// Resume scheduling (also clears needs-attention).
-    Activate { id: String },
-    /// Pause scheduling.
-    Deactivate { id: String },
+    /// Resume scheduling (also clears needs-attention). Several ids are
+    /// resumed in one batch call, each with its own answer.
+    Activate {
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+    /// Pause scheduling. Several ids are paused in one batch call, each with
+    /// its own answer.
+    Deactivate {
+        #[arg(required = true)]
+        ids: Vec<String>,
+        /// Why (shown with the automation until it is activated again).
+        #[arg(long)]
+        reason: Option<String>,
+    },
     /// Archive: keep history, no more occurrences.
     Archive { id: String },
     /// Start a manual run.
@@ -157,6 +168,24 @@ enum CtlCommand {
     RunnerToken {
         #[arg(long)]
         name: String,
+    },
+    /// List your desktop runners: connected or not, and when last seen.
+    Runners,
+    /// Sum the usage of your runs (or one automation's) over a period, per
+    /// day of a zone.
+    Usage {
+        /// Only this automation's runs.
+        #[arg(long)]
+        automation: Option<String>,
+        /// Runs created at or after this instant (RFC 3339; default: 30 days ago).
+        #[arg(long, value_parser = parse_instant)]
+        since: Option<prost_types::Timestamp>,
+        /// Runs created before this instant (RFC 3339; default: now).
+        #[arg(long, value_parser = parse_instant)]
+        until: Option<prost_types::Timestamp>,
+        /// The IANA zone whose days are shown (default: UTC).
+        #[arg(long, default_value = "")]
+        tz: String,
     },
     /// Revoke a desktop runner: its token stops working and its stream ends.
     RevokeRunner {
@@ -413,19 +442,33 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
                 .await;
             print_automation(answer(updated)?.automation);
         }
-        CtlCommand::Activate { id } => {
+        CtlCommand::Activate { ids } if ids.len() == 1 => {
             let request = pb::ActivateAutomationRequest {
-                id,
+                id: ids[0].clone(),
                 etag: String::new(),
             };
             print_automation(answer(automations.activate_automation(request).await)?.automation);
         }
-        CtlCommand::Deactivate { id } => {
+        CtlCommand::Activate { ids } => {
+            let batch = pb::BatchActivateAutomationsRequest { ids };
+            let results = automations.batch_activate_automations(batch).await;
+            print_results(answer(results)?.results)?;
+        }
+        CtlCommand::Deactivate { ids, reason } if ids.len() == 1 => {
             let deactivated = automations.deactivate_automation(pb::DeactivateAutomationRequest {
-                id,
+                id: ids[0].clone(),
                 etag: String::new(),
+                reason: reason.unwrap_or_default(),
             });
             print_automation(answer(deactivated.await)?.automation);
+        }
+        CtlCommand::Deactivate { ids, reason } => {
+            let batch = pb::BatchDeactivateAutomationsRequest {
+                ids,
+                reason: reason.unwrap_or_default(),
+            };
+            let results = automations.batch_deactivate_automations(batch).await;
+            print_results(answer(results)?.results)?;
         }
         CtlCommand::Archive { id } => {
             let archive = pb::ArchiveAutomationRequest {
@@ -563,7 +606,93 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
                 .map_err(explain)?;
             println!("runner {runner_id} revoked");
         }
+        CtlCommand::Runners => {
+            let listed = automations.list_runners(pb::ListRunnersRequest {}).await;
+            let listed = listed.map_err(explain)?.into_inner();
+            println!(
+                "{:<38}  {:<9}  {:<22}  NAME",
+                "RUNNER", "STATUS", "LAST SEEN"
+            );
+            for r in listed.runners {
+                let status = if r.connected { "online" } else { "offline" };
+                let seen = if r.last_seen_time.is_some() {
+                    ts(&r.last_seen_time)
+                } else {
+                    "never".to_owned()
+                };
+                println!("{:<38}  {status:<9}  {seen:<22}  {}", r.runner_id, r.name);
+            }
+        }
+        CtlCommand::Usage {
+            automation,
+            since,
+            until,
+            tz,
+        } => {
+            let now = chrono::Utc::now();
+            let at = |t: chrono::DateTime<chrono::Utc>| prost_types::Timestamp {
+                seconds: t.timestamp(),
+                nanos: 0,
+            };
+            let summary = runs
+                .summarize_usage(pb::SummarizeUsageRequest {
+                    automation_id: automation.unwrap_or_default(),
+                    start_time: since.or_else(|| Some(at(now - chrono::Duration::days(30)))),
+                    end_time: until.or_else(|| Some(at(now + chrono::Duration::seconds(1)))),
+                    time_zone: tz,
+                })
+                .await
+                .map_err(explain)?
+                .into_inner();
+            let total = summary.total.unwrap_or_default();
+            println!(
+                "{:<10}  {:>6}  {:>12}  {:>12}  {:>14}",
+                "DAY", "RUNS", "INPUT", "OUTPUT", "COST (µ)"
+            );
+            for d in &summary.days {
+                let u = d.usage.unwrap_or_default();
+                if d.runs > 0 {
+                    println!(
+                        "{:<10}  {:>6}  {:>12}  {:>12}  {:>14}",
+                        d.date, d.runs, u.input_tokens, u.output_tokens, u.cost_micros
+                    );
+                }
+            }
+            println!(
+                "{:<10}  {:>6}  {:>12}  {:>12}  {:>14}   (days in {})",
+                "total",
+                summary.runs,
+                total.input_tokens,
+                total.output_tokens,
+                total.cost_micros,
+                summary.time_zone
+            );
+        }
         CtlCommand::Token { .. } => unreachable!("handled above"),
+    }
+    Ok(())
+}
+
+/// Each automation of a batch and what became of it; an error when any
+/// change failed.
+fn print_results(results: Vec<pb::AutomationResult>) -> anyhow::Result<()> {
+    let mut failed = 0;
+    for r in results {
+        if r.code == 0 {
+            let state = r.automation.map(|a| a.state).unwrap_or_default();
+            println!("{}  {}", r.id, automation_state(state));
+        } else {
+            failed += 1;
+            println!(
+                "{}  not changed: {:?}: {}",
+                r.id,
+                tonic::Code::from(r.code),
+                r.message
+            );
+        }
+    }
+    if failed > 0 {
+        anyhow::bail!("{failed} automation(s) not changed");
     }
     Ok(())
 }

@@ -68,6 +68,14 @@ pub(super) fn print_automation(a: Option<pb::Automation>) {
             a.attention_reason, a.attention_message
         );
     }
+    if !a.pause_reason.is_empty() {
+        println!("paused:     {}", a.pause_reason);
+    }
+    if let Some(r) = &a.last_run {
+        let cost = r.receipt.as_ref().and_then(|x| x.usage.as_ref());
+        let cost = cost.map_or(String::new(), |u| format!(", cost {} µ", u.cost_micros));
+        println!("last run:   {} ({}{cost})", r.id, run_state(r.state));
+    }
     println!("model:      {}", a.model);
     println!("schedule:   {}", describe_schedule(&a.schedule));
     println!("next run:   {}", ts(&a.next_run_time));

@@ -13,7 +13,7 @@ use crate::pages::{
     automation_state, csrf, explain, layout, placement, run_state, schedule, see_other,
 };
 use crate::session::Session;
-use crate::time::{cost, instant, timestamp};
+use crate::time::{cost, timestamp};
 use crate::{AppState, Failure, Form};
 
 /// The run states the history filter offers, as the API names them.
@@ -80,6 +80,8 @@ async fn render(
         .await?
         .into_inner();
     let spend = spend(state, session, id).await?;
+    let runner_offline = a.placement == pb::Placement::Desktop as i32
+        && !crate::pages::runners::any_connected(state, session).await?;
     let state_name = automation_state(a.state);
     let archived = a.state == pb::AutomationState::Archived as i32;
     let body = html! {
@@ -92,6 +94,9 @@ async fn render(
                 @if !a.attention_reason.is_empty() {
                     " — " span.reason { (attention(&a)) } " (" code { (a.attention_reason) } ")"
                 }
+                @if !a.pause_reason.is_empty() {
+                    " — " span.reason #pause-reason { "paused because: " (a.pause_reason) }
+                }
             }
             dt { "Schedule" } dd { (schedule(&a.schedule, viewer)) }
             dt { "Next run" } dd { (viewer.ts(&a.next_run_time)) }
@@ -103,11 +108,17 @@ async fn render(
             div.actions {
                 a.button href=(format!("/automations/{id}/edit")) { "Edit" }
                 @if a.state == pb::AutomationState::Active as i32 {
-                    (action(session, id, "deactivate", "Deactivate"))
+                    form method="post" action=(format!("/automations/{id}/deactivate")) {
+                        (csrf(session))
+                        label for="pause-reason-input" { "Reason (optional)" }
+                        input #pause-reason-input name="reason" maxlength="500";
+                        button type="submit" id="deactivate" { "Deactivate" }
+                    }
                 } @else {
                     (action(session, id, "activate", "Activate"))
                 }
-                form method="post" action=(format!("/automations/{id}/run")) {
+                form method="post" action=(format!("/automations/{id}/run"))
+                    data-confirm=[runner_offline.then_some("None of your desktop runners is connected: this run would end runner_offline unless one connects before its deadline. Run it anyway?")] {
                     (csrf(session))
                     // One key per page view: sending the form twice starts one run.
                     input type="hidden" name="key" value=(uuid::Uuid::new_v4().to_string());
@@ -116,6 +127,7 @@ async fn render(
                 (action(session, id, "archive", "Archive"))
             }
         }
+        @if runner_offline { (crate::pages::runners::offline_warning()) }
         (spend_section(&spend))
         h2 { "Run history" }
         (history_filter(id, &states, query))
@@ -223,65 +235,59 @@ struct Spend {
     month: pb::Usage,
     last_30: pb::Usage,
     by_day: Vec<(chrono::NaiveDate, i64)>,
+    /// The zone whose days these are.
+    zone: String,
 }
 
-/// Sums the receipts of the automation's runs of the last 31 days or since
-/// the month began, whichever reaches further back.
+/// The automation's usage since the month began and over the last 30
+/// days, per calendar day of the viewer's zone, from the API's summary.
 async fn spend(state: &AppState, session: &Session, id: &str) -> Result<Spend, Failure> {
+    let zone = session.viewer.zone();
     let now = Utc::now();
-    let month_start = Utc
-        .with_ymd_and_hms(now.year(), now.month(), 1, 0, 0, 0)
-        .single()
-        .unwrap_or(now);
-    let since_30 = now - Duration::days(30);
-    let from = month_start.min(since_30);
-    let mut runs = state.api.runs(session.token())?;
+    let today = now.with_timezone(&zone).date_naive();
+    let month_first = today.with_day(1).unwrap_or(today);
+    let first_of_30 = today - Duration::days(29);
+    let first = month_first.min(first_of_30);
+    let start = zone
+        .from_local_datetime(&first.and_hms_opt(0, 0, 0).unwrap_or_default())
+        .earliest()
+        .map_or(now - Duration::days(31), |t| t.with_timezone(&Utc));
+    let summary = state
+        .api
+        .runs(session.token())?
+        .summarize_usage(pb::SummarizeUsageRequest {
+            automation_id: id.to_owned(),
+            start_time: Some(timestamp(start)),
+            end_time: Some(timestamp(now + Duration::seconds(1))),
+            time_zone: zone.name().to_owned(),
+        })
+        .await?
+        .into_inner();
     let mut s = Spend {
         month: pb::Usage::default(),
         last_30: pb::Usage::default(),
-        by_day: (0..30)
-            .map(|i| ((now - Duration::days(29 - i)).date_naive(), 0))
-            .collect(),
+        by_day: Vec::with_capacity(30),
+        zone: summary.time_zone.clone(),
     };
-    let mut page_token = String::new();
-    // Bounded: 20 pages of 1,000 runs.
-    for _ in 0..20 {
-        let page = runs
-            .list_runs(pb::ListRunsRequest {
-                automation_id: id.to_owned(),
-                page_size: 1000,
-                page_token,
-                created_after: Some(timestamp(from)),
-                ..Default::default()
-            })
-            .await?
-            .into_inner();
-        for r in &page.runs {
-            let (Some(at), Some(u)) = (
-                r.create_time.as_ref().and_then(instant),
-                r.receipt.as_ref().and_then(|x| x.usage.as_ref()),
-            ) else {
-                continue;
-            };
-            let add = |total: &mut pb::Usage| {
-                total.input_tokens += u.input_tokens;
-                total.output_tokens += u.output_tokens;
-                total.cost_micros += u.cost_micros;
-            };
-            if at >= month_start {
-                add(&mut s.month);
-            }
-            if at >= since_30 {
-                add(&mut s.last_30);
-                if let Some(slot) = s.by_day.iter_mut().find(|(d, _)| *d == at.date_naive()) {
-                    slot.1 += u.cost_micros;
-                }
-            }
+    for day in &summary.days {
+        let (Ok(date), Some(u)) = (
+            chrono::NaiveDate::parse_from_str(&day.date, "%Y-%m-%d"),
+            day.usage.as_ref(),
+        ) else {
+            continue;
+        };
+        let add = |total: &mut pb::Usage| {
+            total.input_tokens += u.input_tokens;
+            total.output_tokens += u.output_tokens;
+            total.cost_micros += u.cost_micros;
+        };
+        if date >= month_first {
+            add(&mut s.month);
         }
-        if page.next_page_token.is_empty() {
-            break;
+        if date >= first_of_30 {
+            add(&mut s.last_30);
+            s.by_day.push((date, u.cost_micros));
         }
-        page_token = page.next_page_token;
     }
     Ok(s)
 }
@@ -293,13 +299,13 @@ fn spend_section(s: &Spend) -> Markup {
         section.spend aria-labelledby="spend-title" {
             h2 #spend-title { "Spend" }
             dl.facts {
-                dt { "This month (UTC)" }
+                dt { "This month (" (s.zone) ")" }
                 dd #spend-month { (cost(s.month.cost_micros)) " · " (tokens(&s.month)) " tokens" }
                 dt { "Last 30 days" }
                 dd #spend-30 { (cost(s.last_30.cost_micros)) " · " (tokens(&s.last_30)) " tokens" }
             }
             svg.chart viewBox="0 0 300 60" width="300" height="60" role="img"
-                aria-label="Cost per day over the last 30 days (UTC days)" {
+                aria-label=(format!("Cost per day over the last 30 days ({} days)", s.zone)) {
                 @for (i, (d, c)) in s.by_day.iter().enumerate() {
                     @let h = (c * 58 / most).max(if *c > 0 { 1 } else { 0 });
                     rect x=(i * 10) y=(60 - h) width="8" height=(h) {
@@ -344,6 +350,7 @@ pub async fn act(
             .deactivate_automation(pb::DeactivateAutomationRequest {
                 id: id.clone(),
                 etag: String::new(),
+                reason: form.text("reason"),
             })
             .await
             .map(|_| back("Deactivated: no more occurrences until you activate it.")),

@@ -4,7 +4,6 @@
 use automesh_proto::v1 as pb;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use futures_util::StreamExt;
 use maud::{Markup, html};
 
 use crate::pages::{automation_state, csrf, is_terminal, layout, placement, run_state, schedule};
@@ -16,8 +15,6 @@ use crate::{AppState, Failure, Form};
 const PAGE: usize = 50;
 /// The most automations the list reads (20 pages of the API's largest).
 const MOST: usize = 20_000;
-/// Last-run lookups in flight at once.
-const LOOKUPS: usize = 16;
 
 /// Every automation of the caller (archived ones when asked), newest first.
 pub async fn all(
@@ -101,40 +98,6 @@ impl Filters {
     }
 }
 
-/// The latest run of each automation, looked up for the rows shown.
-async fn last_runs(
-    state: &AppState,
-    session: &Session,
-    rows: &[pb::Automation],
-) -> Result<Vec<Option<pb::Run>>, Failure> {
-    let client = state.api.runs(session.token())?;
-    let lookups: Vec<_> = rows
-        .iter()
-        .map(|a| {
-            let mut client = client.clone();
-            let id = a.id.clone();
-            async move {
-                client
-                    .list_runs(pb::ListRunsRequest {
-                        automation_id: id,
-                        page_size: 1,
-                        ..Default::default()
-                    })
-                    .await
-                    .map(|r| r.into_inner().runs.into_iter().next())
-            }
-        })
-        .collect();
-    let found: Vec<Result<Option<pb::Run>, tonic::Status>> = futures_util::stream::iter(lookups)
-        .buffered(LOOKUPS)
-        .collect()
-        .await;
-    found
-        .into_iter()
-        .map(|r| r.map_err(Failure::from))
-        .collect()
-}
-
 pub async fn list(State(state): State<AppState>, session: Session, uri: http::Uri) -> Response {
     let query = Form::query(&uri);
     let filters = Filters::from(&query);
@@ -150,9 +113,15 @@ pub async fn list(State(state): State<AppState>, session: Session, uri: http::Ur
     let rows: Vec<pb::Automation> = automations
         .drain(start..(start + PAGE).min(total))
         .collect();
-    let last = match last_runs(&state, &session, &rows).await {
-        Ok(l) => l,
-        Err(f) => return f.into_response(),
+    // A desktop card warns when no runner of the owner is connected.
+    let desktop = pb::Placement::Desktop as i32;
+    let offline = if rows.iter().any(|a| a.placement == desktop) {
+        match crate::pages::runners::any_connected(&state, &session).await {
+            Ok(connected) => !connected,
+            Err(f) => return f.into_response(),
+        }
+    } else {
+        false
     };
     let notice = bulk_notice(&query);
     let body = html! {
@@ -163,6 +132,8 @@ pub async fn list(State(state): State<AppState>, session: Session, uri: http::Ur
         form #bulk method="post" action="/automations/bulk" {
             (csrf(&session))
             div.bulk-actions {
+                label for="bulk-reason" { "Reason for pausing (optional)" }
+                input #bulk-reason name="reason" maxlength="500";
                 button type="submit" name="action" value="pause" { "Pause selected" }
                 button type="submit" name="action" value="resume" { "Resume selected" }
             }
@@ -178,8 +149,8 @@ pub async fn list(State(state): State<AppState>, session: Session, uri: http::Ur
                     th scope="col" { "Last run" }
                 } }
                 tbody {
-                    @for (a, run) in rows.iter().zip(&last) {
-                        (row(&session, a, run.as_ref()))
+                    @for a in &rows {
+                        (row(&session, a, offline && a.placement == desktop))
                     }
                 }
             }
@@ -226,8 +197,9 @@ fn filter_form(f: &Filters) -> Markup {
     }
 }
 
-fn row(session: &Session, a: &pb::Automation, last: Option<&pb::Run>) -> Markup {
+fn row(session: &Session, a: &pb::Automation, runner_offline: bool) -> Markup {
     let state = automation_state(a.state);
+    let last = a.last_run.as_ref();
     html! {
         tr data-automation=(a.id) {
             td {
@@ -235,11 +207,21 @@ fn row(session: &Session, a: &pb::Automation, last: Option<&pb::Run>) -> Markup 
                     aria-label=(format!("Select {}", a.name));
             }
             td { a href=(format!("/automations/{}", a.id)) { (a.name) } }
-            td { span.placement { (placement(a.placement)) } }
+            td {
+                span.placement { (placement(a.placement)) }
+                @if runner_offline {
+                    br; small.warning title="None of your desktop runners is connected: a run now would end runner_offline" {
+                        "no runner connected"
+                    }
+                }
+            }
             td {
                 span class=(format!("state state-{}", state.replace(' ', "-"))) { (state) }
                 @if !a.attention_reason.is_empty() {
                     br; small.reason { (attention(a)) }
+                }
+                @if !a.pause_reason.is_empty() {
+                    br; small.reason { "Paused: " (a.pause_reason) }
                 }
             }
             td { (schedule(&a.schedule, &session.viewer)) }
@@ -302,41 +284,42 @@ pub async fn bulk(State(state): State<AppState>, session: Session, form: Form) -
         "resume" => false,
         other => return Failure::BadForm(format!("unknown bulk action {other:?}")).into_response(),
     };
-    let client = match state.api.automations(session.token()) {
+    let mut client = match state.api.automations(session.token()) {
         Ok(c) => c,
         Err(s) => return Failure::from(s).into_response(),
     };
-    let calls: Vec<_> = ids
-        .iter()
-        .cloned()
-        .map(|id| {
-            let mut client = client.clone();
-            async move {
-                let answer = if pause {
-                    client
-                        .deactivate_automation(pb::DeactivateAutomationRequest {
-                            id: id.clone(),
-                            ..Default::default()
-                        })
-                        .await
-                        .map(|_| ())
-                } else {
-                    client
-                        .activate_automation(pb::ActivateAutomationRequest {
-                            id: id.clone(),
-                            ..Default::default()
-                        })
-                        .await
-                        .map(|_| ())
-                };
-                (id, answer)
-            }
-        })
-        .collect();
-    let answers: Vec<(String, Result<(), tonic::Status>)> = futures_util::stream::iter(calls)
-        .buffered(LOOKUPS)
-        .collect()
-        .await;
+    // One batch call per 100 ids (the API's bound); each id has its own
+    // answer.
+    let mut answers: Vec<(String, Result<(), tonic::Status>)> = Vec::with_capacity(ids.len());
+    for chunk in ids.chunks(100) {
+        let ids = chunk.to_vec();
+        let results = if pause {
+            client
+                .batch_deactivate_automations(pb::BatchDeactivateAutomationsRequest {
+                    ids,
+                    reason: form.text("reason"),
+                })
+                .await
+                .map(|r| r.into_inner().results)
+        } else {
+            client
+                .batch_activate_automations(pb::BatchActivateAutomationsRequest { ids })
+                .await
+                .map(|r| r.into_inner().results)
+        };
+        let results = match results {
+            Ok(r) => r,
+            Err(status) => return Failure::from(status).into_response(),
+        };
+        answers.extend(results.into_iter().map(|r| {
+            let answer = if r.code == 0 {
+                Ok(())
+            } else {
+                Err(tonic::Status::new(tonic::Code::from(r.code), r.message))
+            };
+            (r.id, answer)
+        }));
+    }
     let mut q = form_urlencoded::Serializer::new(String::new());
     let done = answers.iter().filter(|(_, a)| a.is_ok()).count();
     q.append_pair("did", if pause { "Paused" } else { "Resumed" });

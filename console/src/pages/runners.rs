@@ -32,12 +32,73 @@ fn revoke_form(session: &Session) -> Markup {
     }
 }
 
-pub async fn page(session: Session, uri: http::Uri) -> Response {
+/// The caller's runners that are not revoked, as the API lists them.
+pub async fn list(state: &AppState, session: &Session) -> Result<Vec<pb::Runner>, Failure> {
+    Ok(state
+        .api
+        .automations(session.token())?
+        .list_runners(pb::ListRunnersRequest {})
+        .await?
+        .into_inner()
+        .runners)
+}
+
+/// Whether a run of a desktop automation would find a runner now.
+pub async fn any_connected(state: &AppState, session: &Session) -> Result<bool, Failure> {
+    Ok(list(state, session).await?.iter().any(|r| r.connected))
+}
+
+/// What a desktop automation's card and run-now say when none of the
+/// owner's runners is connected.
+pub fn offline_warning() -> Markup {
+    html! {
+        p.warning role="note" {
+            "None of your desktop runners is connected: a run started now would end "
+            code { "runner_offline" } " unless one connects before its deadline. "
+            a href="/runners" { "Runners" }
+        }
+    }
+}
+
+pub async fn page(State(state): State<AppState>, session: Session, uri: http::Uri) -> Response {
     let notice = Form::query(&uri).text("notice");
+    let runners = match list(&state, &session).await {
+        Ok(r) => r,
+        Err(f) => return f.into_response(),
+    };
+    let viewer = &session.viewer;
     let body = html! {
         h1 { "Desktop runners" }
         @if !notice.is_empty() { p.notice role="status" { (notice) } }
         p { "A desktop automation runs on one of your runners: start " code { "automesh runner" } " with a token minted here." }
+        table.runners {
+            caption.visually-hidden { "Your desktop runners, newest first" }
+            thead { tr {
+                th scope="col" { "Name" } th scope="col" { "Runner id" } th scope="col" { "Status" }
+                th scope="col" { "Last seen" } th scope="col" { "Minted" } th scope="col" { span.visually-hidden { "Actions" } }
+            } }
+            tbody {
+                @for r in &runners {
+                    tr data-runner=(r.runner_id) {
+                        td { (r.name) }
+                        td { code { (r.runner_id) } }
+                        td {
+                            @if r.connected { span.state.state-active { "online" } }
+                            @else { span.state.state-paused { "offline" } }
+                        }
+                        td { @if r.last_seen_time.is_some() { (viewer.ts(&r.last_seen_time)) } @else { "never" } }
+                        td { (viewer.ts(&r.create_time)) }
+                        td {
+                            form method="post" action=(format!("/runners/{}/revoke", r.runner_id)) {
+                                (csrf(&session))
+                                button type="submit" aria-label=(format!("Revoke {}", r.name)) { "Revoke" }
+                            }
+                        }
+                    }
+                }
+                @if runners.is_empty() { tr { td colspan="6" { "No runners yet." } } }
+            }
+        }
         (mint_form(&session))
         (revoke_form(&session))
     };

@@ -17,6 +17,8 @@ pub const MODEL_LIMIT: Limit = Limit::Chars(200);
 pub const IDEMPOTENCY_KEY_LIMIT: Limit = Limit::Chars(200);
 /// Longest runner name (the contract: 1..=200 characters).
 pub const RUNNER_NAME_LIMIT: Limit = Limit::Chars(200);
+/// Longest reason given when pausing (the contract: 0..=500 characters).
+pub const PAUSE_REASON_LIMIT: Limit = Limit::Chars(500);
 
 /// A closed set of names: an enum with its stable names (`as_str`,
 /// `FromStr`, `Display`) and `ALL` its values.
@@ -135,6 +137,8 @@ pub struct Automation {
     pub state: AutomationState,
     /// Why the automation needs its owner's attention, while it does.
     pub attention: Option<Attention>,
+    /// The reason its owner gave when pausing it, while it is paused.
+    pub pause_reason: Option<String>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
     /// Bumped on every write; the public etag.

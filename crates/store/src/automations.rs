@@ -2,7 +2,7 @@
 
 use automesh_domain::automation::{Automation, NewAutomation};
 use automesh_domain::schedule::{Schedule, ScheduleRecord};
-use automesh_domain::{Attention, ErrorCode, Principal};
+use automesh_domain::{Attention, ErrorCode, Principal, Receipt, Run};
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
@@ -14,7 +14,8 @@ use crate::{Result, Store, StoreError};
 macro_rules! automation_columns {
     () => {
         "id, org_id, owner_id, name, prompt, model, placement, surface, schedule, state, \
-         attention_reason, attention_message, version, next_run_at, created_at, updated_at"
+         attention_reason, attention_message, pause_reason, version, next_run_at, created_at, \
+         updated_at"
     };
 }
 pub(crate) use automation_columns;
@@ -40,10 +41,38 @@ const LIST: &str = rows::select!(
      ORDER BY created_at DESC, id DESC LIMIT $6"
 );
 
+/// The newest run of each automation of a [`LIST`] page (same parameters).
+macro_rules! last_run_ids {
+    () => {
+        "SELECT (SELECT r.id FROM runs r WHERE r.automation_id = a.id \
+         ORDER BY r.created_at DESC, r.id DESC LIMIT 1) FROM automations a \
+         WHERE a.org_id = $1 AND a.owner_id = $2 \
+           AND (a.created_at < $3 OR (a.created_at = $3 AND a.id < $4)) \
+           AND ($5 = 1 OR a.state <> 'archived') \
+         ORDER BY a.created_at DESC, a.id DESC LIMIT $6"
+    };
+}
+
+const LAST_RUNS: &str = concat!(
+    "SELECT ",
+    crate::runs::run_columns!(),
+    " FROM runs WHERE id IN (",
+    last_run_ids!(),
+    ")"
+);
+
+const LAST_RECEIPTS: &str = concat!(
+    "SELECT ",
+    crate::receipts::receipt_columns!(),
+    " FROM receipts WHERE run_id IN (",
+    last_run_ids!(),
+    ")"
+);
+
 /// Placement, surface, owner and creation time are absent: they never change.
 const UPDATE_IF_VERSION: &str = "UPDATE automations SET name = $4, prompt = $5, model = $6, \
      schedule = $7, state = $8, attention_reason = $9, attention_message = $10, \
-     next_run_at = $11, updated_at = $12, version = version + 1 \
+     next_run_at = $11, updated_at = $12, pause_reason = $14, version = version + 1 \
      WHERE id = $1 AND org_id = $2 AND owner_id = $3 AND version = $13";
 
 pub(crate) fn decode(row: &AnyRow) -> Result<Automation> {
@@ -55,7 +84,7 @@ pub(crate) fn decode(row: &AnyRow) -> Result<Automation> {
     });
     rows::columns! { row => Automation {
         id, org_id, owner_id, name, prompt, model, placement, surface, schedule, state, version,
-        next_run_at, created_at, updated_at; attention
+        next_run_at, created_at, updated_at, pause_reason; attention
     } }
 }
 
@@ -118,6 +147,43 @@ impl Store {
         rows::page(self.db(), LIST, params, limit, decode).await
     }
 
+    /// The newest run of each automation on the page
+    /// [`list_automations`](Self::list_automations) answers for the same
+    /// arguments, with its receipt once it ended: two queries, whatever the
+    /// page's size.
+    pub async fn last_runs_of_page(
+        &self,
+        owner: &Principal,
+        after: &Cursor,
+        limit: u32,
+        show_archived: bool,
+    ) -> Result<Vec<(Run, Option<Receipt>)>> {
+        let params = || {
+            (
+                &owner.org_id,
+                &owner.user_id,
+                after.created_micros,
+                &after.id,
+                i64::from(show_archived),
+                i64::from(limit) + 1,
+            )
+        };
+        let runs = rows::all(self.db(), LAST_RUNS, params(), crate::runs::decode).await?;
+        let receipts = rows::all(self.db(), LAST_RECEIPTS, params(), crate::receipts::decode);
+        let mut receipts: std::collections::HashMap<String, Receipt> = receipts
+            .await?
+            .into_iter()
+            .map(|r| (r.run_id.clone(), r))
+            .collect();
+        Ok(runs
+            .into_iter()
+            .map(|run| {
+                let receipt = receipts.remove(&run.id);
+                (run, receipt)
+            })
+            .collect())
+    }
+
     /// Writes the mutable fields of `updated` if the stored version is still
     /// `expected_version`, and returns the stored result. Placement, surface,
     /// owner and creation time are never written.
@@ -128,7 +194,13 @@ impl Store {
         now: DateTime<Utc>,
     ) -> Result<Automation> {
         let (name, prompt, model) = (&updated.name, &updated.prompt, &updated.model);
-        crate::error::storable(&[("name", name), ("prompt", prompt), ("model", model)])?;
+        let reason = updated.pause_reason.as_deref().unwrap_or_default();
+        crate::error::storable(&[
+            ("name", name),
+            ("prompt", prompt),
+            ("model", model),
+            ("pause reason", reason),
+        ])?;
         let params = (
             &updated.id,
             &updated.org_id,
@@ -143,6 +215,7 @@ impl Store {
             opt_micros(updated.next_run_at),
             micros(now),
             expected_version,
+            updated.pause_reason.as_deref(),
         );
         let written = rows::changed_one(self.db(), UPDATE_IF_VERSION, params).await?;
         let owner = Principal::new(&updated.org_id, &updated.owner_id);

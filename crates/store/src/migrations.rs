@@ -51,6 +51,12 @@ const MIGRATIONS: &[(i64, &str, &str, &str)] = &[
         include_str!("../../../migrations/postgres/0007_runner_streams.sql"),
         include_str!("../../../migrations/sqlite/0007_runner_streams.sql"),
     ),
+    (
+        8,
+        "console",
+        include_str!("../../../migrations/postgres/0008_console.sql"),
+        include_str!("../../../migrations/sqlite/0008_console.sql"),
+    ),
 ];
 
 pub(crate) fn migrator(backend: Backend) -> Migrator {

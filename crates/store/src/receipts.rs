@@ -53,16 +53,24 @@ const INSERT: &str = "INSERT INTO receipts (run_id, outcome, error_code, error_m
      $19, $20, $21, $22) \
      ON CONFLICT (run_id) DO NOTHING";
 
-const GET: &str = "SELECT run_id, outcome, error_code, error_message, placement, engine, queued_us, \
-     wake_us, admission_us, execution_us, input_tokens, output_tokens, cost_micros, worker_id, \
-     workspace_id, thread_id, message_id, created_at, model, provider_model, \
-     price_input_micros_per_mtok, price_output_micros_per_mtok FROM receipts WHERE run_id = $1";
+/// The columns every receipt query reads, in `decode`'s terms.
+macro_rules! receipt_columns {
+    () => {
+        "run_id, outcome, error_code, error_message, placement, engine, queued_us, \
+         wake_us, admission_us, execution_us, input_tokens, output_tokens, cost_micros, worker_id, \
+         workspace_id, thread_id, message_id, created_at, model, provider_model, \
+         price_input_micros_per_mtok, price_output_micros_per_mtok"
+    };
+}
+pub(crate) use receipt_columns;
+
+const GET: &str = rows::select!(receipt_columns, "FROM receipts WHERE run_id = $1");
 
 const CURRENT_STATE: &str = "SELECT state FROM runs WHERE id = $1";
 
 const AUTOMATION_STATE: &str = "SELECT state FROM automations WHERE id = $1";
 
-fn decode(row: &AnyRow) -> Result<Receipt> {
+pub(crate) fn decode(row: &AnyRow) -> Result<Receipt> {
     let usage: Result<Usage> = rows::columns! { row => Usage {
         input_tokens, output_tokens, cost_micros,
     } };

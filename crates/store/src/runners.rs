@@ -30,6 +30,25 @@ const REVOKED_SINCE: &str =
 const GET: &str = "SELECT id, org_id, owner_id, name, created_at, revoked_at FROM runners \
      WHERE id = $1 AND org_id = $2 AND owner_id = $3";
 
+/// An owner's live runners with their newest stream, newest runner first.
+const LIST: &str = "SELECT r.id, r.name, r.created_at, s.seen_at, s.closed_at \
+     FROM runners r LEFT JOIN runner_streams s ON s.runner_id = r.id \
+     WHERE r.org_id = $1 AND r.owner_id = $2 AND r.revoked_at IS NULL \
+     ORDER BY r.created_at DESC, r.id DESC LIMIT 1000";
+
+/// One of an owner's runners as a listing shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunnerPresence {
+    pub id: String,
+    pub name: String,
+    pub created_at: DateTime<Utc>,
+    /// A stream of it is held now: open, and refreshed by its replica
+    /// within the listing's bound.
+    pub connected: bool,
+    /// When it was last known to be connected.
+    pub last_seen_at: Option<DateTime<Utc>>,
+}
+
 fn decode(row: &AnyRow) -> Result<Runner> {
     rows::columns! { row => Runner { id, org_id, owner_id, name, created_at, revoked_at } }
 }
@@ -67,6 +86,31 @@ impl Store {
     /// The live runner whose token hashes to `token_hash`.
     pub async fn find_runner_by_token_hash(&self, token_hash: &str) -> Result<Option<Runner>> {
         rows::optional(self.db(), FIND_BY_TOKEN, (token_hash,), decode).await
+    }
+
+    /// `owner`'s runners that are not revoked (at most 1,000, newest first):
+    /// connected when a stream of it is open and its replica refreshed it
+    /// after `now - stale_after`.
+    pub async fn list_runners(
+        &self,
+        owner: &Principal,
+        now: DateTime<Utc>,
+        stale_after: chrono::Duration,
+    ) -> Result<Vec<RunnerPresence>> {
+        let fresh = micros(now - stale_after);
+        rows::all(self.db(), LIST, (&owner.org_id, &owner.user_id), |row| {
+            let seen: Option<i64> = col(row, "seen_at")?;
+            let closed: Option<i64> = col(row, "closed_at")?;
+            let seen = seen.filter(|&at| at > 0);
+            Ok(RunnerPresence {
+                id: col(row, "id")?,
+                name: col(row, "name")?,
+                created_at: col(row, "created_at")?,
+                connected: closed.is_none() && seen.is_some_and(|at| at >= fresh),
+                last_seen_at: seen.and_then(DateTime::from_timestamp_micros),
+            })
+        })
+        .await
     }
 
     /// Revokes a runner of `owner` and every token it has.

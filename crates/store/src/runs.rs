@@ -94,6 +94,37 @@ const LIST: &str = rows::select!(
      ORDER BY created_at DESC, id DESC LIMIT $9"
 );
 
+/// An automation's newest run (the index `runs_by_automation` serves it).
+const LAST: &str = rows::select!(
+    run_columns,
+    "FROM runs WHERE automation_id = $1 AND org_id = $2 AND owner_id = $3 \
+     ORDER BY created_at DESC, id DESC LIMIT 1"
+);
+
+/// The usage on the receipts of an owner's runs created in `[$4, $5)`, per
+/// quarter hour since the epoch (every zone's day starts on one): what a
+/// period's totals and its days in any zone are summed from.
+const USAGE: &str = "SELECT r.created_at / 900000000 AS quarter, COUNT(*) AS runs, \
+     CAST(SUM(c.input_tokens) AS BIGINT) AS input_tokens, \
+     CAST(SUM(c.output_tokens) AS BIGINT) AS output_tokens, \
+     CAST(SUM(c.cost_micros) AS BIGINT) AS cost_micros \
+     FROM runs r JOIN receipts c ON c.run_id = r.id \
+     WHERE r.org_id = $1 AND r.owner_id = $2 AND ($3 = '' OR r.automation_id = $3) \
+       AND r.created_at >= $4 AND r.created_at < $5 \
+     GROUP BY r.created_at / 900000000 ORDER BY quarter";
+
+/// The summed usage of the runs created in one quarter hour.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuarterUsage {
+    /// The quarter hour's start.
+    pub start: DateTime<Utc>,
+    /// Runs with a receipt.
+    pub runs: i64,
+    pub input_tokens: i64,
+    pub output_tokens: i64,
+    pub cost_micros: i64,
+}
+
 /// A live run's end (its receipt is written in the same transaction,
 /// `receipts.rs`); `$6` is the lease owner the end is fenced by, or empty
 /// for an end no lease fences. It takes the sequence number of the run's
@@ -205,6 +236,42 @@ impl Store {
     /// One run of `owner`; another tenant's answers `NotFound`.
     pub async fn get_run(&self, owner: &Principal, id: &str) -> Result<Run> {
         rows::owned(self.db(), GET, owner, id, decode).await
+    }
+
+    /// The newest run of `owner`'s automation `automation_id`, if it ran.
+    pub async fn last_run(&self, owner: &Principal, automation_id: &str) -> Result<Option<Run>> {
+        let params = (automation_id, &owner.org_id, &owner.user_id);
+        rows::optional(self.db(), LAST, params, decode).await
+    }
+
+    /// The usage on the receipts of `owner`'s runs (of one automation, when
+    /// given) created in `[from, until)`, per quarter hour, in order.
+    pub async fn usage_by_quarter_hour(
+        &self,
+        owner: &Principal,
+        automation_id: Option<&str>,
+        from: DateTime<Utc>,
+        until: DateTime<Utc>,
+    ) -> Result<Vec<QuarterUsage>> {
+        let params = (
+            &owner.org_id,
+            &owner.user_id,
+            automation_id.unwrap_or(""),
+            micros(from),
+            micros(until),
+        );
+        rows::all(self.db(), USAGE, params, |row| {
+            let quarter: i64 = col(row, "quarter")?;
+            Ok(QuarterUsage {
+                start: DateTime::from_timestamp(quarter * 900, 0)
+                    .ok_or_else(|| StoreError::Corrupt(format!("quarter={quarter}")))?,
+                runs: col(row, "runs")?,
+                input_tokens: col(row, "input_tokens")?,
+                output_tokens: col(row, "output_tokens")?,
+                cost_micros: col(row, "cost_micros")?,
+            })
+        })
+        .await
     }
 
     /// A page of `owner`'s runs, newest first, narrowed by `filter`.

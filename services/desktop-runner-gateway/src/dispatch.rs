@@ -382,10 +382,23 @@ impl Dispatch {
         let mut revocations_checked: Option<tokio::time::Instant> = None;
         let mut streams_after = Utc::now() - REVOCATION_MARGIN;
         let mut orphans_checked: Option<tokio::time::Instant> = None;
+        let mut streams_seen = tokio::time::Instant::now();
         loop {
             let wanted = self.pass_wanted.notified();
             tokio::pin!(wanted);
             wanted.as_mut().enable();
+            // Owners see their runners online while this replica holds
+            // their streams; one that stops refreshing (it died) reads
+            // offline once stale.
+            if streams_seen.elapsed() >= crate::STREAMS_SEEN_EVERY {
+                streams_seen = tokio::time::Instant::now();
+                if let Err(error) = store
+                    .runner_streams_seen(&sessions.stream_ids(), Utc::now())
+                    .await
+                {
+                    tracing::warn!(%error, "cannot mark the held runner streams as seen");
+                }
+            }
             if last_purge.elapsed() >= PURGE_EVERY {
                 last_purge = tokio::time::Instant::now();
                 let before = Utc::now() - KEEP_FINISHED;

@@ -24,6 +24,7 @@ pub mod settings;
 pub mod stream;
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use anyhow::Result;
 use automesh_domain::Principal;
@@ -80,8 +81,17 @@ impl RunnerTokenService for RunnerTokens {
             => serve_create;
         revoke_runner_token(rpb::RevokeRunnerTokenRequest) -> rpb::RevokeRunnerTokenResponse
             => serve_revoke;
+        list_runners(rpb::ListRunnersRequest) -> rpb::ListRunnersResponse
+            => serve_list;
     }
 }
+
+/// How often a replica marks the streams it holds as seen.
+pub const STREAMS_SEEN_EVERY: Duration = Duration::from_secs(10);
+
+/// A stream whose replica has not marked it seen for this long (the
+/// replica died) reads as offline.
+pub const STREAM_STALE_AFTER: Duration = Duration::from_secs(35);
 
 /// What each call does for its caller.
 impl RunnerTokens {
@@ -120,6 +130,28 @@ impl RunnerTokens {
         revoked.await.map_err(|e| status::of(&e, "runner"))?;
         tracing::info!(runner_id = %req.runner_id, "runner revoked");
         Ok(rpb::RevokeRunnerTokenResponse {})
+    }
+
+    async fn serve_list(
+        &self,
+        owner: Principal,
+        _req: rpb::ListRunnersRequest,
+    ) -> Result<rpb::ListRunnersResponse, Status> {
+        let stale = chrono::Duration::from_std(STREAM_STALE_AFTER).unwrap_or_default();
+        let listed = self.store.list_runners(&owner, Utc::now(), stale);
+        let runners = listed.await.map_err(|e| status::of(&e, "runners"))?;
+        let runners = runners
+            .into_iter()
+            .map(|r| automesh_proto::v1::Runner {
+                runner_id: r.id,
+                name: r.name,
+                create_time: Some(convert::timestamp(r.created_at)),
+                connected: r.connected,
+                last_seen_time: r.last_seen_at.map(convert::timestamp),
+            })
+            .collect();
+        let response = Some(automesh_proto::v1::ListRunnersResponse { runners });
+        Ok(rpb::ListRunnersResponse { response })
     }
 }
 

@@ -196,6 +196,19 @@ impl Sessions {
             .count()
     }
 
+    /// The ids of the streams held here.
+    pub fn stream_ids(&self) -> Vec<String> {
+        self.held.lock().map_or_else(
+            |_| Vec::new(),
+            |held| {
+                held.by_runner
+                    .values()
+                    .map(|s| s.stream_id.clone())
+                    .collect()
+            },
+        )
+    }
+
     /// The stream of a connected runner.
     pub fn get(&self, runner_id: &str) -> Option<Session> {
         self.held.lock().ok()?.by_runner.get(runner_id).cloned()
@@ -360,6 +373,14 @@ impl DesktopRunnerService for RunnerStreams {
                 .lock()
                 .is_ok_and(|mut held| held.remove(&runner_id, session.id));
             dispatch.forget_session(session.id);
+            // Its owner sees it offline from now (unless a newer stream of
+            // it replaced this one).
+            if let Err(error) = store
+                .close_runner_stream(&runner_id, &session.stream_id, Utc::now())
+                .await
+            {
+                tracing::warn!(runner_id = %runner_id, %error, "cannot record the stream's end; it reads offline once stale");
+            }
             // What it was offered but never accepted may go to another
             // runner of the owner (or back to this one when it returns).
             if current

@@ -99,6 +99,8 @@ impl RunCoordinatorService for Coordinator {
         cancel_run(cpb::CancelRunRequest) -> cpb::CancelRunResponse => serve_cancel[id];
         list_run_events(cpb::ListRunEventsRequest) -> cpb::ListRunEventsResponse
             => serve_events[request];
+        summarize_usage(cpb::SummarizeUsageRequest) -> cpb::SummarizeUsageResponse
+            => serve_usage[request];
     }
 
     type WatchRunStream = ReceiverStream<Result<cpb::WatchRunResponse, Status>>;
@@ -171,6 +173,38 @@ impl Coordinator {
             next_page_token,
         });
         Ok(cpb::ListRunsResponse { response })
+    }
+
+    async fn serve_usage(
+        &self,
+        owner: Principal,
+        request: pb::SummarizeUsageRequest,
+    ) -> Reply<cpb::SummarizeUsageResponse> {
+        let query = convert::parse_usage_query(&request)?;
+        if let Some(id) = &query.automation_id {
+            // Another user's automation is the unknown one's NOT_FOUND, not
+            // an empty summary.
+            self.store.get_automation(&owner, id).await?;
+        }
+        let quarters = self.store.usage_by_quarter_hour(
+            &owner,
+            query.automation_id.as_deref(),
+            query.start,
+            query.end,
+        );
+        let slices: Vec<convert::UsageSlice> = quarters
+            .await?
+            .into_iter()
+            .map(|q| convert::UsageSlice {
+                start: q.start,
+                runs: q.runs,
+                input_tokens: q.input_tokens,
+                output_tokens: q.output_tokens,
+                cost_micros: q.cost_micros,
+            })
+            .collect();
+        let response = Some(convert::usage_summary(&query, &slices));
+        Ok(cpb::SummarizeUsageResponse { response })
     }
 
     async fn serve_cancel(&self, owner: Principal, id: String) -> Reply<cpb::CancelRunResponse> {

@@ -10,7 +10,7 @@ use automesh_domain::automation::{Automation, NewAutomation, StateChange};
 use automesh_domain::ids::{manual_run_id, new_automation_id};
 use automesh_domain::run::NewRun;
 use automesh_domain::{
-    AutomationPatch, AutomationState, Placement, Principal, Run, RunState, RunTrigger,
+    AutomationPatch, AutomationState, Placement, Principal, Receipt, Run, RunState, RunTrigger,
 };
 use automesh_proto::scheduler::v1 as spb;
 use automesh_proto::scheduler::v1::scheduler_service_server::SchedulerService;
@@ -123,6 +123,7 @@ impl Scheduler {
         owner: &Principal,
         id: &str,
         change: StateChange,
+        reason: Option<&str>,
         expected_version: Option<i64>,
         now: DateTime<Utc>,
     ) -> Result<Automation, Error> {
@@ -130,6 +131,14 @@ impl Scheduler {
             let state = current.state.apply(change)?;
             let mut next = current.clone();
             next.state = state;
+            // A reason is kept while the automation stays paused; pausing
+            // again without one keeps the one given before.
+            next.pause_reason = match state {
+                AutomationState::Inactive => reason
+                    .map(str::to_owned)
+                    .or_else(|| current.pause_reason.clone()),
+                _ => None,
+            };
             if state == AutomationState::Active {
                 next.attention = None;
                 next.next_run_at = next.schedule.next_after(now);
@@ -244,7 +253,7 @@ impl SchedulerService for Scheduler {
         create_automation(spb::CreateAutomationRequest) -> spb::CreateAutomationResponse
             => serve_create as answer;
         get_automation(spb::GetAutomationRequest) -> spb::GetAutomationResponse
-            => serve_get[id] as answer;
+            => serve_get[id];
         list_automations(spb::ListAutomationsRequest) -> spb::ListAutomationsResponse
             => serve_list[request];
         update_automation(spb::UpdateAutomationRequest) -> spb::UpdateAutomationResponse
@@ -298,7 +307,25 @@ impl Scheduler {
         let archived = list.show_archived;
         let page = self.store.list_automations(&owner, &cursor, size, archived);
         let page = page.await?;
-        let automations = page.items.iter().map(convert::automation_to_pb).collect();
+        let last = self
+            .store
+            .last_runs_of_page(&owner, &cursor, size, archived);
+        let mut last: std::collections::HashMap<String, (Run, Option<Receipt>)> = last
+            .await?
+            .into_iter()
+            .map(|(run, receipt)| (run.automation_id.clone(), (run, receipt)))
+            .collect();
+        let automations = page
+            .items
+            .iter()
+            .map(|automation| {
+                let mut shown = convert::automation_to_pb(automation);
+                shown.last_run = last
+                    .remove(&automation.id)
+                    .map(|(run, receipt)| convert::run_to_pb(&run, receipt.as_ref()));
+                shown
+            })
+            .collect();
         // Within the page byte budget: a cut page goes on after its last
         // automation.
         let (automations, next_page_token) = page.cut(automations, automesh_proto::bounds::fitting);
@@ -323,8 +350,29 @@ impl Scheduler {
         Ok(spb::RunAutomationNowResponse { run })
     }
 
-    async fn serve_get(&self, owner: Principal, id: String) -> Reply<Automation> {
-        Ok(self.store.get_automation(&owner, &id).await?)
+    async fn serve_get(&self, owner: Principal, id: String) -> Reply<spb::GetAutomationResponse> {
+        let automation = self.store.get_automation(&owner, &id).await?;
+        let automation = Some(self.with_last_run(&owner, &automation).await?);
+        Ok(spb::GetAutomationResponse { automation })
+    }
+
+    /// `automation` as the API shows it, with its newest run (and that
+    /// run's receipt once it ended).
+    async fn with_last_run(
+        &self,
+        owner: &Principal,
+        automation: &Automation,
+    ) -> Reply<pb::Automation> {
+        let mut shown = convert::automation_to_pb(automation);
+        if let Some(run) = self.store.last_run(owner, &automation.id).await? {
+            let receipt = if run.state.is_terminal() {
+                self.store.internal().receipt(&run.id).await?
+            } else {
+                None
+            };
+            shown.last_run = Some(convert::run_to_pb(&run, receipt.as_ref()));
+        }
+        Ok(shown)
     }
 
     async fn serve_create(
@@ -358,8 +406,9 @@ impl Scheduler {
         let change = state_change(req.change)?;
         convert::require_id(&req.id, "id")?;
         let expected = convert::parse_optional_etag(&req.etag, "etag")?;
+        let reason = convert::parse_pause_reason(&req.reason, "reason")?;
         let automation = self
-            .set_state(&owner, &req.id, change, expected, Utc::now())
+            .set_state(&owner, &req.id, change, reason, expected, Utc::now())
             .await?;
         tracing::info!(automation_id = %automation.id, state = %automation.state, "automation state set");
         Ok(automation)

@@ -32,6 +32,8 @@ pub fn automation_to_pb(a: &Automation) -> pb::Automation {
         create_time: Some(timestamp(a.created_at)),
         update_time: Some(timestamp(a.updated_at)),
         surface: surface_to_pb(a.surface) as i32,
+        pause_reason: a.pause_reason.clone().unwrap_or_default(),
+        last_run: None,
     }
 }
 
@@ -185,6 +187,42 @@ pub fn parse_optional_etag(etag: &str, field: &str) -> Result<Option<i64>, Viola
         v.field(field, "not an etag issued by this service");
     }
     v.into_result(version)
+}
+
+/// A reason given when pausing: optional (empty is none), at most 500
+/// characters, no NUL.
+pub fn parse_pause_reason<'a>(reason: &'a str, field: &str) -> Result<Option<&'a str>, Violations> {
+    if reason.trim().is_empty() {
+        return Ok(None);
+    }
+    let mut v = Violations::default();
+    automesh_domain::validation::check_text(
+        &mut v,
+        field,
+        reason,
+        automesh_domain::automation::PAUSE_REASON_LIMIT,
+    );
+    v.into_result(Some(reason))
+}
+
+/// The ids of a batch: 1..=`max` distinct ids, each a valid id.
+pub fn require_ids(ids: &[String], field: &str, max: usize) -> Result<(), Violations> {
+    let mut v = Violations::default();
+    if ids.is_empty() {
+        v.field(field, "required: at least one id");
+    } else if ids.len() > max {
+        v.field(field, format!("at most {max} ids"));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for (i, id) in ids.iter().enumerate() {
+        let path = format!("{field}[{i}]");
+        if let Err(e) = require_id(id, &path) {
+            e.iter().cloned().for_each(|x| v.push(x));
+        } else if !seen.insert(id.as_str()) {
+            v.field(&path, "repeats an earlier id");
+        }
+    }
+    v.into_result(())
 }
 
 /// Validates a required id field.

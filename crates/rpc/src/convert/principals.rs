@@ -45,6 +45,8 @@ scoped!(
     automesh_proto::coordinator::v1::CancelRunRequest,
     automesh_proto::coordinator::v1::ListRunEventsRequest,
     automesh_proto::coordinator::v1::WatchRunRequest,
+    automesh_proto::coordinator::v1::SummarizeUsageRequest,
+    automesh_proto::runner::v1::ListRunnersRequest,
     automesh_proto::runner::v1::CreateRunnerTokenRequest,
     automesh_proto::runner::v1::RevokeRunnerTokenRequest,
     automesh_proto::scheduler::v1::CreateAutomationRequest,

@@ -2,6 +2,7 @@
 
 use automesh_domain::{Receipt, Run, RunEvent, RunEventPayload, RunState, RunTrigger, Usage};
 use automesh_proto::v1 as pb;
+use chrono::{DateTime, Utc};
 
 #[allow(unused_imports)]
 use super::*;
@@ -220,4 +221,121 @@ pub fn run_list_filter(
         created_after,
         created_before,
     })
+}
+
+/// The longest period `SummarizeUsage` sums.
+pub const USAGE_PERIOD_DAYS: i64 = 400;
+
+/// A validated `SummarizeUsage` request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UsageQuery {
+    pub automation_id: Option<String>,
+    pub start: DateTime<Utc>,
+    pub end: DateTime<Utc>,
+    pub zone: chrono_tz::Tz,
+}
+
+/// Validates `SummarizeUsage`: both instants required, in order, at most
+/// [`USAGE_PERIOD_DAYS`] apart; the zone an IANA name or empty (UTC).
+pub fn parse_usage_query(
+    r: &pb::SummarizeUsageRequest,
+) -> Result<UsageQuery, automesh_domain::Violations> {
+    let mut v = automesh_domain::Violations::default();
+    let mut instant = |field: &str, t: &Option<prost_types::Timestamp>| {
+        let Some(t) = t.as_ref() else {
+            v.field(field, "required");
+            return None;
+        };
+        let at = from_timestamp(t);
+        if at.is_none() {
+            v.field(field, "is not a valid timestamp");
+        }
+        at
+    };
+    let start = instant("start_time", &r.start_time);
+    let end = instant("end_time", &r.end_time);
+    if let (Some(a), Some(b)) = (start, end) {
+        if a >= b {
+            v.field("end_time", "must be later than start_time");
+        } else if b - a > chrono::Duration::days(USAGE_PERIOD_DAYS) {
+            v.field(
+                "end_time",
+                format!("must be at most {USAGE_PERIOD_DAYS} days after start_time"),
+            );
+        }
+    }
+    let zone = if r.time_zone.is_empty() {
+        Some(chrono_tz::UTC)
+    } else {
+        let zone = automesh_domain::schedule::parse_time_zone(&r.time_zone);
+        if zone.is_none() {
+            v.field("time_zone", format!("unknown time zone {:?}", r.time_zone));
+        }
+        zone
+    };
+    if r.automation_id.len() > 200 {
+        v.field("automation_id", "must be at most 200 bytes");
+    }
+    automesh_domain::validation::check_no_nul(&mut v, "automation_id", &r.automation_id);
+    let (Some(start), Some(end), Some(zone)) = (start, end, zone) else {
+        return Err(v);
+    };
+    v.into_result(UsageQuery {
+        automation_id: (!r.automation_id.is_empty()).then(|| r.automation_id.clone()),
+        start,
+        end,
+        zone,
+    })
+}
+
+/// The usage of the runs created in one quarter hour starting at `start`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UsageSlice {
+    pub start: DateTime<Utc>,
+    pub runs: i64,
+    pub input_tokens: i64,
+    pub output_tokens: i64,
+    pub cost_micros: i64,
+}
+
+/// The answer to `query` from its quarter hours: the total, and every
+/// calendar day of the query's zone that the period touches, in order.
+pub fn usage_summary(query: &UsageQuery, slices: &[UsageSlice]) -> pb::SummarizeUsageResponse {
+    use chrono::TimeZone;
+    let day = |t: DateTime<Utc>| query.zone.from_utc_datetime(&t.naive_utc()).date_naive();
+    let add = |u: &mut pb::Usage, s: &UsageSlice| {
+        u.input_tokens += s.input_tokens;
+        u.output_tokens += s.output_tokens;
+        u.cost_micros += s.cost_micros;
+    };
+    let (first, last) = (
+        day(query.start),
+        day(query.end - chrono::Duration::microseconds(1)),
+    );
+    let mut days: Vec<pb::UsageDay> = first
+        .iter_days()
+        .take_while(|d| *d <= last)
+        .map(|d| pb::UsageDay {
+            date: d.format("%Y-%m-%d").to_string(),
+            usage: Some(pb::Usage::default()),
+            runs: 0,
+        })
+        .collect();
+    let mut total = pb::Usage::default();
+    let mut runs = 0;
+    for slice in slices {
+        add(&mut total, slice);
+        runs += slice.runs;
+        let index = (day(slice.start.max(query.start)) - first).num_days();
+        if let Some(d) = usize::try_from(index).ok().and_then(|i| days.get_mut(i)) {
+            add(d.usage.get_or_insert_default(), slice);
+            d.runs += slice.runs;
+        }
+    }
+    pb::SummarizeUsageResponse {
+        total: Some(total),
+        runs,
+        days,
+        time_zone: query.zone.name().to_owned(),
+    }
 }

@@ -8,9 +8,18 @@ use chrono::{DateTime, Utc};
 use crate::rows::{self, col, micros};
 use crate::{Result, Store};
 
-const OPEN_STREAM: &str = "INSERT INTO runner_streams (runner_id, stream_id, opened_at) \
-     VALUES ($1, $2, $3) ON CONFLICT (runner_id) \
-     DO UPDATE SET stream_id = excluded.stream_id, opened_at = excluded.opened_at";
+const OPEN_STREAM: &str = "INSERT INTO runner_streams (runner_id, stream_id, opened_at, seen_at) \
+     VALUES ($1, $2, $3, $3) ON CONFLICT (runner_id) \
+     DO UPDATE SET stream_id = excluded.stream_id, opened_at = excluded.opened_at, \
+     seen_at = excluded.seen_at, closed_at = NULL";
+
+/// The stream is still held: what "last seen" reads.
+const SEEN: &str =
+    "UPDATE runner_streams SET seen_at = $2 WHERE stream_id = $1 AND closed_at IS NULL";
+
+/// The stream ended, unless a newer one of the runner replaced it.
+const CLOSE_STREAM: &str = "UPDATE runner_streams SET closed_at = $3, seen_at = $3 \
+     WHERE runner_id = $1 AND stream_id = $2";
 
 /// The newest stream takes over everything of its runner's that is live,
 /// and the runner gets a fresh chance at what it sat on.
@@ -42,6 +51,37 @@ impl Store {
         // the runner should run, and the others notice the newer stream
         // within their poll.
         tx.commit().await?;
+        Ok(())
+    }
+
+    /// Marks the streams held here as seen at `now`, in one transaction:
+    /// a stream a replica stops refreshing (it died) reads as offline once
+    /// its `seen_at` is older than the listing's bound.
+    pub async fn runner_streams_seen(
+        &self,
+        stream_ids: &[String],
+        now: DateTime<Utc>,
+    ) -> Result<()> {
+        if stream_ids.is_empty() {
+            return Ok(());
+        }
+        let mut tx = self.begin_write().await?;
+        for id in stream_ids {
+            rows::execute(&mut *tx, SEEN, (id, micros(now))).await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Records that the stream `stream_id` of `runner_id` ended at `now`
+    /// (nothing when a newer stream of the runner replaced it).
+    pub async fn close_runner_stream(
+        &self,
+        runner_id: &str,
+        stream_id: &str,
+        now: DateTime<Utc>,
+    ) -> Result<()> {
+        rows::execute(self.db(), CLOSE_STREAM, (runner_id, stream_id, micros(now))).await?;
         Ok(())
     }
 

@@ -2064,3 +2064,129 @@ pub async fn many_reports_and_offers_joined_each_as_alone(store: &Store) {
         assert_eq!((offered, reported), (0, 0), "SQLite writes one by one");
     }
 }
+
+/// A runner reads connected while its newest stream is open and refreshed
+/// within the bound, offline once the stream closed or went stale (its
+/// replica died), with when it was last seen; revoked runners and other
+/// owners' are not listed.
+pub async fn a_runner_is_connected_while_its_stream_is_held_and_refreshed(store: &Store) {
+    let stale = Duration::seconds(35);
+    store
+        .create_runner(&alice(), "ra", "laptop", "hash-a", t(0))
+        .await
+        .expect("runner");
+    store
+        .create_runner(&alice(), "rb", "desktop", "hash-b", t(1))
+        .await
+        .expect("runner");
+    let listed = store
+        .list_runners(&alice(), t(2), stale)
+        .await
+        .expect("list");
+    let names: Vec<(&str, bool, bool)> = listed
+        .iter()
+        .map(|r| (r.name.as_str(), r.connected, r.last_seen_at.is_some()))
+        .collect();
+    assert_eq!(names, [("desktop", false, false), ("laptop", false, false)]);
+
+    store
+        .open_runner_stream("ra", "s1", t(10))
+        .await
+        .expect("open");
+    let laptop = |listed: Vec<automesh_store::runners::RunnerPresence>| {
+        listed.into_iter().find(|r| r.id == "ra").expect("listed")
+    };
+    let now = laptop(
+        store
+            .list_runners(&alice(), t(20), stale)
+            .await
+            .expect("list"),
+    );
+    assert!(now.connected);
+    assert_eq!(now.last_seen_at, Some(t(10)));
+    // Its replica stopped refreshing it: offline once stale.
+    let later = laptop(
+        store
+            .list_runners(&alice(), t(50), stale)
+            .await
+            .expect("list"),
+    );
+    assert!(!later.connected);
+    store
+        .runner_streams_seen(&["s1".to_owned()], t(40))
+        .await
+        .expect("seen");
+    let refreshed = laptop(
+        store
+            .list_runners(&alice(), t(50), stale)
+            .await
+            .expect("list"),
+    );
+    assert!(refreshed.connected);
+    assert_eq!(refreshed.last_seen_at, Some(t(40)));
+    // An older stream ending does not close the newer one.
+    store
+        .open_runner_stream("ra", "s2", t(45))
+        .await
+        .expect("open");
+    store
+        .close_runner_stream("ra", "s1", t(46))
+        .await
+        .expect("close");
+    assert!(
+        laptop(
+            store
+                .list_runners(&alice(), t(47), stale)
+                .await
+                .expect("list")
+        )
+        .connected
+    );
+    store
+        .close_runner_stream("ra", "s2", t(48))
+        .await
+        .expect("close");
+    let closed = laptop(
+        store
+            .list_runners(&alice(), t(49), stale)
+            .await
+            .expect("list"),
+    );
+    assert!(!closed.connected);
+    assert_eq!(closed.last_seen_at, Some(t(48)));
+    // A closed stream is not marked seen again.
+    store
+        .runner_streams_seen(&["s2".to_owned()], t(60))
+        .await
+        .expect("seen");
+    assert!(
+        !laptop(
+            store
+                .list_runners(&alice(), t(61), stale)
+                .await
+                .expect("list")
+        )
+        .connected
+    );
+
+    let bob = Principal::new("acme", "bob");
+    assert!(
+        store
+            .list_runners(&bob, t(61), stale)
+            .await
+            .expect("list")
+            .is_empty()
+    );
+    store
+        .revoke_runner(&alice(), "rb", t(62))
+        .await
+        .expect("revoke");
+    let left = store
+        .list_runners(&alice(), t(63), stale)
+        .await
+        .expect("list");
+    assert_eq!(
+        left.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+        ["ra"]
+    );
+}

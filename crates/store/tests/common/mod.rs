@@ -40,6 +40,7 @@ macro_rules! conformance_suite {
             many_runs_ended_at_once_each_by_its_own_guard,
             many_reports_and_offers_joined_each_as_alone,
             runs_are_filtered_by_state_and_creation_time,
+            a_runner_is_connected_while_its_stream_is_held_and_refreshed,
         );
     };
     ($backend:expr; $($case:ident),* $(,)?) => {
