@@ -5,11 +5,12 @@
 
 use std::process::Command;
 
-const BENCHES: [(&str, &str); 4] = [
+const BENCHES: [(&str, &str); 5] = [
     ("bench-lifecycle", env!("CARGO_BIN_EXE_bench-lifecycle")),
     ("bench-mesh", env!("CARGO_BIN_EXE_bench-mesh")),
     ("bench-desktop", env!("CARGO_BIN_EXE_bench-desktop")),
     ("bench-telemetry", env!("CARGO_BIN_EXE_bench-telemetry")),
+    ("bench-console", env!("CARGO_BIN_EXE_bench-console")),
 ];
 
 fn run(bin: &str, args: &[&str]) -> (Option<i32>, String, String) {
@@ -39,7 +40,7 @@ fn every_benchmark_explains_its_flags_and_refuses_bad_ones() {
         assert!(err.contains("--no-such-flag"), "{name} names it: {err}");
 
         let (code, _, err) = run(bin, &["--repeats", "three"]);
-        let takes_repeats = name != "bench-desktop";
+        let takes_repeats = !matches!(name, "bench-desktop" | "bench-console");
         assert_eq!(code, Some(2), "{name} refuses --repeats three");
         if takes_repeats {
             assert!(
