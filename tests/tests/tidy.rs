@@ -112,6 +112,24 @@ fn the_store_does_not_depend_on_the_protos() {
     );
 }
 
+/// The console is a client of the public API: nothing it ships reaches the
+/// database (its dev-dependencies start a mesh for its tests).
+#[test]
+fn the_console_does_not_depend_on_the_store() {
+    let manifest = std::fs::read_to_string(workspace().join("console/Cargo.toml"))
+        .expect("the console's manifest");
+    let shipped = manifest
+        .split("[dev-dependencies]")
+        .next()
+        .expect("the manifest before its dev-dependencies");
+    for crate_name in ["automesh-store", "sqlx"] {
+        assert!(
+            !shipped.contains(crate_name),
+            "console/ must not depend on {crate_name} outside its dev-dependencies"
+        );
+    }
+}
+
 #[test]
 fn test_code_is_told_apart_from_production_code() {
     assert!(is_test_code(Path::new("tests/src/lib.rs")));

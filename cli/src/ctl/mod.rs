@@ -1,5 +1,8 @@
 //! `automesh ctl`: the public API for people.
 
+mod args;
+use args::{parse_instant, parse_run_state};
+mod owners;
 mod print;
 
 use std::time::Duration;
@@ -9,7 +12,6 @@ use automesh_proto::v1 as pb;
 use automesh_proto::v1::automations_client::AutomationsClient;
 use automesh_proto::v1::runs_client::RunsClient;
 use automesh_rpc::convert;
-use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand, ValueEnum};
 use tokio_stream::StreamExt;
 use tonic::metadata::{Ascii, MetadataValue};
@@ -246,62 +248,6 @@ fn ts(t: &Option<prost_types::Timestamp>) -> String {
         .unwrap_or_else(|| "-".into())
 }
 
-fn parse_time_of_day(s: &str) -> anyhow::Result<pb::TimeOfDay> {
-    let (h, m) = s
-        .split_once(':')
-        .with_context(|| format!("expected HH:MM, got {s:?}"))?;
-    Ok(pb::TimeOfDay {
-        hours: h.parse().with_context(|| format!("bad hour in {s:?}"))?,
-        minutes: m.parse().with_context(|| format!("bad minute in {s:?}"))?,
-    })
-}
-
-fn parse_day(d: &str) -> anyhow::Result<i32> {
-    let day = match d.trim().to_ascii_lowercase().get(..3) {
-        Some("mon") => pb::DayOfWeek::Monday,
-        Some("tue") => pb::DayOfWeek::Tuesday,
-        Some("wed") => pb::DayOfWeek::Wednesday,
-        Some("thu") => pb::DayOfWeek::Thursday,
-        Some("fri") => pb::DayOfWeek::Friday,
-        Some("sat") => pb::DayOfWeek::Saturday,
-        Some("sun") => pb::DayOfWeek::Sunday,
-        _ => anyhow::bail!("unknown weekday {d:?}; use mon, tue, wed, thu, fri, sat, sun"),
-    };
-    Ok(day as i32)
-}
-
-impl ScheduleArgs {
-    fn to_pb(&self) -> anyhow::Result<Option<pb::Schedule>> {
-        use pb::schedule::Kind;
-        let kind = if let Some(at) = &self.once {
-            let at: DateTime<Utc> = DateTime::parse_from_rfc3339(at)
-                .with_context(|| format!("--once wants an RFC 3339 instant, got {at:?}"))?
-                .with_timezone(&Utc);
-            Kind::Once(pb::OnceSchedule {
-                at: Some(convert::timestamp(at)),
-            })
-        } else if let Some(t) = &self.daily {
-            Kind::Daily(pb::DailySchedule {
-                time_of_day: Some(parse_time_of_day(t)?),
-                time_zone: self.tz.clone(),
-            })
-        } else if let Some(days) = &self.weekly {
-            let at = self.at.as_deref().context("--weekly needs --at HH:MM")?;
-            Kind::Weekly(pb::WeeklySchedule {
-                days: days
-                    .iter()
-                    .map(|d| parse_day(d))
-                    .collect::<anyhow::Result<_>>()?,
-                time_of_day: Some(parse_time_of_day(at)?),
-                time_zone: self.tz.clone(),
-            })
-        } else {
-            return Ok(None);
-        };
-        Ok(Some(pb::Schedule { kind: Some(kind) }))
-    }
-}
-
 pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
     if let CtlCommand::Token { user, org, hours } = &args.command {
         let path = args.data_dir.path.join("jwt-secret");
@@ -452,7 +398,7 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
         CtlCommand::Activate { ids } => {
             let batch = pb::BatchActivateAutomationsRequest { ids };
             let results = automations.batch_activate_automations(batch).await;
-            print_results(answer(results)?.results)?;
+            owners::print_results(answer(results)?.results)?;
         }
         CtlCommand::Deactivate { ids, reason } if ids.len() == 1 => {
             let deactivated = automations.deactivate_automation(pb::DeactivateAutomationRequest {
@@ -468,7 +414,7 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
                 reason: reason.unwrap_or_default(),
             };
             let results = automations.batch_deactivate_automations(batch).await;
-            print_results(answer(results)?.results)?;
+            owners::print_results(answer(results)?.results)?;
         }
         CtlCommand::Archive { id } => {
             let archive = pb::ArchiveAutomationRequest {
@@ -606,114 +552,14 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
                 .map_err(explain)?;
             println!("runner {runner_id} revoked");
         }
-        CtlCommand::Runners => {
-            let listed = automations.list_runners(pb::ListRunnersRequest {}).await;
-            let listed = listed.map_err(explain)?.into_inner();
-            println!(
-                "{:<38}  {:<9}  {:<22}  NAME",
-                "RUNNER", "STATUS", "LAST SEEN"
-            );
-            for r in listed.runners {
-                let status = if r.connected { "online" } else { "offline" };
-                let seen = if r.last_seen_time.is_some() {
-                    ts(&r.last_seen_time)
-                } else {
-                    "never".to_owned()
-                };
-                println!("{:<38}  {status:<9}  {seen:<22}  {}", r.runner_id, r.name);
-            }
-        }
+        CtlCommand::Runners => owners::runners(&mut automations).await?,
         CtlCommand::Usage {
             automation,
             since,
             until,
             tz,
-        } => {
-            let now = chrono::Utc::now();
-            let at = |t: chrono::DateTime<chrono::Utc>| prost_types::Timestamp {
-                seconds: t.timestamp(),
-                nanos: 0,
-            };
-            let summary = runs
-                .summarize_usage(pb::SummarizeUsageRequest {
-                    automation_id: automation.unwrap_or_default(),
-                    start_time: since.or_else(|| Some(at(now - chrono::Duration::days(30)))),
-                    end_time: until.or_else(|| Some(at(now + chrono::Duration::seconds(1)))),
-                    time_zone: tz,
-                })
-                .await
-                .map_err(explain)?
-                .into_inner();
-            let total = summary.total.unwrap_or_default();
-            println!(
-                "{:<10}  {:>6}  {:>12}  {:>12}  {:>14}",
-                "DAY", "RUNS", "INPUT", "OUTPUT", "COST (µ)"
-            );
-            for d in &summary.days {
-                let u = d.usage.unwrap_or_default();
-                if d.runs > 0 {
-                    println!(
-                        "{:<10}  {:>6}  {:>12}  {:>12}  {:>14}",
-                        d.date, d.runs, u.input_tokens, u.output_tokens, u.cost_micros
-                    );
-                }
-            }
-            println!(
-                "{:<10}  {:>6}  {:>12}  {:>12}  {:>14}   (days in {})",
-                "total",
-                summary.runs,
-                total.input_tokens,
-                total.output_tokens,
-                total.cost_micros,
-                summary.time_zone
-            );
-        }
+        } => owners::usage(&mut runs, automation, since, until, tz).await?,
         CtlCommand::Token { .. } => unreachable!("handled above"),
     }
     Ok(())
-}
-
-/// Each automation of a batch and what became of it; an error when any
-/// change failed.
-fn print_results(results: Vec<pb::AutomationResult>) -> anyhow::Result<()> {
-    let mut failed = 0;
-    for r in results {
-        if r.code == 0 {
-            let state = r.automation.map(|a| a.state).unwrap_or_default();
-            println!("{}  {}", r.id, automation_state(state));
-        } else {
-            failed += 1;
-            println!(
-                "{}  not changed: {:?}: {}",
-                r.id,
-                tonic::Code::from(r.code),
-                r.message
-            );
-        }
-    }
-    if failed > 0 {
-        anyhow::bail!("{failed} automation(s) not changed");
-    }
-    Ok(())
-}
-
-/// A run state as `ctl` takes it (`timed_out`, `missed`, …).
-fn parse_run_state(s: &str) -> Result<i32, String> {
-    let name = format!("RUN_STATE_{}", s.trim().to_ascii_uppercase());
-    pb::RunState::from_str_name(&name)
-        .filter(|v| *v != pb::RunState::Unspecified)
-        .map(|v| v as i32)
-        .ok_or_else(|| {
-            format!(
-                "unknown run state {s:?}; one of pending, waking, admitted, running, succeeded, \
-                 failed, timed_out, cancelled, skipped, missed"
-            )
-        })
-}
-
-/// An RFC 3339 instant (`2026-12-01T00:00:00Z`).
-fn parse_instant(s: &str) -> Result<prost_types::Timestamp, String> {
-    chrono::DateTime::parse_from_rfc3339(s.trim())
-        .map(|t| automesh_rpc::convert::timestamp(t.with_timezone(&chrono::Utc)))
-        .map_err(|e| format!("expected an RFC 3339 instant such as 2026-12-01T00:00:00Z: {e}"))
 }
