@@ -109,6 +109,37 @@ impl Session {
     }
 }
 
+/// A state-changing form of a signed-in user whose CSRF token is this
+/// session's: the one way a handler takes a POST, so none can forget the
+/// check. No session sends the browser to sign-in; a forged form is
+/// refused before the handler runs.
+pub struct Posted {
+    pub session: Session,
+    pub form: crate::Form,
+}
+
+impl axum::extract::FromRequest<crate::AppState> for Posted {
+    type Rejection = Response;
+
+    async fn from_request(
+        request: axum::extract::Request,
+        state: &crate::AppState,
+    ) -> Result<Self, Self::Rejection> {
+        let (mut parts, body) = request.into_parts();
+        let session = Session::from_request_parts(&mut parts, state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        let request = axum::extract::Request::from_parts(parts, body);
+        let form = crate::Form::from_request(request, state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        session
+            .check(&state.signer, &form)
+            .map_err(IntoResponse::into_response)?;
+        Ok(Self { session, form })
+    }
+}
+
 /// What a page needs without a session: sends the browser to sign-in.
 #[derive(Debug)]
 pub struct SignInFirst;

@@ -12,7 +12,7 @@ use crate::pages::automations::attention;
 use crate::pages::{
     automation_state, csrf, explain, layout, placement, run_state, schedule, see_other,
 };
-use crate::session::Session;
+use crate::session::{Posted, Session};
 use crate::time::{cost, timestamp};
 use crate::{AppState, Failure, Form};
 
@@ -320,13 +320,9 @@ fn spend_section(s: &Spend) -> Markup {
 /// Activate, deactivate, archive or run now.
 pub async fn act(
     State(state): State<AppState>,
-    session: Session,
     Path((id, verb)): Path<(String, String)>,
-    form: Form,
+    Posted { session, form }: Posted,
 ) -> Response {
-    if let Err(f) = session.check(&state.signer, &form) {
-        return f.into_response();
-    }
     let mut client = match state.api.automations(session.token()) {
         Ok(c) => c,
         Err(s) => return Failure::from(s).into_response(),

@@ -7,7 +7,7 @@ use axum::response::{IntoResponse, Response};
 use maud::{Markup, html};
 
 use crate::pages::{automation_state, csrf, is_terminal, layout, placement, run_state, schedule};
-use crate::session::Session;
+use crate::session::{Posted, Session};
 use crate::time::cost;
 use crate::{AppState, Failure, Form};
 
@@ -274,10 +274,7 @@ fn bulk_notice(query: &Form) -> Option<String> {
 
 /// Pauses or resumes every selected automation; each answer is its own
 /// (one refused does not stop the others), and the list says what happened.
-pub async fn bulk(State(state): State<AppState>, session: Session, form: Form) -> Response {
-    if let Err(f) = session.check(&state.signer, &form) {
-        return f.into_response();
-    }
+pub async fn bulk(State(state): State<AppState>, Posted { session, form }: Posted) -> Response {
     let ids: Vec<String> = form.all("ids").into_iter().map(str::to_owned).collect();
     let pause = match form.text("action").as_str() {
         "pause" => true,

@@ -19,7 +19,7 @@ use maud::{Markup, html};
 use tonic::Code;
 
 use crate::pages::{DAYS, csrf, layout, schedule as schedule_words, see_other};
-use crate::session::Session;
+use crate::session::{Posted, Session};
 use crate::time::{in_zone, instant, timestamp};
 use crate::{AppState, Failure, Form};
 
@@ -335,10 +335,7 @@ pub async fn new_form(session: Session) -> Response {
     layout(&session, "New automation", body).into_response()
 }
 
-pub async fn create(State(state): State<AppState>, session: Session, form: Form) -> Response {
-    if let Err(f) = session.check(&state.signer, &form) {
-        return f.into_response();
-    }
+pub async fn create(State(state): State<AppState>, Posted { session, form }: Posted) -> Response {
     let draft = Draft::from_form(&form);
     let again = |errors: Errors| {
         let body = html! { h1 { "New automation" } (self::form(&session, None, &draft, &errors)) };
@@ -403,13 +400,9 @@ pub async fn edit_form(
 
 pub async fn update(
     State(state): State<AppState>,
-    session: Session,
     Path(id): Path<String>,
-    form: Form,
+    Posted { session, form }: Posted,
 ) -> Response {
-    if let Err(f) = session.check(&state.signer, &form) {
-        return f.into_response();
-    }
     let draft = Draft::from_form(&form);
     let again = |errors: Errors, conflict: Option<Markup>| {
         let body = html! {

@@ -7,7 +7,7 @@ use axum::response::{IntoResponse, Response};
 use maud::{Markup, html};
 
 use crate::pages::{csrf, layout, see_other};
-use crate::session::Session;
+use crate::session::{Posted, Session};
 use crate::{AppState, Failure, Form};
 
 fn mint_form(session: &Session) -> Markup {
@@ -105,10 +105,7 @@ pub async fn page(State(state): State<AppState>, session: Session, uri: http::Ur
     layout(&session, "Runners", body).into_response()
 }
 
-pub async fn mint(State(state): State<AppState>, session: Session, form: Form) -> Response {
-    if let Err(f) = session.check(&state.signer, &form) {
-        return f.into_response();
-    }
+pub async fn mint(State(state): State<AppState>, Posted { session, form }: Posted) -> Response {
     let minted = async {
         state
             .api
@@ -148,13 +145,9 @@ pub async fn mint(State(state): State<AppState>, session: Session, form: Form) -
 
 pub async fn revoke(
     State(state): State<AppState>,
-    session: Session,
     Path(id): Path<String>,
-    form: Form,
+    Posted { session, form }: Posted,
 ) -> Response {
-    if let Err(f) = session.check(&state.signer, &form) {
-        return f.into_response();
-    }
     // The id comes from the path, or from the revoke form's field.
     let runner_id = match form.text("runner_id") {
         typed if !typed.is_empty() => typed,

@@ -8,9 +8,9 @@ use axum::response::{IntoResponse, Response};
 use maud::{Markup, html};
 
 use crate::pages::{csrf, explain, is_terminal, layout, placement, run_state, see_other};
-use crate::session::Session;
+use crate::session::{Posted, Session};
 use crate::time::{cost, duration};
-use crate::{AppState, Failure, Form};
+use crate::{AppState, Failure};
 
 /// Events read for the first render (the rest arrive live).
 const FIRST_EVENTS: i32 = 1000;
@@ -191,13 +191,9 @@ pub fn event_item(session: &Session, e: &pb::RunEvent) -> Markup {
 
 pub async fn cancel(
     State(state): State<AppState>,
-    session: Session,
     Path(id): Path<String>,
-    form: Form,
+    Posted { session, .. }: Posted,
 ) -> Response {
-    if let Err(f) = session.check(&state.signer, &form) {
-        return f.into_response();
-    }
     let cancelled = async {
         state
             .api

@@ -12,7 +12,7 @@ use http::{HeaderMap, StatusCode, header};
 use maud::{Markup, html};
 
 use crate::pages::{bare, see_other};
-use crate::session::{CSRF_FIELD, PRE_SESSION_COOKIE, SESSION_COOKIE, cookie, set_cookie};
+use crate::session::{CSRF_FIELD, PRE_SESSION_COOKIE, Posted, SESSION_COOKIE, cookie, set_cookie};
 use crate::{AppState, Failure, Form};
 
 /// How long the session cookie lives; the token's own expiry ends it
@@ -150,14 +150,7 @@ async fn start(state: &AppState, headers: &HeaderMap, token: String) -> Response
 }
 
 /// Clears the session (a form with the session's CSRF token).
-pub async fn sign_out(
-    State(state): State<AppState>,
-    session: crate::session::Session,
-    form: Form,
-) -> Response {
-    if let Err(f) = session.check(&state.signer, &form) {
-        return f.into_response();
-    }
+pub async fn sign_out(State(state): State<AppState>, _: Posted) -> Response {
     let mut response = see_other("/sign-in?ended=out");
     if let Ok(v) = set_cookie(SESSION_COOKIE, "", 0, state.secure).parse() {
         response.headers_mut().append(header::SET_COOKIE, v);

@@ -24,7 +24,9 @@ pub use error_code::{CodedError, ErrorCode};
 pub use failure::{Failure, FailureKind};
 pub use models::{ModelCatalog, ModelRefusal, ModelSpec, Price};
 pub use principal::Principal;
-pub use run::{NewRun, Receipt, Run, RunEvent, RunEventPayload, RunState, RunTrigger, Usage};
+pub use run::{
+    NewRun, QuarterUsage, Receipt, Run, RunEvent, RunEventPayload, RunState, RunTrigger, Usage,
+};
 pub use schedule::{Schedule, TimeOfDay, WeekdaySet};
 pub use validation::{FieldViolation, Violations};
 pub use worker::{CloudWorker, Runner, WorkerState};

@@ -77,6 +77,20 @@ pub struct Usage {
     pub cost_micros: i64,
 }
 
+/// The summed usage on the receipts of the runs created in one quarter hour
+/// (every zone's day starts on one): what a period's totals and its days in
+/// any zone are summed from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuarterUsage {
+    /// The quarter hour's start.
+    pub start: DateTime<Utc>,
+    /// Runs with a receipt.
+    pub runs: i64,
+    pub input_tokens: i64,
+    pub output_tokens: i64,
+    pub cost_micros: i64,
+}
+
 /// A stored run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Run {

@@ -2,7 +2,7 @@
 //! scoped reads, and guarded state transitions.
 
 use automesh_domain::run::NewRun;
-use automesh_domain::{ErrorCode, Principal, Run, RunState};
+use automesh_domain::{ErrorCode, Principal, QuarterUsage, Run, RunState};
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
@@ -112,18 +112,6 @@ const USAGE: &str = "SELECT r.created_at / 900000000 AS quarter, COUNT(*) AS run
      WHERE r.org_id = $1 AND r.owner_id = $2 AND ($3 = '' OR r.automation_id = $3) \
        AND r.created_at >= $4 AND r.created_at < $5 \
      GROUP BY r.created_at / 900000000 ORDER BY quarter";
-
-/// The summed usage of the runs created in one quarter hour.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct QuarterUsage {
-    /// The quarter hour's start.
-    pub start: DateTime<Utc>,
-    /// Runs with a receipt.
-    pub runs: i64,
-    pub input_tokens: i64,
-    pub output_tokens: i64,
-    pub cost_micros: i64,
-}
 
 /// A live run's end (its receipt is written in the same transaction,
 /// `receipts.rs`); `$6` is the lease owner the end is fenced by, or empty

@@ -192,18 +192,7 @@ impl Coordinator {
             query.start,
             query.end,
         );
-        let slices: Vec<convert::UsageSlice> = quarters
-            .await?
-            .into_iter()
-            .map(|q| convert::UsageSlice {
-                start: q.start,
-                runs: q.runs,
-                input_tokens: q.input_tokens,
-                output_tokens: q.output_tokens,
-                cost_micros: q.cost_micros,
-            })
-            .collect();
-        let response = Some(convert::usage_summary(&query, &slices));
+        let response = Some(convert::usage_summary(&query, &quarters.await?));
         Ok(cpb::SummarizeUsageResponse { response })
     }
 

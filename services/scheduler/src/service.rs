@@ -285,7 +285,6 @@ macro_rules! carries {
 
 carries!(
     spb::CreateAutomationResponse,
-    spb::GetAutomationResponse,
     spb::UpdateAutomationResponse,
     spb::SetAutomationStateResponse,
 );

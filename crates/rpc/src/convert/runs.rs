@@ -288,22 +288,15 @@ pub fn parse_usage_query(
     })
 }
 
-/// The usage of the runs created in one quarter hour starting at `start`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct UsageSlice {
-    pub start: DateTime<Utc>,
-    pub runs: i64,
-    pub input_tokens: i64,
-    pub output_tokens: i64,
-    pub cost_micros: i64,
-}
-
 /// The answer to `query` from its quarter hours: the total, and every
 /// calendar day of the query's zone that the period touches, in order.
-pub fn usage_summary(query: &UsageQuery, slices: &[UsageSlice]) -> pb::SummarizeUsageResponse {
+pub fn usage_summary(
+    query: &UsageQuery,
+    slices: &[automesh_domain::QuarterUsage],
+) -> pb::SummarizeUsageResponse {
     use chrono::TimeZone;
     let day = |t: DateTime<Utc>| query.zone.from_utc_datetime(&t.naive_utc()).date_naive();
-    let add = |u: &mut pb::Usage, s: &UsageSlice| {
+    let add = |u: &mut pb::Usage, s: &automesh_domain::QuarterUsage| {
         u.input_tokens += s.input_tokens;
         u.output_tokens += s.output_tokens;
         u.cost_micros += s.cost_micros;
