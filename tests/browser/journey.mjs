@@ -1,17 +1,20 @@
-// The console's journey in a real browser: Debian's chromium driven by
-// playwright-core (which downloads no browser), against `automesh dev`
+// The console's journey in a real browser: Debian's chromium, or Debian's
+// firefox-esr over WebDriver BiDi, driven by playwright-core (which
+// downloads no browser), against `automesh dev`
 // started here on ephemeral ports, with a fake model provider that speaks
 // the OpenAI wire protocol (the one thing outside the project) and holds
 // a run's first answer until the test releases it, so that the run page is
 // seen receiving its events live.
 //
 //   AUTOMESH_BIN        the automesh binary (default: ../../target/debug/automesh)
-//   AUTOMESH_CHROMIUM   the browser (default: /usr/bin/chromium)
+//   AUTOMESH_BROWSER    chromium (default) or firefox
+//   AUTOMESH_CHROMIUM   Chromium (default: /usr/bin/chromium)
+//   AUTOMESH_FIREFOX    Firefox (default: /usr/bin/firefox-esr)
 //   AUTOMESH_BROWSER_ARTIFACTS  where screenshots go (default: ../../target/browser-artifacts)
 //
 // Every wait is bounded; a failed step names itself, prints dev's output and
 // exits non-zero.
-import { chromium } from "playwright-core";
+import { chromium, firefox } from "playwright-core";
 import { spawn, execFileSync } from "node:child_process";
 import fs from "node:fs";
 import http from "node:http";
@@ -21,8 +24,9 @@ import { fileURLToPath } from "node:url";
 
 const here = path.dirname(fileURLToPath(import.meta.url));
 const bin = process.env.AUTOMESH_BIN || path.resolve(here, "../../target/debug/automesh");
-const browserPath = process.env.AUTOMESH_CHROMIUM || "/usr/bin/chromium";
-const artifacts = process.env.AUTOMESH_BROWSER_ARTIFACTS || path.resolve(here, "../../target/browser-artifacts");
+const browserName = process.env.AUTOMESH_BROWSER || "chromium";
+if (!["chromium", "firefox"].includes(browserName)) throw new Error(`AUTOMESH_BROWSER is chromium or firefox, not ${browserName}`);
+const artifacts = path.join(process.env.AUTOMESH_BROWSER_ARTIFACTS || path.resolve(here, "../../target/browser-artifacts"), browserName);
 fs.mkdirSync(artifacts, { recursive: true });
 
 // Strings that would run script if any page put them into HTML unescaped.
@@ -121,11 +125,20 @@ const ctl = (...args) => execFileSync(bin, ["ctl", "--addr", gateway, "--data-di
 const field = (out, name) => out.match(new RegExp(`^${name}:\\s+(.*)$`, "m"))[1].trim();
 
 // ---- the browser ----
-const browser = await chromium.launch({
-  executablePath: browserPath,
-  args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-  timeout: 60_000,
-});
+const browser = browserName === "chromium"
+  ? await chromium.launch({
+      executablePath: process.env.AUTOMESH_CHROMIUM || "/usr/bin/chromium",
+      args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+      timeout: 60_000,
+    })
+  // The stock Firefox, over WebDriver BiDi (playwright-core's "moz-" channels).
+  : await firefox.launch({
+      channel: "moz-firefox",
+      executablePath: process.env.AUTOMESH_FIREFOX || "/usr/bin/firefox-esr",
+      headless: true,
+      timeout: 60_000,
+    });
+log(`browser: ${browserName} ${browser.version()}`);
 // A zone with DST, as the browser's own.
 const context = await browser.newContext({ timezoneId: "America/New_York" });
 const page = await context.newPage();
