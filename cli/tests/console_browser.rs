@@ -15,12 +15,22 @@ use std::time::{Duration, Instant};
 
 #[test]
 fn the_console_journey_in_chromium() {
-    journey("chromium", "AUTOMESH_CHROMIUM", "/usr/bin/chromium", "chromium");
+    journey(
+        "chromium",
+        "AUTOMESH_CHROMIUM",
+        "/usr/bin/chromium",
+        "chromium",
+    );
 }
 
 #[test]
 fn the_console_journey_in_firefox() {
-    journey("firefox", "AUTOMESH_FIREFOX", "/usr/bin/firefox-esr", "firefox-esr");
+    journey(
+        "firefox",
+        "AUTOMESH_FIREFOX",
+        "/usr/bin/firefox-esr",
+        "firefox-esr",
+    );
 }
 
 /// Runs the journey in `browser` (the executable `variable` names, or

@@ -31,8 +31,10 @@ const GET: &str = "SELECT id, org_id, owner_id, name, created_at, revoked_at FRO
      WHERE id = $1 AND org_id = $2 AND owner_id = $3";
 
 /// An owner's live runners with their newest stream, newest runner first.
-const LIST: &str = "SELECT r.id, r.name, r.created_at, s.seen_at, s.closed_at \
+const LIST: &str = "SELECT r.id, r.name, r.created_at, s.opened_at, s.closed_at, \
+     g.seen_at AS holder_seen_at \
      FROM runners r LEFT JOIN runner_streams s ON s.runner_id = r.id \
+     LEFT JOIN runner_gateway_replicas g ON g.id = s.holder \
      WHERE r.org_id = $1 AND r.owner_id = $2 AND r.revoked_at IS NULL \
      ORDER BY r.created_at DESC, r.id DESC LIMIT 1000";
 
@@ -42,7 +44,7 @@ pub struct RunnerPresence {
     pub id: String,
     pub name: String,
     pub created_at: DateTime<Utc>,
-    /// A stream of it is held now: open, and refreshed by its replica
+    /// A stream of it is held now: open, and its holding replica beating
     /// within the listing's bound.
     pub connected: bool,
     /// When it was last known to be connected.
@@ -89,8 +91,8 @@ impl Store {
     }
 
     /// `owner`'s runners that are not revoked (at most 1,000, newest first):
-    /// connected when a stream of it is open and its replica refreshed it
-    /// after `now - stale_after`.
+    /// connected when its newest stream is open and the replica holding it
+    /// beat after `now - stale_after`.
     pub async fn list_runners(
         &self,
         owner: &Principal,
@@ -99,14 +101,23 @@ impl Store {
     ) -> Result<Vec<RunnerPresence>> {
         let fresh = micros(now - stale_after);
         rows::all(self.db(), LIST, (&owner.org_id, &owner.user_id), |row| {
-            let seen: Option<i64> = col(row, "seen_at")?;
+            let opened: Option<i64> = col(row, "opened_at")?;
             let closed: Option<i64> = col(row, "closed_at")?;
-            let seen = seen.filter(|&at| at > 0);
+            let holder_seen: Option<i64> = col(row, "holder_seen_at")?;
+            // An open stream is seen while its holder beats; a closed one
+            // was last seen when it closed.
+            let seen = match (opened, closed) {
+                (None, _) => None,
+                (Some(_), Some(closed)) => Some(closed),
+                (Some(opened), None) => Some(holder_seen.unwrap_or(opened).max(opened)),
+            };
             Ok(RunnerPresence {
                 id: col(row, "id")?,
                 name: col(row, "name")?,
                 created_at: col(row, "created_at")?,
-                connected: closed.is_none() && seen.is_some_and(|at| at >= fresh),
+                connected: opened.is_some()
+                    && closed.is_none()
+                    && holder_seen.is_some_and(|at| at >= fresh),
                 last_seen_at: seen.and_then(DateTime::from_timestamp_micros),
             })
         })

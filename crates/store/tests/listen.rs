@@ -145,7 +145,7 @@ async fn a_report_elsewhere_is_heard_with_what_the_assignment_now_is() {
         .await
         .expect("runner");
     other
-        .open_runner_stream("runner-r", "stream-r", now)
+        .open_runner_stream("runner-r", "stream-r", "g1", now)
         .await
         .expect("stream");
     assert!(

@@ -26,6 +26,10 @@ use crate::stream::Sessions;
 
 /// How often a replica looks for work even without a signal.
 pub(crate) const POLL: Duration = Duration::from_secs(1);
+
+/// How long a replica that stopped beating is remembered (its streams then
+/// read as last seen when they opened).
+const FORGET_REPLICAS: chrono::Duration = chrono::Duration::days(7);
 /// Assignments (and cancellations) one delivery pass handles.
 const PASS_LIMIT: u32 = 256;
 /// How far back each pass looks for revoked runners.
@@ -387,16 +391,15 @@ impl Dispatch {
             let wanted = self.pass_wanted.notified();
             tokio::pin!(wanted);
             wanted.as_mut().enable();
-            // Owners see their runners online while this replica holds
-            // their streams; one that stops refreshing (it died) reads
-            // offline once stale.
+            // Owners see their runners online while this replica beats (one
+            // write, however many streams it holds); its streams read
+            // offline once the beat is stale (it died).
             if streams_seen.elapsed() >= crate::STREAMS_SEEN_EVERY {
                 streams_seen = tokio::time::Instant::now();
-                if let Err(error) = store
-                    .runner_streams_seen(&sessions.stream_ids(), Utc::now())
-                    .await
-                {
-                    tracing::warn!(%error, "cannot mark the held runner streams as seen");
+                let beat =
+                    store.runner_gateway_seen(&sessions.replica, Utc::now(), FORGET_REPLICAS);
+                if let Err(error) = beat.await {
+                    tracing::warn!(%error, "cannot record this replica's beat; its runners read offline once it is stale");
                 }
             }
             if last_purge.elapsed() >= PURGE_EVERY {

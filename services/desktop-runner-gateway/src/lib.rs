@@ -86,11 +86,11 @@ impl RunnerTokenService for RunnerTokens {
     }
 }
 
-/// How often a replica marks the streams it holds as seen.
+/// How often a replica beats, marking the streams it holds as seen.
 pub const STREAMS_SEEN_EVERY: Duration = Duration::from_secs(10);
 
-/// A stream whose replica has not marked it seen for this long (the
-/// replica died) reads as offline.
+/// A stream whose replica has not beaten for this long (it died) reads as
+/// offline.
 pub const STREAM_STALE_AFTER: Duration = Duration::from_secs(35);
 
 /// What each call does for its caller.

@@ -79,10 +79,23 @@ pub fn heard_now() -> u64 {
 }
 
 /// The runners connected to this replica, by runner and by owner.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Sessions {
     held: Mutex<Held>,
     next_id: AtomicU64,
+    /// This replica, as the streams it holds name it (a new id per
+    /// process): its beat marks them all seen.
+    pub replica: String,
+}
+
+impl Default for Sessions {
+    fn default() -> Self {
+        Self {
+            held: Mutex::default(),
+            next_id: AtomicU64::default(),
+            replica: uuid::Uuid::new_v4().to_string(),
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -196,19 +209,6 @@ impl Sessions {
             .count()
     }
 
-    /// The ids of the streams held here.
-    pub fn stream_ids(&self) -> Vec<String> {
-        self.held.lock().map_or_else(
-            |_| Vec::new(),
-            |held| {
-                held.by_runner
-                    .values()
-                    .map(|s| s.stream_id.clone())
-                    .collect()
-            },
-        )
-    }
-
     /// The stream of a connected runner.
     pub fn get(&self, runner_id: &str) -> Option<Session> {
         self.held.lock().ok()?.by_runner.get(runner_id).cloned()
@@ -300,7 +300,7 @@ impl DesktopRunnerService for RunnerStreams {
         // can no longer claim or report.
         let stream_id = uuid::Uuid::new_v4().to_string();
         self.store
-            .open_runner_stream(&runner.id, &stream_id, Utc::now())
+            .open_runner_stream(&runner.id, &stream_id, &self.sessions.replica, Utc::now())
             .await
             .map_err(|e| status::of(&e, "opening the runner stream"))?;
         let (tx, rx) = mpsc::channel(OUTBOUND);

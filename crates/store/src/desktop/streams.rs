@@ -8,18 +8,21 @@ use chrono::{DateTime, Utc};
 use crate::rows::{self, col, micros};
 use crate::{Result, Store};
 
-const OPEN_STREAM: &str = "INSERT INTO runner_streams (runner_id, stream_id, opened_at, seen_at) \
-     VALUES ($1, $2, $3, $3) ON CONFLICT (runner_id) \
+const OPEN_STREAM: &str = "INSERT INTO runner_streams (runner_id, stream_id, opened_at, holder) \
+     VALUES ($1, $2, $3, $4) ON CONFLICT (runner_id) \
      DO UPDATE SET stream_id = excluded.stream_id, opened_at = excluded.opened_at, \
-     seen_at = excluded.seen_at, closed_at = NULL";
+     holder = excluded.holder, closed_at = NULL";
 
-/// The stream is still held: what "last seen" reads.
-const SEEN: &str =
-    "UPDATE runner_streams SET seen_at = $2 WHERE stream_id = $1 AND closed_at IS NULL";
+/// A runner-gateway replica is alive at `$2`: every stream it holds is seen.
+const REPLICA_SEEN: &str = "INSERT INTO runner_gateway_replicas (id, seen_at) VALUES ($1, $2) \
+     ON CONFLICT (id) DO UPDATE SET seen_at = excluded.seen_at";
+
+/// Replicas gone for long: their streams then read as last seen when opened.
+const FORGET_REPLICAS: &str = "DELETE FROM runner_gateway_replicas WHERE seen_at < $1";
 
 /// The stream ended, unless a newer one of the runner replaced it.
-const CLOSE_STREAM: &str = "UPDATE runner_streams SET closed_at = $3, seen_at = $3 \
-     WHERE runner_id = $1 AND stream_id = $2";
+const CLOSE_STREAM: &str =
+    "UPDATE runner_streams SET closed_at = $3 WHERE runner_id = $1 AND stream_id = $2";
 
 /// The newest stream takes over everything of its runner's that is live,
 /// and the runner gets a fresh chance at what it sat on.
@@ -32,19 +35,22 @@ const STREAMS_OPENED_SINCE: &str =
     "SELECT runner_id, stream_id FROM runner_streams WHERE opened_at >= $1";
 
 impl Store {
-    /// Records `stream_id` as the newest stream of `runner_id` (whichever
-    /// replica holds it): it takes over the runner's live claims, older
-    /// streams can no longer claim or report, and what the runner sat on may
-    /// be offered to it again.
+    /// Records `stream_id`, held by the runner-gateway replica `holder`, as
+    /// the newest stream of `runner_id`: it takes over the runner's live
+    /// claims, older streams can no longer claim or report, and what the
+    /// runner sat on may be offered to it again. The holder is seen now.
     pub async fn open_runner_stream(
         &self,
         runner_id: &str,
         stream_id: &str,
+        holder: &str,
         now: DateTime<Utc>,
     ) -> Result<()> {
         let stream = (runner_id, stream_id, micros(now));
         let mut tx = self.begin_write().await?;
-        rows::execute(&mut *tx, OPEN_STREAM, stream).await?;
+        let opened = (runner_id, stream_id, micros(now), holder);
+        rows::execute(&mut *tx, OPEN_STREAM, opened).await?;
+        rows::execute(&mut *tx, REPLICA_SEEN, (holder, micros(now))).await?;
         rows::execute(&mut *tx, TAKE_OVER_CLAIMS, stream).await?;
         rows::execute(&mut *tx, FORGIVE, (runner_id,)).await?;
         // Nothing to tell: the replica holding the stream reconciles what
@@ -54,21 +60,20 @@ impl Store {
         Ok(())
     }
 
-    /// Marks the streams held here as seen at `now`, in one transaction:
-    /// a stream a replica stops refreshing (it died) reads as offline once
-    /// its `seen_at` is older than the listing's bound.
-    pub async fn runner_streams_seen(
+    /// The runner-gateway replica `replica` is alive at `now`: one write
+    /// marks every stream it holds as seen. A replica that stops beating
+    /// (it died) has its streams read as offline once the beat is older than
+    /// the listing's bound; replicas not seen for `forget_after` are
+    /// forgotten.
+    pub async fn runner_gateway_seen(
         &self,
-        stream_ids: &[String],
+        replica: &str,
         now: DateTime<Utc>,
+        forget_after: chrono::Duration,
     ) -> Result<()> {
-        if stream_ids.is_empty() {
-            return Ok(());
-        }
         let mut tx = self.begin_write().await?;
-        for id in stream_ids {
-            rows::execute(&mut *tx, SEEN, (id, micros(now))).await?;
-        }
+        rows::execute(&mut *tx, REPLICA_SEEN, (replica, micros(now))).await?;
+        rows::execute(&mut *tx, FORGET_REPLICAS, (micros(now - forget_after),)).await?;
         tx.commit().await?;
         Ok(())
     }

@@ -814,7 +814,7 @@ pub async fn desktop_assignments_are_claimed_by_one_runner_and_reported_only_by_
     // Each runner has one stream; a claim names it.
     for (runner, stream) in [("runner-a", "sa"), ("runner-b", "sb")] {
         store
-            .open_runner_stream(runner, stream, now)
+            .open_runner_stream(runner, stream, "g1", now)
             .await
             .expect("stream");
     }
@@ -1112,8 +1112,14 @@ pub async fn text_no_backend_can_store_is_refused_alike_and_never_as_retryable(s
 /// orphan bound.
 pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
     let now = t(0);
-    store.open_runner_stream("rx", "s1", now).await.expect("s1");
-    store.open_runner_stream("ry", "y1", now).await.expect("y1");
+    store
+        .open_runner_stream("rx", "s1", "g1", now)
+        .await
+        .expect("s1");
+    store
+        .open_runner_stream("ry", "y1", "g1", now)
+        .await
+        .expect("y1");
     for run in ["r1", "r2", "r3", "r4"] {
         store
             .offer_desktop_run(run, "org-a", "alice", b"s", now)
@@ -1128,7 +1134,10 @@ pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
             .is_some()
     );
     // A newer stream of the runner (on any replica) takes its claims over.
-    store.open_runner_stream("rx", "s2", now).await.expect("s2");
+    store
+        .open_runner_stream("rx", "s2", "g1", now)
+        .await
+        .expect("s2");
     let r1 = store.desktop_run("r1").await.expect("read").expect("r1");
     assert_eq!(r1.stream_id.as_deref(), Some("s2"));
     assert!(
@@ -1235,7 +1244,7 @@ pub async fn a_runners_newest_stream_holds_its_claims(store: &Store) {
             .is_some()
     );
     store
-        .open_runner_stream("rx", "s3", t(5))
+        .open_runner_stream("rx", "s3", "g1", t(5))
         .await
         .expect("s3");
     assert!(
@@ -1891,10 +1900,10 @@ pub async fn many_reports_and_offers_joined_each_as_alone(store: &Store) {
     // runner-j's newest stream is sj (sj-old was its first); runner-k is
     // another runner of the owner.
     for (runner, stream, at) in [("runner-j", "sj-old", 0), ("runner-j", "sj", 1)] {
-        let opened = store.open_runner_stream(runner, stream, t(at));
+        let opened = store.open_runner_stream(runner, stream, "g1", t(at));
         opened.await.expect("stream");
     }
-    let opened = store.open_runner_stream("runner-k", "sk", now);
+    let opened = store.open_runner_stream("runner-k", "sk", "g1", now);
     opened.await.expect("stream");
     let ids: Vec<String> = (0..48).map(|i| format!("jd-{i:02}")).collect();
     // Runs at once, each its own task: the writer batches what waits.
@@ -2065,9 +2074,10 @@ pub async fn many_reports_and_offers_joined_each_as_alone(store: &Store) {
     }
 }
 
-/// A runner reads connected while its newest stream is open and refreshed
-/// within the bound, offline once the stream closed or went stale (its
-/// replica died), with when it was last seen; revoked runners and other
+/// A runner reads connected while its newest stream is open and the
+/// replica holding it beats within the bound, offline once the stream
+/// closed or the beat went stale (the replica died), with when it was last
+/// seen; revoked runners and other
 /// owners' are not listed.
 pub async fn a_runner_is_connected_while_its_stream_is_held_and_refreshed(store: &Store) {
     let stale = Duration::seconds(35);
@@ -2090,7 +2100,7 @@ pub async fn a_runner_is_connected_while_its_stream_is_held_and_refreshed(store:
     assert_eq!(names, [("desktop", false, false), ("laptop", false, false)]);
 
     store
-        .open_runner_stream("ra", "s1", t(10))
+        .open_runner_stream("ra", "s1", "g1", t(10))
         .await
         .expect("open");
     let laptop = |listed: Vec<automesh_store::runners::RunnerPresence>| {
@@ -2113,7 +2123,7 @@ pub async fn a_runner_is_connected_while_its_stream_is_held_and_refreshed(store:
     );
     assert!(!later.connected);
     store
-        .runner_streams_seen(&["s1".to_owned()], t(40))
+        .runner_gateway_seen("g1", t(40), Duration::days(7))
         .await
         .expect("seen");
     let refreshed = laptop(
@@ -2126,7 +2136,7 @@ pub async fn a_runner_is_connected_while_its_stream_is_held_and_refreshed(store:
     assert_eq!(refreshed.last_seen_at, Some(t(40)));
     // An older stream ending does not close the newer one.
     store
-        .open_runner_stream("ra", "s2", t(45))
+        .open_runner_stream("ra", "s2", "g1", t(45))
         .await
         .expect("open");
     store
@@ -2156,7 +2166,7 @@ pub async fn a_runner_is_connected_while_its_stream_is_held_and_refreshed(store:
     assert_eq!(closed.last_seen_at, Some(t(48)));
     // A closed stream is not marked seen again.
     store
-        .runner_streams_seen(&["s2".to_owned()], t(60))
+        .runner_gateway_seen("g1", t(60), Duration::days(7))
         .await
         .expect("seen");
     assert!(
