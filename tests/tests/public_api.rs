@@ -1585,7 +1585,120 @@ async fn pause_reasons_batches_last_runs_and_usage_per_day(backend: Backend) {
     mesh.stop().await.expect("stop");
 }
 
+/// Many watchers of one run, each from its own sequence, while events arrive
+/// in batches larger than one read: every watcher gets every event after its
+/// own sequence once, in order, and its stream ends after the run's end
+/// (however many watch, one poller per coordinator reads the run).
+async fn many_watchers_of_one_run_each_see_every_event_once(backend: Backend) {
+    use automesh_domain::{Receipt, RunEventPayload, RunState};
+    use automesh_store::events::NewEvent;
+    use tokio_stream::StreamExt;
+
+    let mesh = Mesh::start(backend).await.expect("mesh");
+    let token = mesh.token("acme", "alice");
+    let mut api = mesh.automations(Some(&token));
+    let a = api
+        .create(create_req(
+            automation("watched", "fake/echo", daily(9, 0, "UTC")),
+            pb::Surface::Desktop,
+        ))
+        .await;
+    let run = api.run_now(&a.id, "many").await;
+    let store = mesh.store();
+    let burst = |from: usize| -> Vec<NewEvent> {
+        (from..from + 150)
+            .map(|i| NewEvent {
+                event_id: format!("e{i}"),
+                payload: RunEventPayload::AssistantText {
+                    text: format!("text {i}"),
+                },
+            })
+            .collect()
+    };
+    store
+        .append_events(&run.id, &burst(0), Utc::now())
+        .await
+        .expect("append");
+    let mut watchers = Vec::new();
+    for w in 0..24i64 {
+        let mut runs = mesh.runs(Some(&token));
+        let run_id = run.id.clone();
+        let after = (w % 6) * 40;
+        watchers.push(tokio::spawn(async move {
+            let mut stream = runs
+                .watch_run(pb::WatchRunRequest {
+                    run_id,
+                    after_sequence: after,
+                })
+                .await
+                .expect("watch")
+                .into_inner();
+            let mut sequences = vec![];
+            let mut last_state = 0;
+            while let Some(item) = tokio::time::timeout(Duration::from_secs(30), stream.next())
+                .await
+                .expect("bounded")
+            {
+                match item.expect("ok").update {
+                    Some(pb::watch_run_response::Update::Event(e)) => sequences.push(e.sequence),
+                    Some(pb::watch_run_response::Update::Run(r)) => last_state = r.state,
+                    None => {}
+                }
+            }
+            (after, sequences, last_state)
+        }));
+    }
+    // More than one read's batch while they watch, then the end.
+    for from in [150, 300] {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        store
+            .append_events(&run.id, &burst(from), Utc::now())
+            .await
+            .expect("append");
+    }
+    let receipt = Receipt {
+        engine: Some("test".into()),
+        ..Receipt::bare(
+            &run.id,
+            RunState::Succeeded,
+            automesh_domain::Placement::Desktop,
+            Utc::now(),
+        )
+    };
+    store
+        .finish_run(&receipt, Utc::now())
+        .await
+        .expect("finish");
+    let mut results = Vec::new();
+    for watcher in watchers {
+        results.push(watcher.await.expect("watcher"));
+    }
+    // The log as stored: the 450 events, the run's end and any status the
+    // coordinator recorded meanwhile.
+    let log: Vec<i64> = store
+        .internal()
+        .events(&run.id, 0, 10_000)
+        .await
+        .expect("events")
+        .iter()
+        .map(|e| e.sequence)
+        .collect();
+    assert!(log.len() > 450, "{}", log.len());
+    for (after, sequences, state) in results {
+        let want: Vec<i64> = log.iter().copied().filter(|s| *s > after).collect();
+        let missing: Vec<_> = want.iter().filter(|s| !sequences.contains(s)).collect();
+        let extra: Vec<_> = sequences.iter().filter(|s| !want.contains(s)).collect();
+        assert_eq!(
+            sequences, want,
+            "the watcher from {after}: missing {missing:?}, extra {extra:?}"
+        );
+        assert_eq!(state, pb::RunState::Succeeded as i32);
+    }
+    mesh.stop().await.expect("stop");
+}
+
 on_both_backends!(
+    many_watchers_of_one_run_each_see_every_event_once,
     pause_reasons_batches_last_runs_and_usage_per_day,
     run_history_filters_by_state_and_creation_time,
     activation_needs_a_model_the_catalogue_admits,

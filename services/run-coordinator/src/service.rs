@@ -26,6 +26,8 @@ pub struct Coordinator {
     store: Store,
     context: Arc<Context>,
     shutdown: CancellationToken,
+    /// The runs watched here, one poller each.
+    feeds: Arc<watch::Feeds>,
 }
 
 /// How long `CancelRun` waits for the run to end before answering with the
@@ -38,6 +40,7 @@ impl Coordinator {
             store: context.store.clone(),
             context,
             shutdown,
+            feeds: Arc::default(),
         }
     }
 
@@ -134,6 +137,15 @@ impl Coordinator {
 
     pub(crate) async fn pb_of(&self, run: &Run) -> Result<pb::Run, Error> {
         self.to_pb(run).await
+    }
+
+    pub(crate) fn feeds(&self) -> &watch::Feeds {
+        &self.feeds
+    }
+
+    /// Resolves when the process is told to stop.
+    pub(crate) async fn shutting_down(&self) {
+        self.shutdown.cancelled().await
     }
 }
 
