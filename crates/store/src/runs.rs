@@ -84,14 +84,28 @@ const GET: &str = rows::select!(
     "FROM runs WHERE id = $1 AND org_id = $2 AND owner_id = $3"
 );
 
-const LIST: &str = rows::select!(
-    run_columns,
-    "FROM runs \
-     WHERE org_id = $1 AND owner_id = $2 AND ($3 = '' OR automation_id = $3) \
-       AND (created_at < $4 OR (created_at = $4 AND id < $5)) \
-       AND ($6 = '' OR (',' || $6 || ',') LIKE ('%,' || state || ',%')) \
-       AND created_at >= $7 AND created_at < $8 \
-     ORDER BY created_at DESC, id DESC LIMIT $9"
+/// A page of an owner's runs, narrowed (`$1`..`$8`, see
+/// [`Store::list_runs`]), `$9` rows at most.
+macro_rules! run_page {
+    () => {
+        "FROM runs \
+         WHERE org_id = $1 AND owner_id = $2 AND ($3 = '' OR automation_id = $3) \
+           AND (created_at < $4 OR (created_at = $4 AND id < $5)) \
+           AND ($6 = '' OR (',' || $6 || ',') LIKE ('%,' || state || ',%')) \
+           AND created_at >= $7 AND created_at < $8 \
+         ORDER BY created_at DESC, id DESC LIMIT $9"
+    };
+}
+
+const LIST: &str = concat!("SELECT ", run_columns!(), " ", run_page!());
+
+/// The receipts of the runs of a [`LIST`] page (same parameters).
+const LIST_RECEIPTS: &str = concat!(
+    "SELECT ",
+    crate::receipts::receipt_columns!(),
+    " FROM receipts WHERE run_id IN (SELECT id ",
+    run_page!(),
+    ")"
 );
 
 /// An automation's newest run (the index `runs_by_automation` serves it).
@@ -270,18 +284,31 @@ impl Store {
         after: &Cursor,
         limit: u32,
     ) -> Result<Page<Run>> {
-        let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
-        let params = (
-            &owner.org_id,
-            &owner.user_id,
-            filter.automation_id.unwrap_or(""),
-            after.created_micros,
-            &after.id,
-            states.join(","),
-            filter.created_after.map_or(i64::MIN, micros),
-            filter.created_before.map_or(i64::MAX, micros),
-        );
+        let states = filter.state_names();
+        let params = page_params(owner, filter, &states, after);
         rows::page(self.db(), LIST, params, limit, decode).await
+    }
+
+    /// The receipts of the ended runs on the page
+    /// [`list_runs`](Self::list_runs) answers for the same arguments, by run
+    /// id: one query, whatever the page's size.
+    pub async fn receipts_of_run_page(
+        &self,
+        owner: &Principal,
+        filter: &RunFilter<'_>,
+        after: &Cursor,
+        limit: u32,
+    ) -> Result<std::collections::HashMap<String, automesh_domain::Receipt>> {
+        let states = filter.state_names();
+        let params = page_params(owner, filter, &states, after);
+        let (a, b, c, d, e, f, g, h) = params;
+        let params = (a, b, c, d, e, f, g, h, i64::from(limit) + 1);
+        let receipts = rows::all(self.db(), LIST_RECEIPTS, params, crate::receipts::decode);
+        Ok(receipts
+            .await?
+            .into_iter()
+            .map(|r| (r.run_id.clone(), r))
+            .collect())
     }
 
     /// Moves a live run forward through `targets` in order, each move
@@ -336,7 +363,32 @@ pub struct RunFilter<'a> {
     pub created_before: Option<DateTime<Utc>>,
 }
 
+/// `$1`..`$8` of a page of `owner`'s runs ([`LIST`], [`LIST_RECEIPTS`]).
+fn page_params<'p>(
+    owner: &'p Principal,
+    filter: &RunFilter<'p>,
+    states: &'p str,
+    after: &'p Cursor,
+) -> (&'p str, &'p str, &'p str, i64, &'p str, &'p str, i64, i64) {
+    (
+        &owner.org_id,
+        &owner.user_id,
+        filter.automation_id.unwrap_or(""),
+        after.created_micros,
+        &after.id,
+        states,
+        filter.created_after.map_or(i64::MIN, micros),
+        filter.created_before.map_or(i64::MAX, micros),
+    )
+}
+
 impl<'a> RunFilter<'a> {
+    /// The states, as the page queries take them (comma-separated).
+    fn state_names(&self) -> String {
+        let names: Vec<&str> = self.states.iter().map(|s| s.as_str()).collect();
+        names.join(",")
+    }
+
     /// Every run of one automation.
     pub fn automation(id: &'a str) -> Self {
         Self {

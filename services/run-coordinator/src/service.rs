@@ -175,10 +175,20 @@ impl Coordinator {
         let size = convert::page_size(list.page_size, 50, "page_size")?;
         let cursor = Cursor::decode(&list.page_token)?;
         let page = self.store.list_runs(&owner, &filter, &cursor, size).await?;
-        let mut runs = Vec::with_capacity(page.items.len());
-        for run in &page.items {
-            runs.push(self.to_pb(run).await?);
-        }
+        let mut receipts = self
+            .store
+            .receipts_of_run_page(&owner, &filter, &cursor, size)
+            .await?;
+        let runs = page
+            .items
+            .iter()
+            .map(|run| {
+                // A receipt written after the page was read waits for the
+                // next read, with the run's end.
+                let receipt = receipts.remove(&run.id).filter(|_| run.state.is_terminal());
+                convert::run_to_pb(run, receipt.as_ref())
+            })
+            .collect();
         let (runs, next_page_token) = page.cut(runs, automesh_proto::bounds::fitting);
         let response = Some(pb::ListRunsResponse {
             runs,
