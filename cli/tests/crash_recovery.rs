@@ -591,3 +591,98 @@ async fn a_stalled_runner_kept_alive_by_ping_is_declared_dead_and_its_owner_serv
     until_runner_streams(&w.cluster, "ping", 2.0, Duration::from_secs(30)).await;
     w.stop().await;
 }
+
+/// Issue 31, item 2: the LISTEN connections of a coordinator and a runner
+/// gateway are terminated (`pg_terminate_backend`); each logs it, counts
+/// the reconnection and catches up, and the next run-now is dispatched at
+/// signal speed. Both polls are 60 s here, so a run that ends within 30 s
+/// was woken by notifications, not found by a poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_listen_connection_is_reconnected_and_the_next_run_is_dispatched_at_signal_speed() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut w = world(
+        |_, _| Reply::Json(text_completion("done")),
+        |mut s, _| {
+            s.replicas.insert(Kind::Coordinator, 1);
+            s.replicas.insert(Kind::RunnerGateway, 1);
+            s.set(Kind::Coordinator, "AUTOMESH_CLAIM_POLL", "60s").set(
+                Kind::RunnerGateway,
+                "AUTOMESH_RUNNER_DISPATCH_POLL",
+                "60s",
+            )
+        },
+    )
+    .await;
+    let o = owner();
+    w.cluster
+        .add_runner(&o.org_id, &o.user_id)
+        .await
+        .expect("runner");
+    until_runner_streams(&w.cluster, "ping", 1.0, Duration::from_secs(30)).await;
+    let request = automesh_e2e_tests::daily_automation("desk", "tidy up", pb::Surface::Desktop);
+    let id = w.cluster.automations(&w.token).create(request).await.id;
+    let warm = w.run_now(&id, "before-cut").await;
+    assert_eq!(w.until_terminal(&warm).await.state, RunState::Succeeded);
+
+    let reconnects = "automesh_db_listen_reconnects_total";
+    let count = async |kind| {
+        let text = w.cluster.scrape(kind, 0).await.expect("scrape");
+        automesh_e2e_tests::metric(&text, reconnects, &[])
+    };
+    let before = (
+        count(Kind::Coordinator).await,
+        count(Kind::RunnerGateway).await,
+    );
+    let cut = w.cluster.cut_listen_connections().await.expect("cut");
+    assert!(
+        cut >= 2,
+        "a coordinator and a runner gateway listen: {cut} cut"
+    );
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = (
+            count(Kind::Coordinator).await,
+            count(Kind::RunnerGateway).await,
+        );
+        if now.0 > before.0 && now.1 > before.1 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "LISTEN reconnections not counted within 30 s ({before:?} → {now:?}); logs:\n{}\n{}",
+            tail(&w.cluster.log(Kind::Coordinator, 0), 20),
+            tail(&w.cluster.log(Kind::RunnerGateway, 0), 20),
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for kind in [Kind::Coordinator, Kind::RunnerGateway] {
+        let log = w.cluster.log(kind, 0);
+        assert!(
+            log.contains("LISTEN connection lost; reconnecting"),
+            "{kind:?} logs the loss: {}",
+            tail(&log, 20)
+        );
+    }
+
+    let started = tokio::time::Instant::now();
+    let run_id = w.run_now(&id, "after-cut").await;
+    let give_up = started + Duration::from_secs(30);
+    loop {
+        let run = w.cluster.store().internal().get_run(&run_id).await;
+        if let Ok(run) = &run
+            && run.state.is_terminal()
+        {
+            assert_eq!(run.state, RunState::Succeeded, "{run:?}");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "dispatched at poll speed: the run after the LISTEN cut did not end within 30 s \
+             (polls are 60 s); coordinator log:\n{}\nrunner gateway log:\n{}",
+            tail(&w.cluster.log(Kind::Coordinator, 0), 30),
+            tail(&w.cluster.log(Kind::RunnerGateway, 0), 30),
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    w.stop().await;
+}

@@ -538,6 +538,20 @@ impl Cluster {
         Ok(cut)
     }
 
+    /// Cuts the cluster's LISTEN connections only (named
+    /// [`automesh_store::LISTEN_APPLICATION_NAME`]), as a proxy or a
+    /// PostgreSQL backend crash would; returns how many.
+    pub async fn cut_listen_connections(&self) -> anyhow::Result<i64> {
+        let cut: i64 = sqlx::query_scalar(
+            "SELECT COUNT(pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE datname = current_database() AND application_name = $1",
+        )
+        .bind(automesh_store::LISTEN_APPLICATION_NAME)
+        .fetch_one(self.store().pool())
+        .await?;
+        Ok(cut)
+    }
+
     /// A bearer token for `user` of `org`.
     pub fn token(&self, org: &str, user: &str) -> String {
         automesh_gateway::mint(JWT_SECRET, org, user, chrono::Duration::hours(2)).expect("mint")

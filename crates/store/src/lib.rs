@@ -36,7 +36,8 @@ use sqlx::{Any, AnyPool, Executor, Transaction};
 
 pub use error::{Result, StoreError};
 pub use signal::{
-    AssignmentState, DesktopListener, DesktopNote, Heard, RunWatcher, Topic, Watcher,
+    AssignmentState, DesktopListener, DesktopNote, Heard, LISTEN_APPLICATION_NAME, RunWatcher,
+    Topic, Watcher,
 };
 pub use writer::{
     ended_at_once, moved_at_once, offered_at_once, replayed, reported_at_once, written,

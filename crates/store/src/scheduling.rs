@@ -330,10 +330,8 @@ impl SchedulingTx {
     pub async fn commit(self) -> Result<bool> {
         let mut tx = self.tx;
         if self.created_pending && !self.notified && self.backend == Backend::Postgres {
-            sqlx::query("SELECT pg_notify('automesh_runs', $1)")
-                .bind(crate::signal::process_token())
-                .execute(&mut *tx)
-                .await?;
+            let token = crate::signal::process_token();
+            crate::signal::notify(&mut *tx, crate::Topic::Runs, token).await?;
         }
         tx.commit().await?;
         if self.created_pending {

@@ -15,9 +15,11 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use sqlx::postgres::PgListener;
-use tokio::sync::{Notify, broadcast};
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+use tokio::sync::{Notify, broadcast, mpsc};
 
+use crate::desktop::DesktopPhase;
 use crate::{Backend, Result, Store};
 
 /// What a watcher waits for.
@@ -67,8 +69,11 @@ impl Topic {
     }
 }
 
-/// What changed in desktop dispatch, as the replicas are told.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+/// What changed in desktop dispatch, as the replicas are told: one JSON
+/// object per note (`{"note":"offered","run_id":…}`), so any id survives
+/// the payload and a note a replica does not know is a note it missed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "note", rename_all = "snake_case", deny_unknown_fields)]
 pub enum DesktopNote {
     /// A run was offered to its owner's runners.
     Offered {
@@ -81,6 +86,7 @@ pub enum DesktopNote {
     /// so that the run's observers need not read it.
     Changed {
         run_id: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
         now: Option<AssignmentState>,
     },
     /// A claim on a run was given back (not accepted in time, or its
@@ -93,17 +99,34 @@ pub enum DesktopNote {
 }
 
 /// What a run's assignment is, as of the commit a note was sent in.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct AssignmentState {
-    /// `admitted`, `running` or `finished`, as stored.
-    pub phase: String,
+    #[serde(with = "phase_name")]
+    pub phase: DesktopPhase,
     pub idle: bool,
     /// Events the runner reported so far (they are numbered 1, 2, …).
     pub event_count: i64,
     /// Whether a runner sat on it without accepting it.
     pub passed_over: bool,
     /// The encoded outcome (hex, as stored), once finished.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outcome_hex: Option<String>,
+}
+
+/// A phase in a note by its stored name.
+mod phase_name {
+    use super::DesktopPhase;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(phase: &DesktopPhase, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(phase.as_str())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<DesktopPhase, D::Error> {
+        let name = String::deserialize(d)?;
+        name.parse().map_err(serde::de::Error::custom)
+    }
 }
 
 impl AssignmentState {
@@ -130,69 +153,13 @@ impl DesktopNote {
         }
     }
 
-    /// One line of a payload: a JSON array, so any id survives it.
+    /// One line of a payload (JSON has no raw newline).
     fn encode(&self) -> String {
-        let flag = |b: bool| if b { "1" } else { "0" };
-        let fields: Vec<&str> = match self {
-            DesktopNote::Offered {
-                run_id,
-                org_id,
-                owner_id,
-            } => vec!["offered", run_id, org_id, owner_id],
-            DesktopNote::Changed { run_id, now: None } => vec!["changed", run_id],
-            DesktopNote::Changed {
-                run_id,
-                now: Some(now),
-            } => {
-                let count = now.event_count.to_string();
-                let fields = [
-                    "changed",
-                    run_id,
-                    &now.phase,
-                    flag(now.idle),
-                    &count,
-                    flag(now.passed_over),
-                    now.outcome_hex.as_deref().unwrap_or(""),
-                ];
-                return serde_json::to_string(&fields).unwrap_or_default();
-            }
-            DesktopNote::GivenBack { run_id } => vec!["given_back", run_id],
-            DesktopNote::Cancelled { run_id } => vec!["cancelled", run_id],
-            DesktopNote::Released => vec!["released"],
-        };
-        serde_json::to_string(&fields).unwrap_or_default()
+        serde_json::to_string(self).unwrap_or_default()
     }
 
     fn decode(line: &str) -> Option<DesktopNote> {
-        let fields: Vec<String> = serde_json::from_str(line).ok()?;
-        let mut f = fields.into_iter();
-        let kind = f.next()?;
-        let mut next = || f.next();
-        Some(match kind.as_str() {
-            "offered" => DesktopNote::Offered {
-                run_id: next()?,
-                org_id: next()?,
-                owner_id: next()?,
-            },
-            "changed" => {
-                let run_id = next()?;
-                let now = match next() {
-                    None => None,
-                    Some(phase) => Some(AssignmentState {
-                        phase,
-                        idle: next()? == "1",
-                        event_count: next()?.parse().ok()?,
-                        passed_over: next()? == "1",
-                        outcome_hex: next().filter(|o| !o.is_empty()),
-                    }),
-                };
-                DesktopNote::Changed { run_id, now }
-            }
-            "given_back" => DesktopNote::GivenBack { run_id: next()? },
-            "cancelled" => DesktopNote::Cancelled { run_id: next()? },
-            "released" => DesktopNote::Released,
-            _ => return None,
-        })
+        serde_json::from_str(line).ok()
     }
 
     /// `notes` as NOTIFY payloads: lines, each payload under the bound (a
@@ -269,25 +236,195 @@ pub enum Heard {
     Nothing,
 }
 
+/// The `application_name` of every LISTEN connection, so an operator (and
+/// a test) can tell them from the pool's connections in
+/// `pg_stat_activity`.
+pub const LISTEN_APPLICATION_NAME: &str = "automesh-listen";
+
+/// The first reconnection after a lost LISTEN connection is immediate; the
+/// ones after a failed attempt wait this, doubling up to [`RETRY_MAX`],
+/// with jitter so that replicas do not come back in step.
+const RETRY_FIRST: Duration = Duration::from_millis(100);
+const RETRY_MAX: Duration = Duration::from_secs(5);
+/// Bound on one connection attempt.
+const CONNECT_BOUND: Duration = Duration::from_secs(10);
+
+/// What a LISTEN connection hands its listener.
+#[derive(Debug)]
+enum Received {
+    /// A notification's payload.
+    Payload(String),
+    /// The connection was lost (or could not be made) and is back: what
+    /// was sent meanwhile is gone, so the listener catches up once.
+    Reconnected,
+}
+
+/// One LISTEN connection of one topic, the single listener under every
+/// watcher: a task of its own that holds sqlx's [`PgListener`], and when
+/// the connection is lost logs it, reconnects with backoff, counts the
+/// reconnection (`automesh.db.listen.reconnects`, Prometheus
+/// `automesh_db_listen_reconnects_total`) and tells its listener to catch
+/// up. The task ends with the listener.
+struct Listen {
+    received: mpsc::Receiver<Received>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Listen {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Listen {
+    /// Listens on `topic`; returns once the first attempt to connect has
+    /// succeeded (so nothing sent after it is missed) or failed (then it
+    /// keeps trying in the background, and says so when it is back).
+    async fn start(url: &str, topic: Topic) -> Listen {
+        let first = connect_listener(url, topic).await;
+        if let Err(error) = &first {
+            tracing::warn!(%error, ?topic, "cannot LISTEN yet; retrying, polling meanwhile");
+        }
+        let (sender, received) = mpsc::channel(1024);
+        let task = tokio::spawn(listening(url.to_owned(), topic, first.ok(), sender));
+        Listen { received, task }
+    }
+
+    /// The next thing received; `None` never comes while the task runs.
+    async fn recv(&mut self) -> Option<Received> {
+        self.received.recv().await
+    }
+
+    /// Everything received so far, dropped.
+    fn drain(&mut self) {
+        while self.received.try_recv().is_ok() {}
+    }
+}
+
+/// Reconnections of LISTEN connections after a loss.
+fn reconnects() -> &'static opentelemetry::metrics::Counter<u64> {
+    static COUNTER: std::sync::OnceLock<opentelemetry::metrics::Counter<u64>> =
+        std::sync::OnceLock::new();
+    COUNTER.get_or_init(|| {
+        opentelemetry::global::meter("automesh")
+            .u64_counter("automesh.db.listen.reconnects")
+            .with_description(
+                "LISTEN connections made again after one was lost; each is followed by one catch-up pass",
+            )
+            .build()
+    })
+}
+
+/// `base` less up to a half, at random.
+fn jittered(base: Duration) -> Duration {
+    let spread = base.as_millis() as u64 / 2;
+    let random = (uuid::Uuid::new_v4().as_u128() as u64) % spread.max(1);
+    base - Duration::from_millis(random)
+}
+
+/// The task of one [`Listen`].
+async fn listening(
+    url: String,
+    topic: Topic,
+    mut connection: Option<PgListener>,
+    sender: mpsc::Sender<Received>,
+) {
+    let mut retry = RETRY_FIRST;
+    loop {
+        let mut listener = match connection.take() {
+            Some(l) => l,
+            None => match connect_listener(&url, topic).await {
+                Ok(l) => {
+                    retry = RETRY_FIRST;
+                    reconnects().add(
+                        1,
+                        &[opentelemetry::KeyValue::new("topic", topic.pg_channel())],
+                    );
+                    tracing::info!(?topic, "LISTEN connection back; catching up");
+                    if sender.send(Received::Reconnected).await.is_err() {
+                        return;
+                    }
+                    l
+                }
+                Err(error) => {
+                    let wait = jittered(retry);
+                    tracing::warn!(%error, ?topic, retry_in_ms = wait.as_millis() as u64, "cannot LISTEN; retrying, polling meanwhile");
+                    tokio::time::sleep(wait).await;
+                    retry = (retry * 2).min(RETRY_MAX);
+                    continue;
+                }
+            },
+        };
+        let error = loop {
+            match listener.try_recv().await {
+                Ok(Some(n)) => {
+                    let payload = Received::Payload(n.payload().to_owned());
+                    if sender.send(payload).await.is_err() {
+                        return;
+                    }
+                }
+                Ok(None) => break "connection closed".to_owned(),
+                Err(error) => break error.to_string(),
+            }
+        };
+        tracing::warn!(%error, ?topic, "LISTEN connection lost; reconnecting");
+    }
+}
+
+/// A LISTEN connection of its own (a pool of one that never expires it),
+/// named [`LISTEN_APPLICATION_NAME`], listening on `topic`. Lost, it is
+/// dropped and made again: reconnection is [`listening`]'s, not sqlx's.
+async fn connect_listener(url: &str, topic: Topic) -> std::result::Result<PgListener, sqlx::Error> {
+    let options: PgConnectOptions = url.parse()?;
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .min_connections(0)
+        .max_lifetime(None)
+        .idle_timeout(None)
+        .acquire_timeout(CONNECT_BOUND)
+        .connect_with(options.application_name(LISTEN_APPLICATION_NAME))
+        .await?;
+    let mut l = PgListener::connect_with(&pool).await?;
+    l.eager_reconnect(false);
+    l.ignore_pool_close_event(true);
+    l.listen(topic.pg_channel()).await?;
+    Ok(l)
+}
+
+/// Sends `payload` on `topic`'s channel through `db` (a pool, or a
+/// transaction: then it is delivered at commit). Every notification sent
+/// from Rust goes through here.
+pub(crate) async fn notify<'e, E>(db: E, topic: Topic, payload: &str) -> sqlx::Result<()>
+where
+    E: sqlx::Executor<'e, Database = sqlx::Any>,
+{
+    sqlx::query("SELECT pg_notify($1, $2)")
+        .bind(topic.pg_channel())
+        .bind(payload)
+        .execute(db)
+        .await
+        .map(|_| ())
+}
+
 /// Hears desktop notes: from NOTIFY on PostgreSQL, in-process on SQLite.
 pub struct DesktopListener {
     local: broadcast::Receiver<DesktopNote>,
-    listener: Option<PgListener>,
-    backend: Backend,
+    listen: Option<Listen>,
 }
 
 impl std::fmt::Debug for DesktopListener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DesktopListener")
-            .field("listening", &self.listener.is_some())
+            .field("listening", &self.listen.is_some())
             .finish()
     }
 }
 
 impl DesktopListener {
-    /// The next notes, or `Nothing` after `max`.
+    /// The next notes, or `Nothing` after `max`; `Missed` after a lost
+    /// LISTEN connection came back (look at everything once).
     pub async fn next(&mut self, max: Duration) -> Heard {
-        if self.backend == Backend::Sqlite {
+        let Some(listen) = self.listen.as_mut() else {
             let first = match tokio::time::timeout(max, self.local.recv()).await {
                 Err(_) => return Heard::Nothing,
                 Ok(Err(broadcast::error::RecvError::Lagged(_))) => return Heard::Missed,
@@ -302,21 +439,13 @@ impl DesktopListener {
                     Err(_) => return Heard::Notes(notes),
                 }
             }
-        }
-        let Some(listener) = self.listener.as_mut() else {
-            tokio::time::sleep(max).await;
-            return Heard::Nothing;
         };
-        match tokio::time::timeout(max, listener.recv()).await {
-            Err(_) => Heard::Nothing,
-            Ok(Ok(n)) => DesktopNote::parse(n.payload()).map_or(Heard::Missed, Heard::Notes),
-            Ok(Err(error)) => {
-                // sqlx connects again on the next receive; what was sent
-                // meanwhile is lost.
-                tracing::warn!(%error, "LISTEN connection lost; reconnecting");
-                tokio::time::sleep(max.min(Duration::from_millis(200))).await;
-                Heard::Missed
+        match tokio::time::timeout(max, listen.recv()).await {
+            Err(_) | Ok(None) => Heard::Nothing,
+            Ok(Some(Received::Payload(p))) => {
+                DesktopNote::parse(&p).map_or(Heard::Missed, Heard::Notes)
             }
+            Ok(Some(Received::Reconnected)) => Heard::Missed,
         }
     }
 }
@@ -339,7 +468,7 @@ pub(crate) fn process_token() -> &'static str {
 pub struct Watcher {
     topic: Topic,
     seen: u64,
-    listener: Option<PgListener>,
+    listen: Option<Listen>,
 }
 
 /// The watcher coordinators use for new runs.
@@ -349,55 +478,42 @@ impl std::fmt::Debug for Watcher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Watcher")
             .field("topic", &self.topic)
-            .field("listening", &self.listener.is_some())
+            .field("listening", &self.listen.is_some())
             .finish()
     }
 }
 
 impl Store {
     /// A watcher of run creation; on PostgreSQL it also listens for other
-    /// processes (falling back to polling alone if it cannot).
+    /// processes.
     pub async fn watch_new_runs(&self) -> RunWatcher {
         self.watch(Topic::Runs).await
     }
 
     /// A watcher of `topic`; on PostgreSQL it also listens for other
-    /// processes (falling back to polling alone if it cannot).
+    /// processes, on a LISTEN connection that reconnects when lost.
     pub async fn watch(&self, topic: Topic) -> Watcher {
-        let listener = match self.backend() {
-            Backend::Postgres => match connect_listener(self.url(), topic).await {
-                Ok(l) => Some(l),
-                Err(error) => {
-                    tracing::warn!(%error, ?topic, "cannot LISTEN; polling only");
-                    None
-                }
-            },
+        let listen = match self.backend() {
+            Backend::Postgres => Some(Listen::start(self.url(), topic).await),
             Backend::Sqlite => None,
         };
         Watcher {
             topic,
             seen: topic.channel().generation.load(Ordering::SeqCst),
-            listener,
+            listen,
         }
     }
 
     /// A listener of desktop notes; on PostgreSQL a LISTEN connection of its
-    /// own (polling alone, hearing nothing, if it cannot connect).
+    /// own that reconnects when lost.
     pub async fn listen_desktop(&self) -> DesktopListener {
-        let listener = match self.backend() {
-            Backend::Postgres => match connect_listener(self.url(), Topic::Desktop).await {
-                Ok(l) => Some(l),
-                Err(error) => {
-                    tracing::warn!(%error, "cannot LISTEN for desktop notes; polling only");
-                    None
-                }
-            },
+        let listen = match self.backend() {
+            Backend::Postgres => Some(Listen::start(self.url(), Topic::Desktop).await),
             Backend::Sqlite => None,
         };
         DesktopListener {
             local: local_notes().subscribe(),
-            listener,
-            backend: self.backend(),
+            listen,
         }
     }
 
@@ -411,12 +527,7 @@ impl Store {
             return;
         }
         for payload in DesktopNote::payloads(notes) {
-            let sent = sqlx::query("SELECT pg_notify($1, $2)")
-                .bind(Topic::Desktop.pg_channel())
-                .bind(payload)
-                .execute(self.db())
-                .await;
-            if let Err(error) = sent {
+            if let Err(error) = notify(self.db(), Topic::Desktop, &payload).await {
                 // Only a hint: replicas poll as well.
                 tracing::warn!(%error, "cannot send desktop notes");
             }
@@ -432,20 +543,10 @@ impl Store {
                 Topic::Runs => process_token(),
                 Topic::Desktop => "",
             };
-            sqlx::query("SELECT pg_notify($1, $2)")
-                .bind(topic.pg_channel())
-                .bind(payload)
-                .execute(self.db())
-                .await?;
+            notify(self.db(), topic, payload).await?;
         }
         Ok(())
     }
-}
-
-async fn connect_listener(url: &str, topic: Topic) -> std::result::Result<PgListener, sqlx::Error> {
-    let mut l = PgListener::connect(url).await?;
-    l.listen(topic.pg_channel()).await?;
-    Ok(l)
 }
 
 impl Watcher {
@@ -455,14 +556,15 @@ impl Watcher {
     /// only for news after the read.
     pub fn consume(&mut self) {
         self.seen = self.topic.channel().generation.load(Ordering::SeqCst);
-        if let Some(l) = self.listener.as_mut() {
-            while l.next_buffered().is_some() {}
+        if let Some(l) = self.listen.as_mut() {
+            l.drain();
         }
     }
 
     /// Returns when the topic was signalled since the last call (or
-    /// [`Watcher::consume`]), or after `max`. A notification this process
-    /// sent is not news: its in-process signal came first.
+    /// [`Watcher::consume`]), when a lost LISTEN connection came back (the
+    /// caller's read is the catch-up), or after `max`. A notification this
+    /// process sent is not news: its in-process signal came first.
     pub async fn wait(&mut self, max: Duration) {
         let channel = self.topic.channel();
         let notified = channel.notify.notified();
@@ -474,21 +576,14 @@ impl Watcher {
             return;
         }
         let remote = async {
-            match self.listener.as_mut() {
-                Some(l) => {
-                    let lost = loop {
-                        match l.recv().await {
-                            Ok(n) if n.payload() == process_token() => {}
-                            Ok(_) => break None,
-                            Err(error) => break Some(error),
-                        }
-                    };
-                    if let Some(error) = lost {
-                        tracing::warn!(%error, "LISTEN connection lost; polling only");
-                        self.listener = None;
-                        std::future::pending::<()>().await;
+            match self.listen.as_mut() {
+                Some(l) => loop {
+                    match l.recv().await {
+                        Some(Received::Payload(p)) if p == process_token() => {}
+                        Some(_) => break,
+                        None => std::future::pending::<()>().await,
                     }
-                }
+                },
                 None => std::future::pending::<()>().await,
             }
         };

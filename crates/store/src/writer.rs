@@ -463,11 +463,7 @@ async fn commit(store: &Db, batch: &[Pending]) -> std::result::Result<Vec<Answer
     }
     if store.backend == Backend::Postgres {
         for payload in DesktopNote::payloads(&notes) {
-            let notified = sqlx::query("SELECT pg_notify($1, $2)")
-                .bind(Topic::Desktop.pg_channel())
-                .bind(payload)
-                .execute(&mut *tx)
-                .await;
+            let notified = crate::signal::notify(&mut *tx, Topic::Desktop, &payload).await;
             if let Err(error) = notified {
                 let _ = tx.rollback().await;
                 return Err(Poisoned(error.into()));

@@ -84,7 +84,7 @@ async fn an_offer_elsewhere_is_heard_as_a_note_naming_its_owner() {
             Heard::Nothing => {}
         }
     }
-    heard.sort();
+    heard.sort_by_key(|n| format!("{n:?}"));
     let offered = |run: &str| DesktopNote::Offered {
         run_id: run.into(),
         org_id: "org-n".into(),
@@ -131,6 +131,7 @@ async fn an_offer_elsewhere_is_heard_as_a_note_naming_its_owner() {
 /// finished and idle with its outcome.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_report_elsewhere_is_heard_with_what_the_assignment_now_is() {
+    use automesh_store::desktop::DesktopPhase;
     use automesh_store::desktop::{Claim, RunnerReport};
     use automesh_store::{AssignmentState, DesktopNote, Heard};
     let db = TestDatabase::new(Backend::Postgres)
@@ -176,10 +177,10 @@ async fn a_report_elsewhere_is_heard_with_what_the_assignment_now_is() {
             Heard::Nothing => {}
         }
     }
-    let state = |phase: &str, idle, outcome: Option<&str>| DesktopNote::Changed {
+    let state = |phase: DesktopPhase, idle, outcome: Option<&str>| DesktopNote::Changed {
         run_id: "run-r".into(),
         now: Some(AssignmentState {
-            phase: phase.into(),
+            phase,
             idle,
             event_count: 0,
             passed_over: false,
@@ -189,8 +190,8 @@ async fn a_report_elsewhere_is_heard_with_what_the_assignment_now_is() {
     assert_eq!(
         changed,
         vec![
-            state("running", false, None),
-            state("finished", true, Some("0102ab"))
+            state(DesktopPhase::Running, false, None),
+            state(DesktopPhase::Finished, true, Some("0102ab"))
         ]
     );
     if let DesktopNote::Changed { now: Some(s), .. } = &changed[1] {
@@ -238,6 +239,51 @@ async fn a_run_watcher_hears_other_processes_and_not_its_own_echo() {
     assert!(
         notify_until_woken(&other, "automesh_runs", "elsewhere", &woken).await,
         "the watcher never heard another process"
+    );
+    db.remove().await.expect("remove");
+}
+
+/// Item 2 of issue 31: a LISTEN connection terminated by the server comes
+/// back. The desktop listener hears `Missed` (look at everything once), a
+/// watcher wakes (its caller's read is the catch-up), and a NOTIFY sent
+/// after the reconnection is heard again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_listen_connection_reconnects_and_catches_up() {
+    use automesh_store::{Heard, LISTEN_APPLICATION_NAME};
+    let db = TestDatabase::new(Backend::Postgres)
+        .await
+        .expect("test database (is PostgreSQL running? see README)");
+    let mut listener = db.store.listen_desktop().await;
+    let mut watcher = db.store.watch(Topic::Runs).await;
+    let other = Store::connect_lazy(&db.url, StoreOptions::default()).expect("pool");
+    let cut: i64 = sqlx::query_scalar(
+        "SELECT COUNT(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE datname = current_database() AND application_name = $1",
+    )
+    .bind(LISTEN_APPLICATION_NAME)
+    .fetch_one(other.pool())
+    .await
+    .expect("terminate");
+    assert_eq!(cut, 2, "one LISTEN connection per listener");
+    let mut heard = Heard::Nothing;
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(30);
+    while heard == Heard::Nothing && tokio::time::Instant::now() < give_up {
+        heard = listener.next(Duration::from_secs(1)).await;
+    }
+    assert_eq!(heard, Heard::Missed, "a reconnection is a catch-up");
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        watcher.wait(Duration::from_secs(3600)),
+    )
+    .await
+    .expect("the watcher wakes for its catch-up after the reconnection");
+    // Listening again: a notification from elsewhere wakes it.
+    let woken = tokio::spawn(async move {
+        watcher.wait(Duration::from_secs(3600)).await;
+    });
+    assert!(
+        notify_until_woken(&other, "automesh_runs", "elsewhere", &woken).await,
+        "the watcher did not listen again after the reconnection"
     );
     db.remove().await.expect("remove");
 }

@@ -24,9 +24,6 @@ use tracing::Instrument;
 use crate::outbound::{cancel_message, run_span, send, send_assignment, spec_of, stored_run_span};
 use crate::stream::Sessions;
 
-/// How often a replica looks for work even without a signal.
-pub(crate) const POLL: Duration = Duration::from_secs(1);
-
 /// How long a replica that stopped beating is remembered (its streams then
 /// read as last seen when they opened).
 const FORGET_REPLICAS: chrono::Duration = chrono::Duration::days(7);
@@ -81,6 +78,8 @@ pub struct Dispatch {
     observed: Mutex<HashMap<String, Observed>>,
     cancels_sent: Mutex<HashSet<(u64, String)>>,
     accept_within: Duration,
+    /// How often it looks for work even without a note.
+    poll: Duration,
     claiming: Mutex<HashSet<String>>,
     awaiting: Mutex<HashMap<String, Awaiting>>,
 }
@@ -128,17 +127,24 @@ impl Drop for RunWake<'_> {
 
 impl Default for Dispatch {
     fn default() -> Self {
-        Self::new(crate::stream::StreamSettings::default().accept_within)
+        let settings = crate::stream::StreamSettings::default();
+        Self::new(settings.accept_within, settings.dispatch_poll)
     }
 }
 
 impl Dispatch {
-    pub fn new(accept_within: Duration) -> Self {
+    /// How often it looks for work even without a note.
+    pub(crate) fn poll(&self) -> Duration {
+        self.poll
+    }
+
+    pub fn new(accept_within: Duration, poll: Duration) -> Self {
         Self {
             pass_wanted: Notify::new(),
             observed: Mutex::default(),
             cancels_sent: Mutex::default(),
             accept_within,
+            poll,
             claiming: Mutex::default(),
             awaiting: Mutex::default(),
         }
@@ -315,7 +321,7 @@ impl Dispatch {
         let mut listener = store.listen_desktop().await;
         loop {
             let heard = tokio::select! {
-                heard = listener.next(POLL) => heard,
+                heard = listener.next(self.poll) => heard,
                 () = shutdown.cancelled() => return,
             };
             let notes = match heard {
@@ -415,7 +421,9 @@ impl Dispatch {
                     }
                 }
             }
-            if !sessions.is_empty() && revocations_checked.is_none_or(|at| at.elapsed() >= POLL) {
+            if !sessions.is_empty()
+                && revocations_checked.is_none_or(|at| at.elapsed() >= self.poll)
+            {
                 revocations_checked = Some(tokio::time::Instant::now());
                 let checked = Utc::now();
                 match store.runners_revoked_since(revoked_after).await {
@@ -451,7 +459,7 @@ impl Dispatch {
             {
                 tracing::warn!(%error, "cannot give back unaccepted assignments");
             }
-            if orphans_checked.is_none_or(|at| at.elapsed() >= POLL) {
+            if orphans_checked.is_none_or(|at| at.elapsed() >= self.poll) {
                 orphans_checked = Some(tokio::time::Instant::now());
                 if let Err(error) = self.expire_orphaned(&store).await {
                     tracing::warn!(%error, "cannot give back orphaned claims");
@@ -464,7 +472,7 @@ impl Dispatch {
             }
             tokio::select! {
                 () = wanted => {}
-                () = tokio::time::sleep(POLL) => {}
+                () = tokio::time::sleep(self.poll) => {}
                 () = shutdown.cancelled() => return,
             }
         }

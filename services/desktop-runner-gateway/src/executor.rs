@@ -24,7 +24,7 @@ use prost::Message as _;
 use tonic::Status;
 use tracing::Instrument;
 
-use crate::dispatch::{Dispatch, POLL};
+use crate::dispatch::Dispatch;
 
 /// Events one `ObserveRun` read takes.
 const EVENTS_PAGE: u32 = 256;
@@ -54,14 +54,14 @@ impl Seen {
         }
     }
 
-    fn told(state: &AssignmentState) -> Option<Seen> {
-        Some(Seen {
-            phase: state.phase.parse().ok()?,
+    fn told(state: &AssignmentState) -> Seen {
+        Seen {
+            phase: state.phase,
             idle: state.idle,
             event_count: state.event_count,
             passed_over: state.passed_over,
             outcome: state.outcome(),
-        })
+        }
     }
 
     /// How far along it is: an assignment only ever moves forward, so a
@@ -160,7 +160,7 @@ impl Executor for DesktopExecutor {
                 // as they are appended).
                 let told = wake
                     .told()
-                    .and_then(|t| Seen::told(&t))
+                    .map(|t| Seen::told(&t))
                     .filter(|t| seen.is_none_or(|s| t.progress() >= s));
                 let read = async {
                     let a = match told {
@@ -241,7 +241,7 @@ impl Executor for DesktopExecutor {
                 // Woken by a change of this run on any replica, never idle
                 // longer than the poll interval (the coordinator's bounds do
                 // the rest).
-                if !observer.wait(changed, POLL).await {
+                if !observer.wait(changed, dispatch.poll()).await {
                     return;
                 }
             }

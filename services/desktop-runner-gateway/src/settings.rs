@@ -31,6 +31,13 @@ pub struct StreamSettings {
     /// it).
     #[arg(long = "accept-within", env = "AUTOMESH_RUNNER_ACCEPT_WITHIN", default_value = "10s", value_parser = automesh_rpc::runtime::parse_duration)]
     pub accept_within: Duration,
+    /// How often a replica looks for desktop work it was not told about
+    /// (offers, given-back claims, cancellations, revoked runners, a run's
+    /// change): the fallback for a lost notification. Notes (LISTEN/NOTIFY
+    /// on PostgreSQL) bring work at once; a lost LISTEN connection is made
+    /// again and followed by one look at everything.
+    #[arg(long = "dispatch-poll", env = "AUTOMESH_RUNNER_DISPATCH_POLL", default_value = "1s", value_parser = automesh_rpc::runtime::parse_duration)]
+    pub dispatch_poll: Duration,
     /// What serves the runner listener's HTTP/2 connections: `lean` (ours,
     /// which keeps no buffers on an idle connection: about 12 KiB per idle
     /// runner instead of about 31) or `hyper` (hyper's, as every other
@@ -68,6 +75,7 @@ impl StreamSettings {
             (self.hello_timeout, "AUTOMESH_RUNNER_HELLO_TIMEOUT"),
             (self.report_timeout, "AUTOMESH_RUNNER_REPORT_TIMEOUT"),
             (self.accept_within, "AUTOMESH_RUNNER_ACCEPT_WITHIN"),
+            (self.dispatch_poll, "AUTOMESH_RUNNER_DISPATCH_POLL"),
         ] {
             anyhow::ensure!(!bound.is_zero(), "{what} must be longer than 0");
         }

@@ -231,7 +231,10 @@ impl RunnerStreams {
             store,
             settings: settings.clone(),
             sessions: Arc::default(),
-            dispatch: Arc::new(Dispatch::new(settings.accept_within)),
+            dispatch: Arc::new(Dispatch::new(
+                settings.accept_within,
+                settings.dispatch_poll,
+            )),
             shutdown,
         }
     }

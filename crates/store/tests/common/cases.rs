@@ -2059,7 +2059,7 @@ pub async fn many_reports_and_offers_joined_each_as_alone(store: &Store) {
             .await
             .expect("read")
             .expect("offered");
-        assert_eq!(now.phase, held.phase.to_string(), "{run_id}");
+        assert_eq!(now.phase, held.phase, "{run_id}");
         assert_eq!(now.idle, held.idle, "{run_id}");
         assert_eq!(now.outcome(), held.outcome, "{run_id}");
         assert_eq!(now.event_count, 0, "{run_id}");
