@@ -424,7 +424,7 @@ async fn the_mesh_keeps_its_promises_under_seeded_faults() {
 
     // No prompt reached the model twice.
     let mut submitted: HashMap<String, usize> = HashMap::new();
-    for body in model.bodies.lock().expect("bodies").iter() {
+    for body in model.bodies.lock().iter() {
         let prompt = body["messages"]
             .as_array()
             .into_iter()

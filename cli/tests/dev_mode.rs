@@ -1186,13 +1186,7 @@ async fn a_configured_provider_and_connect_endpoint_replace_the_demo_ones() {
         receipt.provider_model, "gpt-4.1-mini",
         "the catalogue's name, no demo"
     );
-    assert!(
-        fake.auth
-            .lock()
-            .expect("lock")
-            .iter()
-            .all(|a| a == "Bearer sk-configured")
-    );
+    assert!(fake.auth.lock().iter().all(|a| a == "Bearer sk-configured"));
     drop(dev);
 }
 

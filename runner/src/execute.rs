@@ -2,8 +2,9 @@
 //! deadline, its events journaled and streamed to the gateway as they come,
 //! and its result journaled before it is reported.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use automesh_engine::adapter::{EngineAdapter, EngineRequest};
 use automesh_proto::runner::v1 as rpb;
@@ -55,9 +56,7 @@ pub(crate) async fn execute(
     if let Err(error) = record.finish(&run_id, &result) {
         tracing::error!(%error, "cannot record the result");
     }
-    if let Ok(mut a) = active.lock() {
-        a.remove(&run_id);
-    }
+    active.lock().remove(&run_id);
     send_current(&outbox, up(Up::RunFinished(result))).await;
     if cancel.is_cancelled() {
         send_current(&outbox, up(Up::IdleObserved(rpb::IdleObserved { run_id }))).await;

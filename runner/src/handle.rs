@@ -104,9 +104,7 @@ impl Runner {
     pub(crate) fn start(&self, a: rpb::Assignment) {
         let run_id = a.run_id.clone();
         let cancel = CancellationToken::new();
-        if let Ok(mut active) = self.active.lock() {
-            active.insert(run_id.clone(), cancel.clone());
-        }
+        self.active.lock().insert(run_id.clone(), cancel.clone());
         self.stats.executions.fetch_add(1, Ordering::SeqCst);
         let span = tracing::info_span!("automesh.runner.run", run_id = %run_id, engine = self.engine.engine_id());
         automesh_rpc::propagation::continue_trace(&span, Some(a.traceparent.as_str()));
@@ -117,7 +115,8 @@ impl Runner {
         let task = tokio::spawn(
             execute::execute(engine, record, active, outbox, a, cancel).instrument(span),
         );
-        if let Ok(mut engines) = self.engines.lock() {
+        {
+            let mut engines = self.engines.lock();
             engines.retain(|e| !e.is_finished());
             engines.push(task.abort_handle());
         }
@@ -128,11 +127,7 @@ impl Runner {
         c: &rpb::CancelAssignment,
         tx: &mpsc::Sender<rpb::ConnectRequest>,
     ) {
-        let token = self
-            .active
-            .lock()
-            .ok()
-            .and_then(|a| a.get(&c.run_id).cloned());
+        let token = self.active.lock().get(&c.run_id).cloned();
         // Said in the run's trace (the journal keeps it).
         let span = self.run_span("automesh.runner.cancel", &c.run_id);
         let in_run = |say: &dyn Fn()| match &span {

@@ -32,10 +32,11 @@ mod execute;
 mod handle;
 mod link;
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use automesh_domain::ErrorCode;
@@ -131,10 +132,8 @@ pub struct Runner {
 
 impl Drop for Runner {
     fn drop(&mut self) {
-        if let Ok(engines) = self.engines.lock() {
-            for e in engines.iter() {
-                e.abort();
-            }
+        for e in self.engines.lock().iter() {
+            e.abort();
         }
     }
 }
@@ -235,9 +234,7 @@ impl Runner {
                 e = self.stream_once(&gateway, &shutdown) => e,
                 () = shutdown.cancelled() => break,
             };
-            if let Ok(mut o) = self.outbox.lock() {
-                *o = None;
-            }
+            *self.outbox.lock() = None;
             if self.stats.connections.load(Ordering::SeqCst) > welcomed_before {
                 backoff = self.settings.reconnect_min;
             }
@@ -251,10 +248,8 @@ impl Runner {
         }
         // Stop the engines; their results stay in the record and are
         // reported on the next connection.
-        if let Ok(active) = self.active.lock() {
-            for token in active.values() {
-                token.cancel();
-            }
+        for token in self.active.lock().values() {
+            token.cancel();
         }
     }
 
@@ -326,9 +321,7 @@ impl Runner {
             .unwrap_or(Duration::from_secs(3));
         let ping_liveness = welcome.ping_liveness;
         tracing::info!(runner_id = %welcome.runner_id, gateway, ?interval, ping_liveness, "runner connected");
-        if let Ok(mut o) = self.outbox.lock() {
-            *o = Some(tx.clone());
-        }
+        *self.outbox.lock() = Some(tx.clone());
         let stream_done = CancellationToken::new();
         let _stop_heartbeats = stream_done.clone().drop_guard();
         if !ping_liveness {
@@ -418,7 +411,7 @@ impl Runner {
     }
 
     fn is_active(&self, run_id: &str) -> bool {
-        self.active.lock().is_ok_and(|a| a.contains_key(run_id))
+        self.active.lock().contains_key(run_id)
     }
 }
 
@@ -433,7 +426,7 @@ async fn send_current(
     outbox: &Mutex<Option<mpsc::Sender<rpb::ConnectRequest>>>,
     m: rpb::ConnectRequest,
 ) {
-    let tx = outbox.lock().ok().and_then(|o| o.clone());
+    let tx = outbox.lock().clone();
     if let Some(tx) = tx {
         // Not sent now is sent after the next connect, from the record.
         send(&tx, m).await;

@@ -396,7 +396,7 @@ pub struct StubRunners {
     /// HTTP/2 PING liveness (as the reference runner asks), or heartbeats.
     pub ping_liveness: bool,
     /// Why streams ended: the cause's first words, and how many.
-    causes: std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<String, usize>>>,
+    causes: std::sync::Arc<parking_lot::Mutex<std::collections::BTreeMap<String, usize>>>,
 }
 
 /// Received assignments, as [`StubRunners`] reports them.
@@ -426,15 +426,12 @@ impl StubRunners {
 
     /// Why streams ended so far, e.g. `connect: … (12)`; empty if none did.
     pub fn ended_causes(&self) -> String {
-        self.causes.lock().map_or_else(
-            |_| String::new(),
-            |c| {
-                c.iter()
-                    .map(|(k, n)| format!("{k}… ({n})"))
-                    .collect::<Vec<_>>()
-                    .join("; ")
-            },
-        )
+        self.causes
+            .lock()
+            .iter()
+            .map(|(k, n)| format!("{k}… ({n})"))
+            .collect::<Vec<_>>()
+            .join("; ")
     }
 
     /// Streams welcomed or ended so far.
@@ -459,7 +456,8 @@ impl StubRunners {
             self.ended.fetch_add(1, Ordering::SeqCst);
             let why = why.to_string();
             let kind: String = why.chars().take(60).collect();
-            if let Ok(mut causes) = self.causes.lock() {
+            {
+                let mut causes = self.causes.lock();
                 let n = causes.entry(kind).or_default();
                 if *n == 0 {
                     eprintln!("bench: a runner stream ended: {why}");

@@ -2,8 +2,9 @@
 //! gRPC on loopback, with scripted behaviours, counting every submission so
 //! tests can prove a prompt was submitted exactly once.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use automesh_proto::executor::v1 as epb;
@@ -79,14 +80,13 @@ impl TestExecutor {
     }
 
     pub fn set_behavior(&self, behavior: Behavior) {
-        *self.behavior.lock().expect("lock") = behavior;
+        *self.behavior.lock() = behavior;
     }
 
     /// How many times the message was submitted (not merely observed).
     pub fn submissions(&self, message_id: &str) -> usize {
         self.state
             .lock()
-            .expect("lock")
             .submissions
             .get(message_id)
             .copied()
@@ -95,14 +95,13 @@ impl TestExecutor {
 
     /// Every message id submitted, with its count.
     pub fn all_submissions(&self) -> HashMap<String, usize> {
-        self.state.lock().expect("lock").submissions.clone()
+        self.state.lock().submissions.clone()
     }
 
     /// StartRun calls for a run, submitted or observed.
     pub fn start_calls(&self, run_id: &str) -> usize {
         self.state
             .lock()
-            .expect("lock")
             .start_calls
             .get(run_id)
             .copied()
@@ -111,14 +110,13 @@ impl TestExecutor {
 
     /// When each run's first StartRun arrived.
     pub fn first_starts(&self) -> HashMap<String, chrono::DateTime<chrono::Utc>> {
-        self.state.lock().expect("lock").first_start.clone()
+        self.state.lock().first_start.clone()
     }
 
     /// Whether the run was asked to cancel.
     pub fn was_cancelled(&self, run_id: &str) -> bool {
         self.state
             .lock()
-            .expect("lock")
             .runs
             .get(run_id)
             .is_some_and(|e| e.cancelled)
@@ -148,7 +146,7 @@ impl TestExecutor {
     /// The scripted execution of one run.
     async fn execute(self, run_id: String, behavior: Behavior) {
         let set = |f: &dyn Fn(&mut Execution)| {
-            if let Some(e) = self.state.lock().expect("lock").runs.get_mut(&run_id) {
+            if let Some(e) = self.state.lock().runs.get_mut(&run_id) {
                 f(e);
             }
         };
@@ -160,7 +158,6 @@ impl TestExecutor {
                     if self
                         .state
                         .lock()
-                        .expect("lock")
                         .runs
                         .get(&run_id)
                         .is_some_and(|e| e.cancelled)
@@ -210,9 +207,9 @@ impl TestExecutor {
 #[tonic::async_trait]
 impl Executor for TestExecutor {
     async fn start(&self, spec: epb::RunSpec) -> Result<(bool, epb::ExecutionStatus), Status> {
-        let behavior = self.behavior.lock().expect("lock").clone();
+        let behavior = self.behavior.lock().clone();
         let (submitted, status) = {
-            let mut state = self.state.lock().expect("lock");
+            let mut state = self.state.lock();
             *state.start_calls.entry(spec.run_id.clone()).or_default() += 1;
             state
                 .first_start
@@ -247,8 +244,8 @@ impl Executor for TestExecutor {
     }
 
     async fn cancel(&self, run_id: &str, _reason: &str) -> Result<epb::ExecutionStatus, Status> {
-        let ignore = matches!(*self.behavior.lock().expect("lock"), Behavior::IgnoreCancel);
-        let mut state = self.state.lock().expect("lock");
+        let ignore = matches!(*self.behavior.lock(), Behavior::IgnoreCancel);
+        let mut state = self.state.lock();
         let e = state
             .runs
             .get_mut(run_id)
@@ -267,7 +264,7 @@ impl Executor for TestExecutor {
     }
 
     async fn status(&self, run_id: &str) -> Result<epb::ExecutionStatus, Status> {
-        let state = self.state.lock().expect("lock");
+        let state = self.state.lock();
         Ok(state
             .runs
             .get(run_id)
@@ -281,7 +278,7 @@ impl Executor for TestExecutor {
 fn async_stream(state: Arc<Mutex<State>>, run_id: String, after: i64) -> ObserveStream {
     let (observer, stream) = automesh_rpc::executor::observe();
     let read = move |after: i64| {
-        let s = state.lock().expect("lock");
+        let s = state.lock();
         let e = s.runs.get(&run_id)?;
         let events = e.events.iter().filter(|ev| ev.sequence > after);
         Some((events.cloned().collect(), TestExecutor::execution_status(e)))
@@ -298,11 +295,6 @@ fn async_stream(state: Arc<Mutex<State>>, run_id: String, after: i64) -> Observe
 impl TestExecutor {
     /// The spec the run was started with (to check what reached the executor).
     pub fn spec_of(&self, run_id: &str) -> Option<epb::RunSpec> {
-        self.state
-            .lock()
-            .expect("lock")
-            .runs
-            .get(run_id)
-            .map(|x| x.spec.clone())
+        self.state.lock().runs.get(run_id).map(|x| x.spec.clone())
     }
 }

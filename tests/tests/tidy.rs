@@ -100,6 +100,52 @@ fn unavailable_and_internal_answers_are_built_only_at_the_error_edge() {
     );
 }
 
+/// One rule for locks (issue 31, item 4): production code takes
+/// `parking_lot` locks, which cannot poison, so no lock site chooses
+/// between skipping its work, panicking and recovering the guard. A panic
+/// while one is held (a bug) leaves the data as the panic left it, as a
+/// recovered std guard would, and the next taker goes on.
+#[test]
+fn production_code_takes_locks_that_cannot_poison() {
+    let root = workspace();
+    let mut files = vec![];
+    sources(&root, &mut files);
+    let poisoning = names_a_poisoning_lock;
+    let mut found = vec![];
+    for path in &files {
+        let relative = path.strip_prefix(&root).expect("below the root");
+        if is_test_code(relative) {
+            continue;
+        }
+        let text = std::fs::read_to_string(path).expect("readable source");
+        for (n, line) in text.lines().enumerate() {
+            if poisoning(line) {
+                found.push(format!("{}:{}: {}", relative.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "take parking_lot::{{Mutex, RwLock}} instead of std's: {found:#?}"
+    );
+}
+
+/// Whether `line` names one of std's poisoning locks.
+fn names_a_poisoning_lock(line: &str) -> bool {
+    if line.contains("PoisonError")
+        || line.contains("std::sync::Mutex")
+        || line.contains("std::sync::RwLock")
+    {
+        return true;
+    }
+    line.split_once("std::sync::{").is_some_and(|(_, rest)| {
+        let names = rest.split('}').next().unwrap_or_default();
+        names
+            .split(',')
+            .any(|n| matches!(n.trim(), "Mutex" | "RwLock" | "MutexGuard"))
+    })
+}
+
 /// Proto types never reach the store: the store crate does not even
 /// depend on the generated protobuf code (handlers convert at the edge).
 #[test]

@@ -2,7 +2,8 @@
 //! token and the internal host credential, and each call that does counts
 //! as contact from the lifecycle (for the orphan bound).
 
-use std::sync::{Arc, Mutex};
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::time::Duration;
 
 use automesh_rpc::auth::constant_time_eq;
@@ -25,19 +26,12 @@ pub(crate) struct Contact(Arc<Mutex<Option<std::time::Instant>>>);
 
 impl Contact {
     fn touch(&self) {
-        if let Ok(mut c) = self.0.lock() {
-            *c = Some(std::time::Instant::now());
-        }
+        *self.0.lock() = Some(std::time::Instant::now());
     }
 
     /// Time since the last call (or since `since`, before any call).
     pub(crate) fn silent_for(&self, since: std::time::Instant) -> Duration {
-        self.0
-            .lock()
-            .ok()
-            .and_then(|c| *c)
-            .unwrap_or(since)
-            .elapsed()
+        self.0.lock().unwrap_or(since).elapsed()
     }
 }
 

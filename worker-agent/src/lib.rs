@@ -22,9 +22,10 @@
 //!   an agent that hears no call for its orphan bound exits, as it does on
 //!   SIGTERM, SIGINT or `Shutdown`.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use automesh_domain::ErrorCode;
@@ -161,11 +162,13 @@ impl Agent {
     }
 
     fn thread(&self, thread_id: &str) -> apb::Thread {
-        self.threads
+        let known = self
+            .threads
             .lock()
-            .ok()
-            .and_then(|t| t.by_id.get(thread_id).map(|t| t.thread(thread_id)))
-            .unwrap_or_else(|| unknown(thread_id))
+            .by_id
+            .get(thread_id)
+            .map(|t| t.thread(thread_id));
+        known.unwrap_or_else(|| unknown(thread_id))
     }
 
     fn engine(&self, url: &str, token: &str) -> NativeEngine {
@@ -188,10 +191,7 @@ impl WorkerAgentService for Agent {
             ));
         }
         {
-            let threads = self
-                .threads
-                .lock()
-                .map_err(|e| status::internal("the threads", &e))?;
+            let threads = self.threads.lock();
             if let Some(thread_id) = threads.by_message.get(&req.message_id) {
                 let thread = threads
                     .by_id
@@ -220,10 +220,7 @@ impl WorkerAgentService for Agent {
         let cancel = self.stop.child_token();
         // Checked again under the lock that inserts: one execution per id.
         let raced = {
-            let mut threads = self
-                .threads
-                .lock()
-                .map_err(|e| status::internal("the threads", &e))?;
+            let mut threads = self.threads.lock();
             if threads.by_message.contains_key(&req.message_id) {
                 true
             } else {
@@ -285,9 +282,7 @@ impl WorkerAgentService for Agent {
         tokio::spawn(
             async move {
                 let append = |mut event: pb::RunEvent| {
-                    if let Ok(mut t) = threads.lock()
-                        && let Some(track) = t.by_id.get_mut(&thread_id)
-                    {
+                    if let Some(track) = threads.lock().by_id.get_mut(&thread_id) {
                         event.sequence = track.events.len() as i64 + 1;
                         track.events.push(event);
                     }
@@ -302,11 +297,10 @@ impl WorkerAgentService for Agent {
                     tracing::warn!("thread stopped with the agent");
                     return;
                 }
-                let finished = threads.lock().ok().and_then(|mut t| {
-                    let track = t.by_id.get_mut(&thread_id)?;
+                let finished = threads.lock().by_id.get_mut(&thread_id).map(|track| {
                     track.busy = false;
                     track.outcome = Some(finished_parts(&outcome));
-                    Some(track.thread(&thread_id))
+                    track.thread(&thread_id)
                 });
                 if let Some(thread) = finished
                     && let Err(error) = journal.finish(&run_id, &thread)
@@ -338,7 +332,7 @@ impl WorkerAgentService for Agent {
         let (observer, stream) = automesh_rpc::executor::updates();
         let thread_id = req.thread_id;
         let read = move |after: i64| {
-            let t = agent.threads.lock().ok()?;
+            let t = agent.threads.lock();
             let track = t.by_id.get(&thread_id)?;
             let events = track.events.iter().filter(|e| e.sequence > after);
             Some((events.cloned().collect(), track.thread(&thread_id)))
@@ -360,9 +354,7 @@ impl WorkerAgentService for Agent {
         request: Request<apb::CancelThreadRequest>,
     ) -> Result<Response<apb::CancelThreadResponse>, Status> {
         let req = request.into_inner();
-        if let Ok(t) = self.threads.lock()
-            && let Some(track) = t.by_id.get(&req.thread_id)
-        {
+        if let Some(track) = self.threads.lock().by_id.get(&req.thread_id) {
             track.cancel.cancel();
         }
         Ok(Response::new(apb::CancelThreadResponse {
@@ -431,8 +423,10 @@ impl WorkerAgentService for Agent {
         let busy = self
             .threads
             .lock()
-            .map(|t| t.by_id.values().filter(|t| t.busy).count())
-            .unwrap_or_default();
+            .by_id
+            .values()
+            .filter(|t| t.busy)
+            .count();
         Ok(Response::new(apb::KeepAliveResponse {
             agent_id: self.id.to_string(),
             pid: i64::from(std::process::id()),

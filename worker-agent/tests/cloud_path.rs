@@ -715,7 +715,7 @@ async fn cloud_runs_are_charged_at_the_catalogue_price_and_run_with_the_lifecycl
         (first.usage.input_tokens, first.usage.output_tokens),
         (107, 23)
     );
-    let bodies = env.provider.bodies.lock().expect("lock").clone();
+    let bodies = env.provider.bodies.lock().clone();
     assert_eq!(bodies.len(), 2);
     for body in &bodies {
         assert_eq!(body["model"], "echo", "the catalogue's provider name");

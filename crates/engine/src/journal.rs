@@ -16,10 +16,10 @@
 //! A torn last line (a crash mid-write) is ignored; the executor then only
 //! lacks that one event, never a run.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 use automesh_proto::v1 as pb;
 use serde::{Deserialize, Serialize};
@@ -252,7 +252,7 @@ impl<F: prost::Message + Default + Clone> Record<F> {
         traceparent: &str,
     ) -> Result<bool, RecordError> {
         self.check(run_id)?;
-        let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut runs = self.runs.lock();
         if runs.get(run_id).is_some_and(|r| r.held.is_none()) {
             return Ok(false);
         }
@@ -282,7 +282,7 @@ impl<F: prost::Message + Default + Clone> Record<F> {
         traceparent: &str,
     ) -> Result<bool, RecordError> {
         self.check(run_id)?;
-        let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut runs = self.runs.lock();
         if runs.contains_key(run_id) {
             return Ok(false);
         }
@@ -311,7 +311,7 @@ impl<F: prost::Message + Default + Clone> Record<F> {
     /// Lets go of a held run that never started (another executor has
     /// it); true when it was held. An accepted run is never let go here.
     pub fn let_go(&self, run_id: &str) -> bool {
-        let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut runs = self.runs.lock();
         if runs.get(run_id).is_some_and(|r| r.held.is_some()) {
             runs.remove(run_id);
             let _ = std::fs::remove_file(self.path(run_id));
@@ -323,7 +323,7 @@ impl<F: prost::Message + Default + Clone> Record<F> {
 
     /// Records an event of the run.
     pub fn event(&self, run_id: &str, event: &pb::RunEvent) -> Result<(), RecordError> {
-        let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut runs = self.runs.lock();
         self.append(
             run_id,
             &Line::Event {
@@ -338,7 +338,7 @@ impl<F: prost::Message + Default + Clone> Record<F> {
 
     /// Records the run's result.
     pub fn finish(&self, run_id: &str, finished: &F) -> Result<(), RecordError> {
-        let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut runs = self.runs.lock();
         let now = chrono::Utc::now();
         self.append(
             run_id,
@@ -356,7 +356,7 @@ impl<F: prost::Message + Default + Clone> Record<F> {
 
     /// Forgets a finished run the gateway no longer needs.
     pub fn forget(&self, run_id: &str) {
-        let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut runs = self.runs.lock();
         if runs.get(run_id).is_some_and(|r| r.finished.is_some()) {
             runs.remove(run_id);
             let _ = std::fs::remove_file(self.path(run_id));
@@ -365,18 +365,14 @@ impl<F: prost::Message + Default + Clone> Record<F> {
 
     /// One run's record.
     pub fn get(&self, run_id: &str) -> Option<RunRecord<F>> {
-        self.runs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(run_id)
-            .cloned()
+        self.runs.lock().get(run_id).cloned()
     }
 
     /// Every run recorded, after dropping finished ones past retention.
     pub fn all(&self) -> Vec<RunRecord<F>> {
         let cutoff = chrono::Utc::now() - KEEP_FINISHED;
         let stale: Vec<String> = {
-            let runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
+            let runs = self.runs.lock();
             runs.values()
                 .filter(|r| r.finished_at.is_some_and(|t| t < cutoff))
                 .map(|r| r.run_id.clone())
@@ -385,12 +381,7 @@ impl<F: prost::Message + Default + Clone> Record<F> {
         for run_id in stale {
             self.forget(&run_id);
         }
-        self.runs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect()
+        self.runs.lock().values().cloned().collect()
     }
 }
 

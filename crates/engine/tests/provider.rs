@@ -42,10 +42,7 @@ async fn non_streaming_answer_with_usage_and_bearer_key() {
         .expect("answer");
     assert_eq!(r.content.as_deref(), Some("hi there"));
     assert_eq!((r.usage.prompt_tokens, r.usage.completion_tokens), (7, 3));
-    assert_eq!(
-        fake.auth.lock().expect("lock").as_slice(),
-        ["Bearer sk-test-key-0123"]
-    );
+    assert_eq!(fake.auth.lock().as_slice(), ["Bearer sk-test-key-0123"]);
 }
 
 #[tokio::test]

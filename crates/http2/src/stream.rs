@@ -3,10 +3,11 @@
 //! connection this stream has something to do (its call or response body
 //! woke, or its reader took data and the window can open again).
 
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::VecDeque;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Wake, Waker};
 
 use bytes::Bytes;
@@ -106,7 +107,7 @@ pub(super) struct StreamShared {
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    m.lock()
 }
 
 impl StreamShared {

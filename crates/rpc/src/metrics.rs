@@ -84,7 +84,7 @@ pub fn run_ended(
 /// A gauge whose values a service samples itself (a database count, say)
 /// and the SDK reads at each collection.
 #[derive(Clone, Default)]
-pub struct Sampled(Arc<std::sync::Mutex<Vec<Sample>>>);
+pub struct Sampled(Arc<parking_lot::Mutex<Vec<Sample>>>);
 
 /// One value of a sampled gauge, with its labels.
 pub type Sample = (f64, Vec<opentelemetry::KeyValue>);
@@ -105,10 +105,9 @@ impl Sampled {
             .with_unit(unit)
             .with_description(description)
             .with_callback(move |observer| {
-                if let Ok(values) = values.lock() {
-                    for (v, attrs) in values.iter() {
-                        observer.observe(*v, attrs);
-                    }
+                let values = values.lock();
+                for (v, attrs) in values.iter() {
+                    observer.observe(*v, attrs);
                 }
             })
             .build();
@@ -117,9 +116,7 @@ impl Sampled {
 
     /// Replaces the values.
     pub fn set(&self, values: Vec<Sample>) {
-        if let Ok(mut v) = self.0.lock() {
-            *v = values;
-        }
+        *self.0.lock() = values;
     }
 }
 

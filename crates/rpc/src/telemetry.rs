@@ -275,16 +275,15 @@ fn span_filter() -> EnvFilter {
 
 /// What tests' log lines are captured into (bounded), so a test can scan
 /// every log line the services in its process wrote.
-static CAPTURED: std::sync::Mutex<Vec<u8>> = std::sync::Mutex::new(Vec::new());
+static CAPTURED: parking_lot::Mutex<Vec<u8>> = parking_lot::Mutex::new(Vec::new());
 const CAPTURE_LIMIT: usize = 64 * 1024 * 1024;
 
 struct Capture;
 
 impl std::io::Write for Capture {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        if let Ok(mut c) = CAPTURED.lock()
-            && c.len() + buf.len() <= CAPTURE_LIMIT
-        {
+        let mut c = CAPTURED.lock();
+        if c.len() + buf.len() <= CAPTURE_LIMIT {
             c.extend_from_slice(buf);
         }
         Ok(buf.len())
@@ -298,10 +297,7 @@ impl std::io::Write for Capture {
 /// Every log line captured in this process since `init_for_tests` (debug
 /// and above for automesh, info for the rest; transport crates excluded).
 pub fn captured_logs() -> String {
-    CAPTURED
-        .lock()
-        .map(|c| String::from_utf8_lossy(&c).into_owned())
-        .unwrap_or_default()
+    String::from_utf8_lossy(&CAPTURED.lock()).into_owned()
 }
 
 /// For tests: the propagator, an in-process tracer provider (no export),

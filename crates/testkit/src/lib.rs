@@ -2,8 +2,9 @@
 //! loopback: an OpenAI-compatible provider (HTTP + SSE) and an MCP server
 //! (Streamable HTTP, via rmcp).
 
+use parking_lot::{Mutex, RwLock};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use axum::Router;
@@ -53,9 +54,9 @@ async fn handle(
 ) -> Response<Body> {
     let n = fake.calls.fetch_add(1, Ordering::SeqCst);
     if let Some(a) = headers.get("authorization").and_then(|v| v.to_str().ok()) {
-        fake.auth.lock().expect("lock").push(a.to_owned());
+        fake.auth.lock().push(a.to_owned());
     }
-    fake.traceparents.lock().expect("lock").push(
+    fake.traceparents.lock().push(
         headers
             .get("traceparent")
             .and_then(|v| v.to_str().ok())
@@ -63,7 +64,7 @@ async fn handle(
             .to_owned(),
     );
     let request: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-    fake.bodies.lock().expect("lock").push(request.clone());
+    fake.bodies.lock().push(request.clone());
     match (fake.script)(n, &request) {
         Reply::Json(v) => Response::builder()
             .header("content-type", "application/json")
@@ -225,7 +226,7 @@ pub fn tool(name: &'static str) -> Tool {
 impl FakeMcp {
     pub fn with_tools(names: &[&'static str]) -> Self {
         let fake = FakeMcp::default();
-        *fake.tools.write().expect("lock") = names.iter().map(|n| tool(n)).collect();
+        *fake.tools.write() = names.iter().map(|n| tool(n)).collect();
         fake
     }
 }
@@ -241,7 +242,7 @@ impl ServerHandler for FakeMcp {
         _r: Option<PaginatedRequestParams>,
         _cx: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
-        let tools = self.tools.read().expect("lock").clone();
+        let tools = self.tools.read().clone();
         Ok(ListToolsResult::with_all_items(tools))
     }
 
@@ -253,7 +254,6 @@ impl ServerHandler for FakeMcp {
         let args = serde_json::Value::Object(r.arguments.clone().unwrap_or_default());
         self.calls
             .lock()
-            .expect("lock")
             .push((r.name.to_string(), args.to_string()));
         if args.get("slow").and_then(|v| v.as_bool()) == Some(true) {
             tokio::time::sleep(Duration::from_secs(30)).await;
@@ -295,7 +295,8 @@ pub async fn mcp(fake: FakeMcp, token: &str) -> (String, CancellationToken) {
     )
     // Outermost: every request's trace context is recorded, refused or not.
     .layer(middleware::from_fn(move |req: Request, next: Next| {
-        if let Ok(mut t) = traceparents.lock() {
+        {
+            let mut t = traceparents.lock();
             t.push(
                 req.headers()
                     .get("traceparent")

@@ -13,10 +13,10 @@
 //! has two. An agent left behind by a replica that died exits by itself
 //! after its orphan bound (no call from any lifecycle for that long).
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::Stdio;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use automesh_domain::{CodedError, ErrorCode};
@@ -217,11 +217,7 @@ impl LocalProcessDriver {
     /// a pid only while that process works in the directory. True once none
     /// lives.
     async fn stop_agent(&self, worker_id: &str, dir: &std::path::Path) -> bool {
-        let own = self
-            .children
-            .lock()
-            .ok()
-            .and_then(|c| c.get(worker_id).copied());
+        let own = self.children.lock().get(worker_id).copied();
         let recorded = std::fs::read_to_string(dir.join(automesh_rpc::process::PID_FILE))
             .ok()
             .and_then(|t| t.trim().parse::<u32>().ok());
@@ -240,10 +236,8 @@ impl LocalProcessDriver {
             tracing::info!(worker_id, pid, "stopping the worker agent");
             stopped &= automesh_rpc::process::terminate(pid, STOP_GRACE).await;
         }
-        if let Ok(mut c) = self.children.lock()
-            && own.is_some()
-            && c.get(worker_id) == own.as_ref()
-        {
+        let mut c = self.children.lock();
+        if own.is_some() && c.get(worker_id) == own.as_ref() {
             c.remove(worker_id);
         }
         stopped
@@ -350,9 +344,7 @@ impl WorkerDriver for LocalProcessDriver {
         };
         match endpoint {
             Some(url) => {
-                if let Ok(mut children) = self.children.lock() {
-                    children.insert(launch.worker_id.clone(), pid);
-                }
+                self.children.lock().insert(launch.worker_id.clone(), pid);
                 Ok(url)
             }
             None => Err(CodedError::new(

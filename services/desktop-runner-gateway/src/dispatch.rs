@@ -9,8 +9,9 @@
 //! died are given back). Every replica does the same; the store's guarded
 //! claims make exactly one of them send each run.
 
+use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use automesh_proto::executor::v1 as epb;
@@ -107,16 +108,15 @@ impl RunWake<'_> {
     /// and no observer used it yet (an observer that finds nothing reads
     /// the row).
     pub(crate) fn told(&self) -> Option<AssignmentState> {
-        let mut observed = self.dispatch.observed.lock().ok()?;
+        let mut observed = self.dispatch.observed.lock();
         observed.get_mut(&self.run_id)?.told.take()
     }
 }
 
 impl Drop for RunWake<'_> {
     fn drop(&mut self) {
-        if let Ok(mut observed) = self.dispatch.observed.lock()
-            && let Some(o) = observed.get_mut(&self.run_id)
-        {
+        let mut observed = self.dispatch.observed.lock();
+        if let Some(o) = observed.get_mut(&self.run_id) {
             o.observers -= 1;
             if o.observers == 0 {
                 observed.remove(&self.run_id);
@@ -153,19 +153,17 @@ impl Dispatch {
     /// Registers an observer of `run_id`: woken when the run's assignment
     /// changes, on whichever replica it changed.
     pub(crate) fn observe_run(&self, run_id: &str) -> RunWake<'_> {
-        let changed = match self.observed.lock() {
-            Ok(mut observed) => {
-                let o = observed
-                    .entry(run_id.to_owned())
-                    .or_insert_with(|| Observed {
-                        changed: Arc::default(),
-                        observers: 0,
-                        told: None,
-                    });
-                o.observers += 1;
-                o.changed.clone()
-            }
-            Err(_) => Arc::default(),
+        let changed = {
+            let mut observed = self.observed.lock();
+            let o = observed
+                .entry(run_id.to_owned())
+                .or_insert_with(|| Observed {
+                    changed: Arc::default(),
+                    observers: 0,
+                    told: None,
+                });
+            o.observers += 1;
+            o.changed.clone()
         };
         RunWake {
             dispatch: self,
@@ -178,9 +176,7 @@ impl Dispatch {
     /// Wakes the observers of `run_id`, if any, with what the note said
     /// the run's assignment now is (`None`: they read it).
     fn wake_run(&self, run_id: &str, told: Option<AssignmentState>) {
-        if let Ok(mut observed) = self.observed.lock()
-            && let Some(o) = observed.get_mut(run_id)
-        {
+        if let Some(o) = self.observed.lock().get_mut(run_id) {
             o.told = told;
             o.changed.notify_waiters();
         }
@@ -188,11 +184,9 @@ impl Dispatch {
 
     /// Wakes every observer (notes may have been lost): they read.
     fn wake_all_runs(&self) {
-        if let Ok(mut observed) = self.observed.lock() {
-            for o in observed.values_mut() {
-                o.told = None;
-                o.changed.notify_waiters();
-            }
+        for o in self.observed.lock().values_mut() {
+            o.told = None;
+            o.changed.notify_waiters();
         }
     }
 
@@ -201,48 +195,41 @@ impl Dispatch {
     fn sent_on(&self, run_id: &str, stream_id: &str) -> bool {
         self.awaiting
             .lock()
-            .is_ok_and(|a| a.get(run_id).is_some_and(|w| w.stream_id == stream_id))
+            .get(run_id)
+            .is_some_and(|w| w.stream_id == stream_id)
     }
 
     /// Forgets an assignment its runner accepted.
     pub(crate) fn accepted(&self, run_id: &str) {
-        if let Ok(mut a) = self.awaiting.lock() {
-            a.remove(run_id);
-        }
+        self.awaiting.lock().remove(run_id);
     }
 
     /// Forgets the assignments awaiting acceptance on a stream that ended
     /// (its unaccepted claims are released with it).
     pub fn forget_stream(&self, stream_id: &str) {
-        if let Ok(mut a) = self.awaiting.lock() {
-            a.retain(|_, w| w.stream_id != stream_id);
-        }
+        self.awaiting.lock().retain(|_, w| w.stream_id != stream_id);
     }
 
     /// Whether an assignment sent from here is past its acceptance bound.
     fn any_due(&self) -> bool {
         let now = tokio::time::Instant::now();
-        self.awaiting
-            .lock()
-            .is_ok_and(|a| a.values().any(|w| w.until <= now))
+        self.awaiting.lock().values().any(|w| w.until <= now)
     }
 
     /// Gives back what a runner held past the acceptance bound, and tells
     /// the runner to drop it; the run goes to the owner's other runners.
     async fn expire_unaccepted(&self, store: &Store) -> Result<(), automesh_store::StoreError> {
         let now = tokio::time::Instant::now();
-        let due: Vec<(String, Awaiting)> = match self.awaiting.lock() {
-            Ok(mut a) => {
-                let due: Vec<String> = a
-                    .iter()
-                    .filter(|(_, w)| w.wedged(now, self.accept_within))
-                    .map(|(run, _)| run.clone())
-                    .collect();
-                due.into_iter()
-                    .filter_map(|run| a.remove(&run).map(|w| (run, w)))
-                    .collect()
-            }
-            Err(_) => vec![],
+        let due: Vec<(String, Awaiting)> = {
+            let mut a = self.awaiting.lock();
+            let due: Vec<String> = a
+                .iter()
+                .filter(|(_, w)| w.wedged(now, self.accept_within))
+                .map(|(run, _)| run.clone())
+                .collect();
+            due.into_iter()
+                .filter_map(|run| a.remove(&run).map(|w| (run, w)))
+                .collect()
         };
         for (run_id, w) in due {
             let expired = store
@@ -295,16 +282,15 @@ impl Dispatch {
     }
 
     fn cancel_sent(&self, session: u64, run_id: &str) -> bool {
-        self.cancels_sent
+        !self
+            .cancels_sent
             .lock()
-            .is_ok_and(|mut s| !s.insert((session, run_id.to_owned())))
+            .insert((session, run_id.to_owned()))
     }
 
     /// Forgets what was sent on a stream that ended.
     pub fn forget_session(&self, session: u64) {
-        if let Ok(mut s) = self.cancels_sent.lock() {
-            s.retain(|(id, _)| *id != session);
-        }
+        self.cancels_sent.lock().retain(|(id, _)| *id != session);
     }
 
     /// Acts on what this replica hears of desktop dispatch, until shutdown:
@@ -556,8 +542,8 @@ impl Dispatch {
         again: bool,
     ) -> Result<bool, automesh_store::StoreError> {
         let sent = send_assignment(store, session, spec, again).await?;
-        if sent && let Ok(mut awaiting) = self.awaiting.lock() {
-            awaiting.insert(
+        if sent {
+            self.awaiting.lock().insert(
                 spec.run_id.clone(),
                 Awaiting {
                     runner_id: session.runner_id.clone(),
@@ -583,7 +569,7 @@ struct Claiming<'a> {
 
 impl<'a> Claiming<'a> {
     fn start(dispatch: &'a Dispatch, run_id: &str) -> Option<Self> {
-        let mut claiming = dispatch.claiming.lock().ok()?;
+        let mut claiming = dispatch.claiming.lock();
         claiming.insert(run_id.to_owned()).then(|| Claiming {
             dispatch,
             run_id: run_id.to_owned(),
@@ -593,8 +579,6 @@ impl<'a> Claiming<'a> {
 
 impl Drop for Claiming<'_> {
     fn drop(&mut self) {
-        if let Ok(mut claiming) = self.dispatch.claiming.lock() {
-            claiming.remove(&self.run_id);
-        }
+        self.dispatch.claiming.lock().remove(&self.run_id);
     }
 }

@@ -12,10 +12,11 @@
 //! slow runner slows its own stream, it cannot make the gateway buffer
 //! without limit, and an idle stream's queue stays small.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use automesh_proto::runner::v1 as rpb;
@@ -149,7 +150,7 @@ impl Held {
 impl Sessions {
     /// How many streams this replica holds.
     pub fn len(&self) -> usize {
-        self.held.lock().map_or(0, |m| m.by_runner.len())
+        self.held.lock().by_runner.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -158,10 +159,9 @@ impl Sessions {
 
     /// How many streams are kept alive by PING, and how many by heartbeats.
     pub fn by_liveness(&self) -> (usize, usize) {
-        self.held.lock().map_or((0, 0), |held| {
-            let ping = held.by_runner.values().filter(|s| s.ping_liveness).count();
-            (ping, held.by_runner.len() - ping)
-        })
+        let held = self.held.lock();
+        let ping = held.by_runner.values().filter(|s| s.ping_liveness).count();
+        (ping, held.by_runner.len() - ping)
     }
 
     /// A connected runner of the owner other than `passed_over`.
@@ -171,7 +171,7 @@ impl Sessions {
         owner_id: &str,
         passed_over: Option<&str>,
     ) -> Option<Session> {
-        let held = self.held.lock().ok()?;
+        let held = self.held.lock();
         let runners = held.by_owner.get(org_id)?.get(owner_id)?;
         runners
             .iter()
@@ -183,9 +183,7 @@ impl Sessions {
     /// Closes the streams held here that are no longer their runner's
     /// newest (a newer one opened on another replica); returns how many.
     pub fn close_replaced(&self, newest: &[(String, String)]) -> usize {
-        let Ok(held) = self.held.lock() else {
-            return 0;
-        };
+        let held = self.held.lock();
         newest
             .iter()
             .filter_map(|(runner_id, stream_id)| {
@@ -199,9 +197,7 @@ impl Sessions {
 
     /// Ends the streams of revoked runners held here; returns how many.
     pub fn revoke(&self, runner_ids: &[String]) -> usize {
-        let Ok(held) = self.held.lock() else {
-            return 0;
-        };
+        let held = self.held.lock();
         runner_ids
             .iter()
             .filter_map(|id| held.by_runner.get(id))
@@ -211,7 +207,7 @@ impl Sessions {
 
     /// The stream of a connected runner.
     pub fn get(&self, runner_id: &str) -> Option<Session> {
-        self.held.lock().ok()?.by_runner.get(runner_id).cloned()
+        self.held.lock().by_runner.get(runner_id).cloned()
     }
 }
 
@@ -320,9 +316,8 @@ impl DesktopRunnerService for RunnerStreams {
             last_heard: Arc::new(AtomicU64::new(heard_now())),
             ping_liveness: hello.ping_liveness,
         };
-        if let Ok(mut held) = self.sessions.held.lock()
-            && let Some(previous) = held.insert(session.clone())
-        {
+        let previous = self.sessions.held.lock().insert(session.clone());
+        if let Some(previous) = previous {
             // A reconnecting runner replaces its old stream.
             previous.closed.cancel();
         }
@@ -371,10 +366,7 @@ impl DesktopRunnerService for RunnerStreams {
             } else {
                 tracing::info!(runner_id = %runner_id, "runner disconnected");
             }
-            let current = sessions
-                .held
-                .lock()
-                .is_ok_and(|mut held| held.remove(&runner_id, session.id));
+            let current = sessions.held.lock().remove(&runner_id, session.id);
             dispatch.forget_session(session.id);
             // Its owner sees it offline from now (unless a newer stream of
             // it replaced this one).

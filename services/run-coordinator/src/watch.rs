@@ -12,8 +12,9 @@
 //! behind the feed's buffer catches up from the store again, so memory is
 //! bounded by the buffers and a slow reader never slows the others.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use automesh_domain::{Run, RunEvent};
@@ -116,7 +117,7 @@ impl Feeds {
         run_id: &str,
         after: i64,
     ) -> broadcast::Receiver<Fed> {
-        let mut feeds = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut feeds = self.0.lock();
         if let Some(feed) = feeds.get(run_id) {
             return feed.subscribe();
         }
@@ -136,7 +137,7 @@ impl Feeds {
         feed: &broadcast::Sender<Fed>,
         terminal: bool,
     ) -> bool {
-        let mut feeds = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut feeds = self.0.lock();
         if !terminal && feed.receiver_count() > 0 {
             return false;
         }

@@ -186,7 +186,7 @@ async fn main() -> anyhow::Result<()> {
         .await
         .map_err(|_| anyhow::anyhow!("the gateway process did not start within 30 s"))??;
     let closed_by_gateway =
-        std::sync::Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::<
+        std::sync::Arc::new(parking_lot::Mutex::new(std::collections::BTreeMap::<
             String,
             usize,
         >::new()));
@@ -195,7 +195,8 @@ async fn main() -> anyhow::Result<()> {
         while let Ok(Some(line)) = lines.next_line().await {
             if let Some(at) = line.find("connection ended") {
                 let cause = line[at..].chars().take(120).collect::<String>();
-                if let Ok(mut c) = counting.lock() {
+                {
+                    let mut c = counting.lock();
                     *c.entry(cause).or_default() += 1;
                 }
             }
@@ -292,9 +293,8 @@ async fn main() -> anyhow::Result<()> {
         if !causes.is_empty() {
             println!("streams   ended, by cause: {causes}");
         }
-        if let Ok(c) = closed_by_gateway.lock()
-            && !c.is_empty()
-        {
+        let c = closed_by_gateway.lock().clone();
+        if !c.is_empty() {
             println!("streams   connections the gateway ended with an error, by cause: {c:?}");
         }
         if total == streams {

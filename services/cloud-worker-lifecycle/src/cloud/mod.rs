@@ -29,8 +29,9 @@ mod housekeeping;
 mod wake;
 mod watch;
 
+use parking_lot::Mutex;
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use automesh_domain::ErrorCode;
@@ -249,9 +250,7 @@ impl Cloud {
 
     /// Starts this replica's drive of a run unless one is running here.
     fn drive(&self, run_id: &str) {
-        if let Ok(mut d) = self.driving.lock()
-            && !d.insert(run_id.to_owned())
-        {
+        if !self.driving.lock().insert(run_id.to_owned()) {
             return;
         }
         let cloud = self.clone();
@@ -266,9 +265,7 @@ impl Cloud {
             }
             .instrument(span)
             .await;
-            if let Ok(mut d) = cloud.driving.lock() {
-                d.remove(&run_id);
-            }
+            cloud.driving.lock().remove(&run_id);
         });
     }
 

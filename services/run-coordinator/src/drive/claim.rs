@@ -20,9 +20,7 @@ pub(super) struct Registration<'a> {
 
 impl Drop for Registration<'_> {
     fn drop(&mut self) {
-        if let Ok(mut m) = self.ctx.active.lock() {
-            m.remove(&self.run_id);
-        }
+        self.ctx.active.lock().remove(&self.run_id);
     }
 }
 

@@ -40,9 +40,9 @@ pub(super) async fn drive(ctx: Arc<Context>, claimed: ClaimedRun) {
     if run.cancel_requested_at.is_some() {
         cancel_seen.cancel();
     }
-    if let Ok(mut m) = ctx.active.lock() {
-        m.insert(run.id.clone(), cancel_seen.clone());
-    }
+    ctx.active
+        .lock()
+        .insert(run.id.clone(), cancel_seen.clone());
     let _registration = Registration {
         ctx: &ctx,
         run_id: run.id.clone(),

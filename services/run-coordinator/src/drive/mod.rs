@@ -14,8 +14,9 @@ mod execute;
 mod lease;
 mod outcome;
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use automesh_domain::{ModelCatalog, ModelSpec, Placement, Price, Run};
@@ -111,7 +112,7 @@ impl Context {
     /// cancellation was requested (other replicas learn it from their next
     /// heartbeat).
     pub fn signal_cancel(&self, run_id: &str) {
-        if let Some(token) = self.active.lock().ok().and_then(|m| m.get(run_id).cloned()) {
+        if let Some(token) = self.active.lock().get(run_id).cloned() {
             token.cancel();
         }
     }
