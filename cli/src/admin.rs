@@ -3,16 +3,17 @@
 
 use anyhow::Context;
 use automesh_domain::Principal;
+use automesh_edge::convert;
 use automesh_proto::worker::v1 as wpb;
 use automesh_proto::worker::v1::cloud_worker_lifecycle_service_client::CloudWorkerLifecycleServiceClient;
-use automesh_rpc::{InternalCredential, convert, internal_channel};
+use automesh_rpc::{InternalCredential, internal_channel};
 use clap::{Args, Subcommand};
 
 #[derive(Debug, Args)]
 pub struct AdminArgs {
     /// The internal service credential; defaults to <data-dir>/internal-token.
     #[arg(long, env = "AUTOMESH_INTERNAL_TOKEN", hide_env_values = true, global = true)]
-    internal_token: Option<automesh_rpc::auth::Secret>,
+    internal_token: Option<automesh_domain::Secret>,
     #[command(flatten)]
     data_dir: crate::dev::DataDir,
     #[command(subcommand)]

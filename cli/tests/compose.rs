@@ -415,7 +415,7 @@ fn runner(stack: &Stack, token: &str, state: &Path, given: &BTreeMap<&str, Strin
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_compose_stack_runs_a_desktop_and_a_cloud_run() {
-    automesh_rpc::telemetry::init_for_tests();
+    automesh_telemetry::init_for_tests();
     let receiver = automesh_e2e_tests::otlp::Receiver::start()
         .await
         .expect("collector");
@@ -488,7 +488,7 @@ async fn the_compose_stack_runs_a_desktop_and_a_cloud_run() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broken_compose_file_fails_naming_what_is_wrong() {
-    automesh_rpc::telemetry::init_for_tests();
+    automesh_telemetry::init_for_tests();
     let db = TestDatabase::new(automesh_store::Backend::Postgres)
         .await
         .expect("database");

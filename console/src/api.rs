@@ -25,7 +25,7 @@ impl Interceptor for AsUser {
     fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
         req.metadata_mut()
             .insert("authorization", self.authorization.clone());
-        automesh_rpc::propagation::inject(req.metadata_mut());
+        automesh_telemetry::propagation::inject(req.metadata_mut());
         if let Some(t) = self.timeout {
             req.set_timeout(t);
         }

@@ -125,7 +125,7 @@ impl IntoResponse for Failure {
 /// A gateway refusal in words: its message, then each field it names.
 pub fn refusal(status: &Status) -> String {
     let mut text = status.message().to_owned();
-    for (field, why) in automesh_rpc::status::field_violations(status) {
+    for (field, why) in automesh_edge::status::field_violations(status) {
         text.push_str(&format!("; {field}: {why}"));
     }
     text

@@ -53,7 +53,7 @@ pub struct Config {
     /// per process: a form opened before a restart is refused once, and the
     /// page offers a fresh one.
     #[arg(long, env = "AUTOMESH_CONSOLE_KEY", hide_env_values = true)]
-    pub key: Option<automesh_rpc::auth::Secret>,
+    pub key: Option<automesh_domain::Secret>,
     /// Mark the cookies `Secure`: set it whenever browsers reach the console
     /// over TLS (a terminating proxy in front of it).
     #[arg(long, env = "AUTOMESH_CONSOLE_SECURE_COOKIES")]
@@ -64,7 +64,7 @@ pub struct Config {
         long,
         env = "AUTOMESH_CONSOLE_GATEWAY_TIMEOUT",
         default_value = "10s",
-        value_parser = automesh_rpc::runtime::parse_duration
+        value_parser = automesh_domain::parse_duration
     )]
     pub gateway_timeout: Duration,
 }
@@ -76,7 +76,7 @@ pub struct AppState {
     pub(crate) signer: session::Signer,
     pub(crate) secure: bool,
     /// `automesh dev`'s one-click sign-in: the dev user's token.
-    pub(crate) dev_token: Option<Arc<automesh_rpc::auth::Secret>>,
+    pub(crate) dev_token: Option<Arc<automesh_domain::Secret>>,
     pub(crate) live: live::Watchers,
     pub(crate) shutdown: CancellationToken,
 }
@@ -182,12 +182,12 @@ impl Command {
     /// Serves the console until SIGINT or SIGTERM.
     pub async fn execute(self) -> Result<()> {
         use automesh_rpc::runtime::{bind, shutdown_on_signal};
-        let telemetry = automesh_rpc::telemetry::init("automesh-console")?;
+        let telemetry = automesh_telemetry::init("automesh-console")?;
         let service = Service::new(&self.config)?;
         let listener = bind(self.config.listen).await?;
         let metrics = bind(self.metrics_listen).await?;
         let shutdown = shutdown_on_signal();
-        tokio::spawn(automesh_rpc::metrics::serve(
+        tokio::spawn(automesh_telemetry::metrics::serve(
             telemetry.scrape(),
             metrics,
             shutdown.clone(),

@@ -43,7 +43,7 @@ impl Watchers {
     fn enter(&self) -> Open {
         static GAUGE: OnceLock<opentelemetry::metrics::ObservableGauge<u64>> = OnceLock::new();
         GAUGE.get_or_init(|| {
-            automesh_rpc::metrics::meter()
+            automesh_telemetry::metrics::meter()
                 .u64_observable_gauge("automesh.console.live.watchers")
                 .with_unit("{page}")
                 .with_description("Live run pages (server-sent event streams) this console serves")

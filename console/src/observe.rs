@@ -29,11 +29,11 @@ struct Metrics {
 fn metrics() -> &'static Metrics {
     static METRICS: OnceLock<Metrics> = OnceLock::new();
     METRICS.get_or_init(|| Metrics {
-        requests: automesh_rpc::metrics::counter(
+        requests: automesh_telemetry::metrics::counter(
             "automesh.console.requests",
             "Console HTTP requests, by route and response status",
         ),
-        duration: automesh_rpc::metrics::seconds(
+        duration: automesh_telemetry::metrics::seconds(
             "automesh.console.request.duration",
             "Console HTTP request time, to the response's headers (a live page's stream is \
              counted to its first byte), by route",

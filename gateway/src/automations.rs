@@ -3,11 +3,12 @@
 //! `pass.rs`); what is particular to a call is its `Pass`.
 
 use automesh_domain::{Placement, Principal, Violations};
+use automesh_edge::convert;
+use automesh_edge::status;
 use automesh_proto::internal::v1::Caller;
 use automesh_proto::scheduler::v1 as spb;
 use automesh_proto::v1 as pb;
 use automesh_proto::v1::automations_server::Automations;
-use automesh_rpc::{convert, status};
 use chrono::Utc;
 use tonic::Status;
 

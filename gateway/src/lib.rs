@@ -15,10 +15,12 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use automesh_domain::{ModelCatalog, ModelRefusal, Placement, Principal};
+use automesh_edge::convert;
+use automesh_edge::status;
 use automesh_proto::v1::automations_server::AutomationsServer;
 use automesh_proto::v1::runs_server::RunsServer;
 use automesh_proto::worker::v1 as wpb;
-use automesh_rpc::{GrpcServer, InternalCredential, ServerSettings, convert, status};
+use automesh_rpc::{GrpcServer, InternalCredential, ServerSettings};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::{Code, Status};
@@ -35,7 +37,7 @@ automesh_rpc::service_config! {
     pub models: automesh_rpc::runtime::Models,
     /// The HS256 key that verifies bearer tokens (at least 32 bytes).
     #[arg(long, env = "AUTOMESH_JWT_SECRET", hide_env_values = true)]
-    pub jwt_secret: automesh_rpc::auth::Secret,
+    pub jwt_secret: automesh_domain::Secret,
 }
 
 /// A call the gateway accepted: authenticated, its request checked.

@@ -7,12 +7,12 @@
 //! unchanged.
 
 use automesh_domain::{Principal, Violations};
+use automesh_edge::convert;
 use automesh_proto::coordinator::v1 as cpb;
 use automesh_proto::internal::v1::Caller;
 use automesh_proto::runner::v1 as rpb;
 use automesh_proto::scheduler::v1 as spb;
 use automesh_proto::v1 as pb;
-use automesh_rpc::convert;
 use tonic::{Request, Response, Status};
 
 use crate::{Gateway, Upstreams, forwarded};

@@ -3,8 +3,9 @@
 //! read or saved.
 
 use automesh_domain::schedule::next_offset_change;
+use automesh_edge::convert;
+use automesh_edge::status;
 use automesh_proto::v1 as pb;
-use automesh_rpc::{convert, status};
 use chrono::{DateTime, Offset, Utc};
 use chrono_tz::Tz;
 use tonic::{Request, Status};

@@ -2,10 +2,11 @@
 
 use std::pin::Pin;
 
+use automesh_edge::convert;
+use automesh_edge::status;
 use automesh_proto::coordinator::v1 as cpb;
 use automesh_proto::v1 as pb;
 use automesh_proto::v1::runs_server::Runs;
-use automesh_rpc::{convert, status};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 

@@ -4,10 +4,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use automesh_domain::Secret;
+use automesh_domain::parse_duration;
 use automesh_engine::adapter::{EngineAdapter, NativeEngine};
 use automesh_engine::opencode::{OpenCodeConfig, OpenCodeEngine, OpenCodeServer, PolicyBook};
-use automesh_rpc::auth::Secret;
-use automesh_rpc::runtime::parse_duration;
 
 use crate::{Runner, Settings};
 
@@ -56,7 +56,7 @@ pub struct Args {
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub reconnect_max: Duration,
     #[command(flatten)]
-    pub provider: automesh_rpc::runtime::ProviderFlags,
+    pub provider: automesh_engine::ProviderFlags,
     /// Native engine: the Connect (MCP) endpoint serving the owner's tools.
     #[arg(long, env = "AUTOMESH_CONNECT_URL", default_value = "")]
     pub connect_url: String,
@@ -105,7 +105,7 @@ pub fn native_engine(args: &Args) -> NativeEngine {
 
 impl Args {
     pub async fn execute(self) -> anyhow::Result<()> {
-        let _telemetry = automesh_rpc::telemetry::init("automesh-runner")?;
+        let _telemetry = automesh_telemetry::init("automesh-runner")?;
         let mut _server = None;
         let engine: Arc<dyn EngineAdapter> = match self.engine {
             EngineKind::Native => Arc::new(native_engine(&self)),

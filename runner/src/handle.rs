@@ -107,7 +107,7 @@ impl Runner {
         self.active.lock().insert(run_id.clone(), cancel.clone());
         self.stats.executions.fetch_add(1, Ordering::SeqCst);
         let span = tracing::info_span!("automesh.runner.run", run_id = %run_id, engine = self.engine.engine_id());
-        automesh_rpc::propagation::continue_trace(&span, Some(a.traceparent.as_str()));
+        automesh_telemetry::propagation::continue_trace(&span, Some(a.traceparent.as_str()));
         let engine = self.engine.clone();
         let record = self.record.clone();
         let active = self.active.clone();

@@ -40,11 +40,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use automesh_domain::ErrorCode;
+use automesh_domain::Secret;
 use automesh_engine::adapter::{EngineAdapter, Outcome};
 use automesh_proto::runner::v1 as rpb;
 use automesh_proto::runner::v1::desktop_runner_service_client::DesktopRunnerServiceClient;
 use automesh_proto::v1 as pb;
-use automesh_rpc::auth::Secret;
 use rpb::connect_request::Message as Up;
 use rpb::connect_response::Message as Down;
 use tokio::sync::mpsc;
@@ -169,7 +169,7 @@ pub fn finished(run_id: &str, engine: &str, outcome: &Outcome) -> rpb::RunFinish
 
 /// A span of the runner's handling of an assignment, in its run's trace.
 fn assignment_span(name: &'static str, a: &rpb::Assignment) -> tracing::Span {
-    automesh_rpc::propagation::run_span(name, &a.run_id, Some(a.traceparent.as_str()))
+    automesh_telemetry::propagation::run_span(name, &a.run_id, Some(a.traceparent.as_str()))
 }
 
 fn jitter(base: Duration) -> Duration {

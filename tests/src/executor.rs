@@ -7,10 +7,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use automesh_executor::{Contract, Executor, ObserveStream};
 use automesh_proto::executor::v1 as epb;
 use automesh_proto::executor::v1::executor_service_server::ExecutorServiceServer;
 use automesh_proto::v1 as pb;
-use automesh_rpc::executor::{Contract, Executor, ObserveStream};
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
@@ -269,14 +269,14 @@ impl Executor for TestExecutor {
             .runs
             .get(run_id)
             .map(Self::execution_status)
-            .unwrap_or_else(automesh_rpc::executor::unknown_status))
+            .unwrap_or_else(automesh_executor::unknown_status))
     }
 }
 
 /// Polls the execution and yields new events and status changes; ends after
 /// the finished status.
 fn async_stream(state: Arc<Mutex<State>>, run_id: String, after: i64) -> ObserveStream {
-    let (observer, stream) = automesh_rpc::executor::observe();
+    let (observer, stream) = automesh_executor::observe();
     let read = move |after: i64| {
         let s = state.lock();
         let e = s.runs.get(&run_id)?;

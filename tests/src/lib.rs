@@ -302,7 +302,7 @@ impl Mesh {
 
     /// Starts a mesh as `options` say.
     pub async fn start_with(backend: Backend, options: MeshOptions) -> anyhow::Result<Mesh> {
-        automesh_rpc::telemetry::init_for_tests();
+        automesh_telemetry::init_for_tests();
         let db = TestDatabase::new(backend)
             .await
             .context("test database (is PostgreSQL running? see README)")?;

@@ -219,7 +219,7 @@ impl Cluster {
     /// Starts every replica of every service on a fresh PostgreSQL database
     /// and waits (bounded) until each reports SERVING.
     pub async fn start(bin: &Path, spec: ClusterSpec) -> anyhow::Result<Cluster> {
-        automesh_rpc::telemetry::init_for_tests();
+        automesh_telemetry::init_for_tests();
         let db = TestDatabase::new(Backend::Postgres)
             .await
             .context("test database (is PostgreSQL running? see README)")?;

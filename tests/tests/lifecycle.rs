@@ -66,7 +66,7 @@ fn once_in(d: Duration) -> pb::Schedule {
     let at = Utc::now() + chrono::Duration::from_std(d).expect("duration");
     pb::Schedule {
         kind: Some(pb::schedule::Kind::Once(pb::OnceSchedule {
-            at: Some(automesh_rpc::convert::timestamp(at)),
+            at: Some(automesh_edge::convert::timestamp(at)),
         })),
     }
 }
@@ -127,7 +127,7 @@ async fn a_due_occurrence_runs_to_a_receipt(backend: Backend) {
     let scheduled = a
         .next_run_time
         .as_ref()
-        .and_then(automesh_rpc::convert::from_timestamp);
+        .and_then(automesh_edge::convert::from_timestamp);
     assert_eq!(run.scheduled_for, scheduled);
     assert_eq!(
         run.id,

@@ -6,8 +6,8 @@ use std::time::Duration;
 use automesh_domain::Principal;
 use automesh_e2e_tests::RunsApi;
 use automesh_e2e_tests::{Api, Mesh, on_both_backends, wait_for_health};
+use automesh_edge::status::field_violations;
 use automesh_proto::v1 as pb;
-use automesh_rpc::status::field_violations;
 use automesh_store::Backend;
 use chrono::Utc;
 use tonic::Code;
@@ -1485,8 +1485,12 @@ async fn pause_reasons_batches_last_runs_and_usage_per_day(backend: Backend) {
     let mut runs = mesh.runs(Some(&token));
     let summary = |zone: &str| pb::SummarizeUsageRequest {
         automation_id: a.id.clone(),
-        start_time: Some(automesh_rpc::convert::timestamp(at("2026-03-07T05:00:00Z"))),
-        end_time: Some(automesh_rpc::convert::timestamp(at("2026-03-10T04:00:00Z"))),
+        start_time: Some(automesh_edge::convert::timestamp(at(
+            "2026-03-07T05:00:00Z",
+        ))),
+        end_time: Some(automesh_edge::convert::timestamp(at(
+            "2026-03-10T04:00:00Z",
+        ))),
         time_zone: zone.into(),
     };
     let days = |r: &pb::SummarizeUsageResponse| -> Vec<(String, i64, i64)> {
@@ -1548,7 +1552,9 @@ async fn pause_reasons_batches_last_runs_and_usage_per_day(backend: Backend) {
         ),
         (
             pb::SummarizeUsageRequest {
-                end_time: Some(automesh_rpc::convert::timestamp(at("2027-06-01T00:00:00Z"))),
+                end_time: Some(automesh_edge::convert::timestamp(at(
+                    "2027-06-01T00:00:00Z",
+                ))),
                 ..summary("UTC")
             },
             "end_time",
@@ -1752,7 +1758,7 @@ async fn internal_services_require_the_internal_credential() {
     use automesh_proto::scheduler::v1::scheduler_service_client::SchedulerServiceClient;
     let mesh = Mesh::start(Backend::Sqlite).await.expect("mesh");
     let request = || spb::ListAutomationsRequest {
-        caller: Some(automesh_rpc::convert::caller(&Principal::new(
+        caller: Some(automesh_edge::convert::caller(&Principal::new(
             "acme", "alice",
         ))),
         request: None,
@@ -1803,7 +1809,7 @@ async fn internal_services_require_the_internal_credential() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_is_not_serving_while_the_database_is_unreachable() {
-    automesh_rpc::telemetry::init_for_tests();
+    automesh_telemetry::init_for_tests();
     // Nothing listens on port 9 (discard) on loopback here.
     let store = automesh_store::Store::connect_lazy(
         "postgres://postgres@127.0.0.1:9/nowhere",
@@ -1968,7 +1974,7 @@ async fn run_history_filters_by_state_and_creation_time(backend: Backend) {
         [&manual.id]
     );
     let future = list(pb::ListRunsRequest {
-        created_after: Some(automesh_rpc::convert::timestamp(
+        created_after: Some(automesh_edge::convert::timestamp(
             now + chrono::Duration::hours(1),
         )),
         ..Default::default()
@@ -1977,7 +1983,7 @@ async fn run_history_filters_by_state_and_creation_time(backend: Backend) {
     .expect("list");
     assert!(future.is_empty());
     let all = list(pb::ListRunsRequest {
-        created_before: Some(automesh_rpc::convert::timestamp(
+        created_before: Some(automesh_edge::convert::timestamp(
             now + chrono::Duration::hours(1),
         )),
         ..Default::default()
@@ -1995,8 +2001,8 @@ async fn run_history_filters_by_state_and_creation_time(backend: Backend) {
         ),
         (
             pb::ListRunsRequest {
-                created_after: Some(automesh_rpc::convert::timestamp(now)),
-                created_before: Some(automesh_rpc::convert::timestamp(now)),
+                created_after: Some(automesh_edge::convert::timestamp(now)),
+                created_before: Some(automesh_edge::convert::timestamp(now)),
                 ..Default::default()
             },
             "created_before",
@@ -2037,7 +2043,7 @@ async fn schedule_previews_cross_the_next_dst_change() {
         .preview_schedule(pb::PreviewScheduleRequest {
             schedule: Some(weekly.clone()),
             count: 0,
-            after_time: Some(automesh_rpc::convert::timestamp(after)),
+            after_time: Some(automesh_edge::convert::timestamp(after)),
         })
         .await
         .expect("preview")
@@ -2064,7 +2070,7 @@ async fn schedule_previews_cross_the_next_dst_change() {
     // 09:30 is then 13:30 UTC, not 14:30.
     let change = preview.next_offset_change_time.expect("a change");
     assert_eq!(
-        automesh_rpc::convert::from_timestamp(&change).map(|t| t.to_rfc3339()),
+        automesh_edge::convert::from_timestamp(&change).map(|t| t.to_rfc3339()),
         Some("2027-03-14T07:00:00+00:00".to_owned())
     );
     let across = preview.first_after_offset_change.expect("across");
@@ -2073,7 +2079,7 @@ async fn schedule_previews_cross_the_next_dst_change() {
 
     let past_once = pb::Schedule {
         kind: Some(pb::schedule::Kind::Once(pb::OnceSchedule {
-            at: Some(automesh_rpc::convert::timestamp(
+            at: Some(automesh_edge::convert::timestamp(
                 Utc::now() - chrono::Duration::hours(1),
             )),
         })),

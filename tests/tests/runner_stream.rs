@@ -254,7 +254,7 @@ async fn the_runner_port_serves_runners_only_and_the_internal_services_sit_behin
         ]
     );
     let token_request = || rpb::CreateRunnerTokenRequest {
-        caller: Some(automesh_rpc::convert::caller(
+        caller: Some(automesh_edge::convert::caller(
             &automesh_domain::Principal::new("acme", "alice"),
         )),
         runner_name: "x".into(),

@@ -2,7 +2,7 @@
 //! source file opens with a `//!` comment saying what it is for; no
 //! production source file grows past 600 lines (a file that does is doing
 //! more than one thing; split it along its seams); and UNAVAILABLE and
-//! INTERNAL answers are built only in `crates/rpc/src/status.rs`, the one
+//! INTERNAL answers are built only in `crates/edge/src/status.rs`, the one
 //! error edge (so a corrupt row can never be answered as retryable in one
 //! service and not in another).
 
@@ -79,7 +79,7 @@ fn unavailable_and_internal_answers_are_built_only_at_the_error_edge() {
     let root = workspace();
     let mut files = vec![];
     sources(&root, &mut files);
-    let edge = Path::new("crates/rpc/src/status.rs");
+    let edge = Path::new("crates/edge/src/status.rs");
     let mut elsewhere = vec![];
     for path in &files {
         let relative = path.strip_prefix(&root).expect("below the root");
@@ -95,7 +95,7 @@ fn unavailable_and_internal_answers_are_built_only_at_the_error_edge() {
     }
     assert!(
         elsewhere.is_empty(),
-        "build these through automesh_rpc::status (failure, internal, unavailable, \
+        "build these through automesh_edge::status (failure, internal, unavailable, \
          shutting_down, connection_lost): {elsewhere:#?}"
     );
 }
@@ -144,6 +144,27 @@ fn names_a_poisoning_lock(line: &str) -> bool {
             .split(',')
             .any(|n| matches!(n.trim(), "Mutex" | "RwLock" | "MutexGuard"))
     })
+}
+
+/// The engine runs inside a desktop runner and a worker agent, not a
+/// server: it depends on the domain, the protobuf edge and telemetry, and
+/// on none of the server side (`automesh-rpc`, `automesh-http2`, the
+/// executor kit) — issue 31, item 3.
+#[test]
+fn the_engine_does_not_depend_on_the_server_side() {
+    let manifest = std::fs::read_to_string(workspace().join("crates/engine/Cargo.toml"))
+        .expect("the engine's manifest");
+    let deps = manifest
+        .split("[dependencies]")
+        .nth(1)
+        .and_then(|rest| rest.split("\n[").next())
+        .expect("a [dependencies] table");
+    for server in ["automesh-rpc", "automesh-http2", "automesh-executor"] {
+        assert!(
+            !deps.contains(server),
+            "crates/engine must not depend on {server}"
+        );
+    }
 }
 
 /// Proto types never reach the store: the store crate does not even

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use automesh_rpc::auth::Secret;
+use automesh_domain::Secret;
 use tokio::net::TcpListener;
 
 use crate::{DualCredential, Settings, serve};
@@ -64,7 +64,7 @@ pub struct Args {
     #[arg(long, env = "AUTOMESH_AGENT_HOST_CREDENTIAL", hide_env_values = true)]
     pub host_credential: Secret,
     #[command(flatten)]
-    pub provider: automesh_rpc::runtime::ProviderFlags,
+    pub provider: automesh_engine::ProviderFlags,
     /// Where the agent keeps its MCP registrations.
     #[arg(long, env = "AUTOMESH_AGENT_STATE_DIR", default_value = ".")]
     pub state_dir: PathBuf,
@@ -73,14 +73,14 @@ pub struct Args {
         long,
         env = "AUTOMESH_AGENT_ORPHAN_AFTER",
         default_value = "60s",
-        value_parser = automesh_rpc::runtime::parse_duration
+        value_parser = automesh_domain::parse_duration
     )]
     pub orphan_after: Duration,
 }
 
 impl Args {
     pub async fn execute(self) -> anyhow::Result<()> {
-        let _telemetry = automesh_rpc::telemetry::init("automesh-worker-agent")?;
+        let _telemetry = automesh_telemetry::init("automesh-worker-agent")?;
         let _state = StateDir::take(&self.state_dir)?;
         let listener = TcpListener::bind(self.listen).await?;
         // The one line the driver reads; the agent writes nothing else to

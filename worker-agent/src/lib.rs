@@ -29,6 +29,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use automesh_domain::ErrorCode;
+use automesh_edge::status;
 use automesh_engine::adapter::{EngineRequest, NativeEngine};
 use automesh_engine::wire::{finished_parts, run_forwarding};
 use automesh_proto::agent::v1 as apb;
@@ -36,7 +37,7 @@ use automesh_proto::agent::v1::worker_agent_service_server::{
     WorkerAgentService, WorkerAgentServiceServer,
 };
 use automesh_proto::v1 as pb;
-use automesh_rpc::{GrpcServer, ServerSettings, status};
+use automesh_rpc::{GrpcServer, ServerSettings};
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -57,7 +58,7 @@ pub const REGISTRATION: &str = "openwork-cloud";
 /// How the agent reaches its model provider and where it keeps state.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    pub provider: automesh_rpc::runtime::ProviderFlags,
+    pub provider: automesh_engine::ProviderFlags,
     pub state_dir: PathBuf,
     /// The agent exits after this long without an authenticated call
     /// (`None`: never; only for tests that hold the agent in-process).
@@ -111,7 +112,7 @@ impl Agent {
                         %message_id
                     );
                     let traceparent = Some(record.traceparent.as_str());
-                    automesh_rpc::propagation::continue_trace(&span, traceparent);
+                    automesh_telemetry::propagation::continue_trace(&span, traceparent);
                     let _in_run = span.entered();
                     tracing::warn!(%thread_id, %message_id, "a message a previous agent accepted never finished; it is reported interrupted");
                     journal.finish(&message_id, &t)?;
@@ -176,7 +177,7 @@ impl Agent {
     }
 }
 
-type ObserveStream = automesh_rpc::executor::Updates<apb::ObserveThreadResponse>;
+type ObserveStream = automesh_executor::Updates<apb::ObserveThreadResponse>;
 
 #[tonic::async_trait]
 impl WorkerAgentService for Agent {
@@ -272,7 +273,7 @@ impl WorkerAgentService for Agent {
             ..EngineRequest::due(&req.prompt, &req.model, &req.provider_model, due)
         };
         let span = tracing::info_span!("automesh.agent.thread", thread_id = %req.thread_id);
-        automesh_rpc::propagation::continue_trace(&span, Some(req.traceparent.as_str()));
+        automesh_telemetry::propagation::continue_trace(&span, Some(req.traceparent.as_str()));
         let threads = self.threads.clone();
         let changed = self.changed.clone();
         let journal = self.journal.clone();
@@ -329,7 +330,7 @@ impl WorkerAgentService for Agent {
             return Err(Status::not_found("unknown thread"));
         }
         let agent = self.clone();
-        let (observer, stream) = automesh_rpc::executor::updates();
+        let (observer, stream) = automesh_executor::updates();
         let thread_id = req.thread_id;
         let read = move |after: i64| {
             let t = agent.threads.lock();

@@ -47,7 +47,7 @@ async fn agent(
     let stop = CancellationToken::new();
     tokio::spawn(serve(
         Settings {
-            provider: automesh_rpc::runtime::ProviderFlags {
+            provider: automesh_engine::ProviderFlags {
                 provider_url,
                 provider_key: "sk-agent".to_owned().into(),
                 max_steps: 8,

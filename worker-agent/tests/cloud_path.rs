@@ -269,7 +269,7 @@ async fn a_stopped_worker_is_woken_for_a_due_run_and_stopped_again_when_idle() {
     // No credential reached the database, the services' logs (captured in
     // this process) or the worker agent's log.
     let dump = env.dump().await;
-    let logs = automesh_rpc::telemetry::captured_logs();
+    let logs = automesh_telemetry::captured_logs();
     let worker = env
         .mesh
         .store()

@@ -2,8 +2,8 @@
 //! states and instants.
 
 use anyhow::Context;
+use automesh_edge::convert;
 use automesh_proto::v1 as pb;
-use automesh_rpc::convert;
 use chrono::{DateTime, Utc};
 
 use super::ScheduleArgs;
@@ -81,6 +81,6 @@ pub(super) fn parse_run_state(s: &str) -> Result<i32, String> {
 /// An RFC 3339 instant (`2026-12-01T00:00:00Z`).
 pub(super) fn parse_instant(s: &str) -> Result<prost_types::Timestamp, String> {
     chrono::DateTime::parse_from_rfc3339(s.trim())
-        .map(|t| automesh_rpc::convert::timestamp(t.with_timezone(&chrono::Utc)))
+        .map(|t| automesh_edge::convert::timestamp(t.with_timezone(&chrono::Utc)))
         .map_err(|e| format!("expected an RFC 3339 instant such as 2026-12-01T00:00:00Z: {e}"))
 }

@@ -8,10 +8,10 @@ mod print;
 use std::time::Duration;
 
 use anyhow::Context;
+use automesh_edge::convert;
 use automesh_proto::v1 as pb;
 use automesh_proto::v1::automations_client::AutomationsClient;
 use automesh_proto::v1::runs_client::RunsClient;
-use automesh_rpc::convert;
 use clap::{Args, Subcommand, ValueEnum};
 use tokio_stream::StreamExt;
 use tonic::metadata::{Ascii, MetadataValue};
@@ -35,7 +35,7 @@ pub struct CtlArgs {
     addr: String,
     /// Bearer token; defaults to AUTOMESH_TOKEN, then <data-dir>/dev-token.
     #[arg(long, env = "AUTOMESH_TOKEN", hide_env_values = true, global = true)]
-    token: Option<automesh_rpc::auth::Secret>,
+    token: Option<automesh_domain::Secret>,
     #[command(flatten)]
     data_dir: crate::dev::DataDir,
     #[command(subcommand)]
@@ -215,7 +215,7 @@ fn answer<T>(answered: Result<tonic::Response<T>, tonic::Status>) -> anyhow::Res
 }
 
 fn explain(status: tonic::Status) -> anyhow::Error {
-    let violations = automesh_rpc::status::field_violations(&status);
+    let violations = automesh_edge::status::field_violations(&status);
     if violations.is_empty() {
         return anyhow::anyhow!("{:?}: {}", status.code(), status.message());
     }

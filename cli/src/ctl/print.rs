@@ -115,7 +115,7 @@ pub(super) fn print_state(r: &pb::Run) {
 
 /// Whether a run in this state has ended (and a watch of it will end).
 pub(super) fn is_terminal(state: i32) -> bool {
-    automesh_rpc::convert::run_state_from_pb(state).is_some_and(|s| s.is_terminal())
+    automesh_edge::convert::run_state_from_pb(state).is_some_and(|s| s.is_terminal())
 }
 
 /// A receipt in two lines: what ran it, and what it used and cost.

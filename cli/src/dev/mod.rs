@@ -249,7 +249,7 @@ pub fn write_private(path: &Path, contents: &str) -> anyhow::Result<()> {
 pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("cannot create data directory {}", args.data_dir.display()))?;
-    let telemetry = automesh_rpc::telemetry::init("automesh-dev")?;
+    let telemetry = automesh_telemetry::init("automesh-dev")?;
     let metrics_listener = bind(args.metrics_listen).await?;
     let metrics_addr = metrics_listener.local_addr()?;
     let jwt_secret = secret_file(&args.data_dir.join("jwt-secret"), "jwt_")?;
@@ -308,7 +308,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             .await?;
     }
 
-    tokio::spawn(automesh_rpc::metrics::serve(
+    tokio::spawn(automesh_telemetry::metrics::serve(
         telemetry.scrape(),
         metrics_listener,
         shutdown.clone(),

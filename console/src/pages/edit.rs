@@ -215,7 +215,7 @@ fn field_of(path: &str) -> &'static str {
 /// A refusal's field errors, by form field.
 fn errors_of(status: &tonic::Status) -> Errors {
     let mut errors = Errors::new();
-    let violations = automesh_rpc::status::field_violations(status);
+    let violations = automesh_edge::status::field_violations(status);
     if violations.is_empty() {
         errors
             .entry("")

@@ -1,7 +1,7 @@
 //! The closed set of ways a request can fail, whatever failed underneath:
 //! every service answers a failure of any of its parts (the store, an
 //! executor, a driver) by its kind, in one mapping
-//! (`automesh_rpc::status::failure`), so a corrupt row is INTERNAL and a
+//! (`automesh_edge::status::failure`), so a corrupt row is INTERNAL and a
 //! lost database UNAVAILABLE everywhere, and only UNAVAILABLE invites a
 //! retry.
 
@@ -31,7 +31,7 @@ impl FailureKind {
 }
 
 /// A failure that knows its kind: a store error, an executor's or an
-/// engine's coded error. `automesh_rpc::status::of` answers every one.
+/// engine's coded error. `automesh_edge::status::of` answers every one.
 pub trait Failure: std::fmt::Display {
     fn kind(&self) -> FailureKind;
     /// The request field at fault, when the failure is one field's (a page

@@ -5,6 +5,10 @@
 //! Nothing here knows about protobuf or SQL: the services convert at their
 //! edges, and the store persists these types.
 
+mod flags;
+mod secret;
+pub use flags::parse_duration;
+pub use secret::Secret;
 pub mod automation;
 pub mod error_code;
 pub mod failure;

@@ -161,7 +161,7 @@ impl EngineRequest {
         deadline_time: Option<&prost_types::Timestamp>,
     ) -> Self {
         let left = deadline_time
-            .and_then(automesh_rpc::convert::from_timestamp)
+            .and_then(automesh_edge::convert::from_timestamp)
             .map(|d| (d - chrono::Utc::now()).to_std().unwrap_or_default())
             .unwrap_or(DEFAULT_RUN_BOUND);
         EngineRequest {
@@ -220,7 +220,7 @@ impl NativeEngine {
     /// runs whose model the owner may use).
     /// [`NativeEngine::openai_compatible`] as the engine's flags set it.
     pub fn from_flags(
-        flags: &automesh_rpc::runtime::ProviderFlags,
+        flags: &crate::ProviderFlags,
         connect_url: &str,
         connect_token: &str,
     ) -> NativeEngine {

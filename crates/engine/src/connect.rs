@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use automesh_domain::ErrorCode;
-use automesh_rpc::auth::Secret;
+use automesh_domain::Secret;
 use rmcp::model::{CallToolRequestParams, ClientCapabilities, ClientConfig, Implementation};
 use rmcp::service::{ClientInitializeError, RoleClient, RunningService};
 use rmcp::transport::StreamableHttpClientTransport;

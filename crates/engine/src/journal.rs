@@ -92,7 +92,7 @@ impl<F> RunRecord<F> {
     /// A span of the executor's work on this run, in the run's trace.
     pub fn span(&self, name: &'static str) -> tracing::Span {
         let traceparent = Some(self.traceparent.as_str()).filter(|t| !t.is_empty());
-        automesh_rpc::propagation::run_span(name, &self.run_id, traceparent)
+        automesh_telemetry::propagation::run_span(name, &self.run_id, traceparent)
     }
 }
 

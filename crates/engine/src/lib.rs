@@ -9,6 +9,7 @@
 pub mod adapter;
 pub mod connect;
 pub mod error;
+mod flags;
 pub mod journal;
 mod metrics;
 pub mod native;
@@ -18,3 +19,4 @@ pub mod trace;
 pub mod wire;
 
 pub use adapter::{EngineAdapter, EngineRequest, NativeEngine};
+pub use flags::ProviderFlags;

@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use automesh_domain::ErrorCode;
-use automesh_rpc::auth::Secret;
+use automesh_domain::Secret;
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;

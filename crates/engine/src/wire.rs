@@ -3,8 +3,8 @@
 //! the cloud worker agent.
 
 use automesh_domain::ErrorCode;
+use automesh_edge::convert;
 use automesh_proto::v1 as pb;
-use automesh_rpc::convert;
 
 use crate::adapter::{Ending, EngineAdapter, EngineEvent, EngineRequest, Outcome};
 

@@ -21,7 +21,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Status};
 
 use crate::auth::InternalCredential;
-use crate::propagation;
+use automesh_telemetry::propagation;
 
 /// Adds the internal credential (when set) and the current trace context.
 #[derive(Clone, Debug, Default)]

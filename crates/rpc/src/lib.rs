@@ -1,24 +1,18 @@
-//! Shared gRPC plumbing for every automesh server and client: one server
-//! builder (health, reflection, tracing, timeouts, limits), the internal
-//! service credential, client channels that carry the credential and W3C
-//! trace context, telemetry initialisation, rich error statuses, and the
-//! conversions between protobuf messages and domain types.
+//! The automesh server side, shared by every service: one gRPC server
+//! builder and its transports (health, reflection, tracing, timeouts,
+//! limits, connection admission), the internal service credential, client
+//! channels that carry the credential and W3C trace context, the service
+//! runtime (config, telemetry start, graceful shutdown). The executor kit
+//! is `automesh-executor`. Telemetry is `automesh-telemetry`; the protobuf edge and error
+//! mapping are `automesh-edge`.
 
 pub mod auth;
 pub mod client;
-pub mod convert;
-pub mod executor;
 pub mod http;
-pub mod json_log;
-pub mod metrics;
-pub mod otlp_logs;
 pub mod precise;
 pub mod process;
-pub mod propagation;
 pub mod runtime;
 pub mod server;
-pub mod status;
-pub mod telemetry;
 
 pub use auth::{InternalCredential, RequireInternal};
 pub use client::{InternalChannel, Outbound, internal_channel};

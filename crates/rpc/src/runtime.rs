@@ -77,7 +77,7 @@ pub fn random_secret(prefix: &str) -> String {
 /// What a service process needs before it serves.
 #[derive(Debug)]
 pub struct Started {
-    pub telemetry: crate::telemetry::Telemetry,
+    pub telemetry: automesh_telemetry::Telemetry,
     pub credential: crate::InternalCredential,
     pub listener: TcpListener,
     pub shutdown: CancellationToken,
@@ -92,7 +92,7 @@ pub async fn start(
     metrics: SocketAddr,
     internal_token: &str,
 ) -> anyhow::Result<Started> {
-    let telemetry = crate::telemetry::init(service)?;
+    let telemetry = automesh_telemetry::init(service)?;
     let credential = crate::InternalCredential::new(internal_token)?;
     let listener = bind(listen).await?;
     let metrics_listener = bind(metrics).await?;
@@ -103,7 +103,7 @@ pub async fn start(
         "listening"
     );
     let shutdown = shutdown_on_signal();
-    tokio::spawn(crate::metrics::serve(
+    tokio::spawn(automesh_telemetry::metrics::serve(
         telemetry.scrape(),
         metrics_listener,
         shutdown.clone(),
@@ -141,7 +141,7 @@ pub struct ServiceCommand<C: clap::Args> {
     pub config: C,
     /// The internal service credential shared by the mesh.
     #[arg(long, env = "AUTOMESH_INTERNAL_TOKEN", hide_env_values = true)]
-    pub internal_token: crate::auth::Secret,
+    pub internal_token: automesh_domain::Secret,
     /// Where to serve metrics as Prometheus text (`GET /metrics`); each
     /// service has its own default port.
     #[arg(long, env = "AUTOMESH_METRICS_LISTEN")]
@@ -176,38 +176,6 @@ pub fn config_from_args<C: clap::Args>(args: &[&str]) -> anyhow::Result<C> {
         .mut_args(|a| a.env(None));
     let matches = command.try_get_matches_from(args)?;
     Ok(C::from_arg_matches(&matches)?)
-}
-
-/// The native engine's flags, alike in every process that runs it (the
-/// desktop runner, the worker agent): its OpenAI-compatible model provider
-/// and the bounds of its loop.
-#[derive(Debug, Clone, clap::Args)]
-pub struct ProviderFlags {
-    /// Native engine: the OpenAI-compatible provider's base URL.
-    #[arg(long, env = "AUTOMESH_PROVIDER_URL", default_value = "https://api.openai.com/v1")]
-    pub provider_url: String,
-    /// Native engine: the provider's API key (sent only as a header).
-    #[arg(
-        long,
-        env = "AUTOMESH_PROVIDER_API_KEY",
-        hide_env_values = true,
-        default_value = ""
-    )]
-    pub provider_key: crate::auth::Secret,
-    /// Native engine: use streaming completions.
-    #[arg(long, env = "AUTOMESH_PROVIDER_STREAM")]
-    pub stream: bool,
-    /// Native engine: bound on one provider request.
-    #[arg(
-        long,
-        env = "AUTOMESH_PROVIDER_REQUEST_TIMEOUT",
-        default_value = "120s",
-        value_parser = parse_duration
-    )]
-    pub request_timeout: std::time::Duration,
-    /// Native engine: the agent loop's step limit.
-    #[arg(long, env = "AUTOMESH_MAX_STEPS", default_value_t = 32)]
-    pub max_steps: u32,
 }
 
 /// The model catalogue flag the gateway, the run-coordinator and `dev`
@@ -283,29 +251,7 @@ impl ConnectionLimits {
     }
 }
 
-/// Parses `500ms`, `90s`, `30m`, `2h` or a bare number of seconds (for
-/// duration flags).
-pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
-    use std::time::Duration;
-    let s = s.trim();
-    let (num, unit) = s
-        .find(|c: char| !c.is_ascii_digit())
-        .map_or((s, "s"), |i| s.split_at(i));
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("expected a duration such as 500ms, 90s, 30m or 2h, got {s:?}"))?;
-    Ok(match unit {
-        "ms" => Duration::from_millis(n),
-        "s" => Duration::from_secs(n),
-        "m" => Duration::from_secs(n * 60),
-        "h" => Duration::from_secs(n * 3600),
-        _ => {
-            return Err(format!(
-                "unknown duration unit {unit:?} in {s:?}; use ms, s, m or h"
-            ));
-        }
-    })
-}
+pub use automesh_domain::parse_duration;
 
 /// Makes a service's `Config` (with a `listen` field) runnable as its own
 /// process: `service_main!(Config, "automesh-x", "127.0.0.1:9464", run)` implements

@@ -30,7 +30,7 @@ pub struct DockerDriver {
     pub image: String,
     pub provider_url: String,
     /// Redacted in `Debug`.
-    pub provider_key: automesh_rpc::auth::Secret,
+    pub provider_key: automesh_domain::Secret,
     pub engine: crate::driver::EngineSettings,
 }
 

@@ -140,7 +140,7 @@ pub struct LocalProcessDriver {
     /// The model provider the agents use.
     pub provider_url: String,
     /// Redacted in `Debug`.
-    pub provider_key: automesh_rpc::auth::Secret,
+    pub provider_key: automesh_domain::Secret,
     /// An agent that hears from no lifecycle for this long exits.
     pub orphan_after: Duration,
     pub engine: EngineSettings,
@@ -154,7 +154,7 @@ impl LocalProcessDriver {
         command: Vec<String>,
         root: PathBuf,
         provider_url: String,
-        provider_key: automesh_rpc::auth::Secret,
+        provider_key: automesh_domain::Secret,
     ) -> Self {
         Self {
             command,

@@ -11,13 +11,13 @@ mod metrics;
 use anyhow::Result;
 use automesh_domain::Principal;
 use automesh_domain::{CloudWorker, WorkerState};
+use automesh_edge::convert;
+use automesh_edge::status;
 use automesh_proto::worker::v1 as wpb;
 use automesh_proto::worker::v1::cloud_worker_lifecycle_service_server::{
     CloudWorkerLifecycleService, CloudWorkerLifecycleServiceServer,
 };
-use automesh_rpc::{
-    GrpcServer, InternalCredential, RequireInternal, ServerSettings, convert, status,
-};
+use automesh_rpc::{GrpcServer, InternalCredential, RequireInternal, ServerSettings};
 use automesh_store::Store;
 use chrono::Utc;
 use tokio::net::TcpListener;
@@ -54,22 +54,22 @@ automesh_rpc::service_config! {
     #[arg(long, env = "AUTOMESH_WORKER_IMAGE", default_value = "automesh:latest")]
     pub worker_image: String,
     /// Cap on a worker becoming ready (terminal readiness_timeout).
-    #[arg(long, env = "AUTOMESH_READINESS_CAP", default_value = "120s", value_parser = automesh_rpc::runtime::parse_duration)]
+    #[arg(long, env = "AUTOMESH_READINESS_CAP", default_value = "120s", value_parser = automesh_domain::parse_duration)]
     pub readiness_cap: std::time::Duration,
     /// Workers unused this long are stopped.
-    #[arg(long, env = "AUTOMESH_WORKER_IDLE_AFTER", default_value = "15m", value_parser = automesh_rpc::runtime::parse_duration)]
+    #[arg(long, env = "AUTOMESH_WORKER_IDLE_AFTER", default_value = "15m", value_parser = automesh_domain::parse_duration)]
     pub idle_after: std::time::Duration,
     /// How often idle workers are looked for.
-    #[arg(long, env = "AUTOMESH_WORKER_IDLE_CHECK", default_value = "30s", value_parser = automesh_rpc::runtime::parse_duration)]
+    #[arg(long, env = "AUTOMESH_WORKER_IDLE_CHECK", default_value = "30s", value_parser = automesh_domain::parse_duration)]
     pub idle_check: std::time::Duration,
     /// How long a replica holds a cloud run's drive or a worker's start
     /// without renewing it; a replica that dies hands both over this fast.
-    #[arg(long, env = "AUTOMESH_CLOUD_LEASE", default_value = "15s", value_parser = automesh_rpc::runtime::parse_duration)]
+    #[arg(long, env = "AUTOMESH_CLOUD_LEASE", default_value = "15s", value_parser = automesh_domain::parse_duration)]
     pub lease: std::time::Duration,
     /// Local-process driver: an agent that hears from no lifecycle replica
     /// this long exits (replicas keep ready workers' agents alive every
     /// quarter of it).
-    #[arg(long, env = "AUTOMESH_AGENT_ORPHAN_AFTER", default_value = "60s", value_parser = automesh_rpc::runtime::parse_duration)]
+    #[arg(long, env = "AUTOMESH_AGENT_ORPHAN_AFTER", default_value = "60s", value_parser = automesh_domain::parse_duration)]
     pub agent_orphan_after: std::time::Duration,
 }
 
@@ -87,15 +87,15 @@ pub struct WorkerEnv {
         hide_env_values = true,
         default_value = ""
     )]
-    pub provider_key: automesh_rpc::auth::Secret,
+    pub provider_key: automesh_domain::Secret,
     /// The Connect (MCP) endpoint of the users' tools; without it cloud runs
     /// end `mcp_config_missing` (and need attention).
     #[arg(long, env = "AUTOMESH_CONNECT_URL")]
     pub connect_url: Option<String>,
     #[arg(long, env = "AUTOMESH_CONNECT_TOKEN", hide_env_values = true, default_value = "")]
-    pub connect_token: automesh_rpc::auth::Secret,
+    pub connect_token: automesh_domain::Secret,
     /// Bound on one provider request of a cloud worker's engine.
-    #[arg(long = "worker-request-timeout", env = "AUTOMESH_WORKER_REQUEST_TIMEOUT", default_value = "120s", value_parser = automesh_rpc::runtime::parse_duration)]
+    #[arg(long = "worker-request-timeout", env = "AUTOMESH_WORKER_REQUEST_TIMEOUT", default_value = "120s", value_parser = automesh_domain::parse_duration)]
     pub request_timeout: std::time::Duration,
     /// Cloud workers' engines use streaming completions.
     #[arg(long = "worker-stream", env = "AUTOMESH_WORKER_STREAM")]
@@ -235,7 +235,7 @@ fn worker_to_pb(w: &CloudWorker) -> wpb::Worker {
 
 #[tonic::async_trait]
 impl CloudWorkerLifecycleService for WorkerRegistry {
-    automesh_rpc::scoped_calls! {
+    automesh_edge::scoped_calls! {
         get_worker(wpb::GetWorkerRequest) -> wpb::GetWorkerResponse => serve_get;
         register_worker(wpb::RegisterWorkerRequest) -> wpb::RegisterWorkerResponse
             => serve_register;
@@ -307,7 +307,7 @@ impl Service {
             anyhow::ensure!(!bound.is_zero(), "{what} must be longer than 0");
         }
         let (driver, settings) = config.cloud()?;
-        store.observe_pool(&automesh_rpc::metrics::meter());
+        store.observe_pool(&automesh_telemetry::metrics::meter());
         Ok(Self {
             driver,
             store,
@@ -343,7 +343,7 @@ impl Service {
         ));
         server.add_service(
             automesh_proto::executor::v1::executor_service_server::ExecutorServiceServer::with_interceptor(
-                automesh_rpc::executor::Contract(cloud.clone()),
+                automesh_executor::Contract(cloud.clone()),
                 RequireInternal(credential),
             ),
         );

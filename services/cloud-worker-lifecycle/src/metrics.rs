@@ -12,13 +12,13 @@ pub(crate) struct Metrics {
     readiness: Histogram<f64>,
     lost: Counter<u64>,
     idle_stops: Counter<u64>,
-    pub(crate) workers: automesh_rpc::metrics::Sampled,
+    pub(crate) workers: automesh_telemetry::metrics::Sampled,
 }
 
 pub(crate) fn metrics() -> &'static Metrics {
     static M: OnceLock<Metrics> = OnceLock::new();
     M.get_or_init(|| {
-        use automesh_rpc::metrics::{counter, seconds};
+        use automesh_telemetry::metrics::{counter, seconds};
         Metrics {
             wakes: counter(
                 "automesh.cloud.wakes",
@@ -37,7 +37,7 @@ pub(crate) fn metrics() -> &'static Metrics {
                 "automesh.cloud.idle_stops",
                 "Cloud workers stopped after their idle period",
             ),
-            workers: automesh_rpc::metrics::Sampled::gauge(
+            workers: automesh_telemetry::metrics::Sampled::gauge(
                 "automesh.cloud.workers",
                 "{worker}",
                 "Cloud workers by state",

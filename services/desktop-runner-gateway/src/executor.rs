@@ -13,10 +13,10 @@
 
 use std::sync::Arc;
 
+use automesh_edge::status;
+use automesh_executor::{self as executor, Executor};
 use automesh_proto::executor::v1 as epb;
 use automesh_proto::v1 as pb;
-use automesh_rpc::executor::{self, Executor};
-use automesh_rpc::status;
 use automesh_store::desktop::{DesktopAssignment, DesktopPhase};
 use automesh_store::{AssignmentState, Store};
 use chrono::Utc;

@@ -7,8 +7,8 @@
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 
+use automesh_edge::status;
 use automesh_proto::runner::v1 as rpb;
-use automesh_rpc::status;
 use automesh_store::Store;
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
@@ -115,7 +115,7 @@ pub(crate) async fn follow(
                         }
                     }
                     Ok(Ok(Answer::Refused(refusal))) => {
-                        let span = automesh_rpc::propagation::run_span(
+                        let span = automesh_telemetry::propagation::run_span(
                             "automesh.desktop.refused",
                             &refusal.run_id,
                             refusal.traceparent.as_deref(),

@@ -29,13 +29,13 @@ use std::time::Duration;
 use anyhow::Result;
 use automesh_domain::Principal;
 use automesh_domain::ids::new_runner_id;
+use automesh_edge::convert;
+use automesh_edge::status;
 use automesh_proto::runner::v1 as rpb;
 use automesh_proto::runner::v1::runner_token_service_server::{
     RunnerTokenService, RunnerTokenServiceServer,
 };
-use automesh_rpc::{
-    GrpcServer, InternalCredential, RequireInternal, ServerSettings, convert, status,
-};
+use automesh_rpc::{GrpcServer, InternalCredential, RequireInternal, ServerSettings};
 use automesh_store::{Store, StoreOptions};
 use chrono::Utc;
 use sha2::{Digest, Sha256};
@@ -76,7 +76,7 @@ pub struct RunnerTokens {
 
 #[tonic::async_trait]
 impl RunnerTokenService for RunnerTokens {
-    automesh_rpc::scoped_calls! {
+    automesh_edge::scoped_calls! {
         create_runner_token(rpb::CreateRunnerTokenRequest) -> rpb::CreateRunnerTokenResponse
             => serve_create;
         revoke_runner_token(rpb::RevokeRunnerTokenRequest) -> rpb::RevokeRunnerTokenResponse
@@ -185,7 +185,7 @@ impl Service {
             config.internal_listen
         );
         config.streams.check()?;
-        store.observe_pool(&automesh_rpc::metrics::meter());
+        store.observe_pool(&automesh_telemetry::metrics::meter());
         Ok(Self {
             streams: config.streams.clone(),
             store,
@@ -236,7 +236,7 @@ impl Service {
         );
         internal.add_service(
             automesh_proto::executor::v1::executor_service_server::ExecutorServiceServer::with_interceptor(
-                automesh_rpc::executor::Contract(desktop),
+                automesh_executor::Contract(desktop),
                 RequireInternal(credential.clone()),
             ),
         );

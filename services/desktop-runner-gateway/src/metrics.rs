@@ -17,7 +17,7 @@ struct Metrics {
 fn metrics() -> &'static Metrics {
     static M: OnceLock<Metrics> = OnceLock::new();
     M.get_or_init(|| {
-        use automesh_rpc::metrics::counter;
+        use automesh_telemetry::metrics::counter;
         Metrics {
             streams_ended: counter(
                 "automesh.runner.streams_ended",
@@ -78,7 +78,7 @@ pub(crate) fn stream_ended(reason: &'static str) {
 /// Reports the streams `sessions` holds by liveness (`ping`, `heartbeat`),
 /// read at each collection.
 pub(crate) fn observe_streams(sessions: Arc<crate::stream::Sessions>) {
-    let _streams = automesh_rpc::metrics::meter()
+    let _streams = automesh_telemetry::metrics::meter()
         .u64_observable_gauge("automesh.runner.streams")
         .with_unit("{stream}")
         .with_description("Desktop runner streams connected to this replica, by liveness")

@@ -31,7 +31,7 @@ pub(crate) fn run_span(
     spec: Option<&epb::RunSpec>,
 ) -> tracing::Span {
     let traceparent = spec.map(|s| s.traceparent.as_str());
-    automesh_rpc::propagation::run_span(name, run_id, traceparent)
+    automesh_telemetry::propagation::run_span(name, run_id, traceparent)
 }
 
 /// [`run_span`] for a run known only by its id: its trace is read from its

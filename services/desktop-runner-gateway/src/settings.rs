@@ -9,10 +9,10 @@ use std::time::Duration;
 #[derive(Debug, Clone, clap::Args)]
 pub struct StreamSettings {
     /// How often runners must send a heartbeat (told to them in `Welcome`).
-    #[arg(long = "heartbeat-interval", env = "AUTOMESH_RUNNER_HEARTBEAT", default_value = "3s", value_parser = automesh_rpc::runtime::parse_duration)]
+    #[arg(long = "heartbeat-interval", env = "AUTOMESH_RUNNER_HEARTBEAT", default_value = "3s", value_parser = automesh_domain::parse_duration)]
     pub heartbeat_interval: Duration,
     /// Silence after which a runner's stream is declared dead.
-    #[arg(long = "dead-after", env = "AUTOMESH_RUNNER_DEAD_AFTER", default_value = "10s", value_parser = automesh_rpc::runtime::parse_duration)]
+    #[arg(long = "dead-after", env = "AUTOMESH_RUNNER_DEAD_AFTER", default_value = "10s", value_parser = automesh_domain::parse_duration)]
     pub dead_after: Duration,
     /// How long the gateway may take to store one report of a runner (its
     /// events, a result) before it gives up on the stream (UNAVAILABLE: the
@@ -21,22 +21,22 @@ pub struct StreamSettings {
     /// its heartbeats keep it alive — until a few reports wait; then the
     /// gateway stops reading (HTTP/2 flow control holds the runner back)
     /// and its silence is not counted against it.
-    #[arg(long = "report-timeout", env = "AUTOMESH_RUNNER_REPORT_TIMEOUT", default_value = "60s", value_parser = automesh_rpc::runtime::parse_duration)]
+    #[arg(long = "report-timeout", env = "AUTOMESH_RUNNER_REPORT_TIMEOUT", default_value = "60s", value_parser = automesh_domain::parse_duration)]
     pub report_timeout: Duration,
     /// How long a new stream may take to say `Hello`.
-    #[arg(long = "hello-timeout", env = "AUTOMESH_RUNNER_HELLO_TIMEOUT", default_value = "5s", value_parser = automesh_rpc::runtime::parse_duration)]
+    #[arg(long = "hello-timeout", env = "AUTOMESH_RUNNER_HELLO_TIMEOUT", default_value = "5s", value_parser = automesh_domain::parse_duration)]
     pub hello_timeout: Duration,
     /// How long a runner may hold an assignment without accepting it before
     /// it goes to the owner's other runners (and the runner is told to drop
     /// it).
-    #[arg(long = "accept-within", env = "AUTOMESH_RUNNER_ACCEPT_WITHIN", default_value = "10s", value_parser = automesh_rpc::runtime::parse_duration)]
+    #[arg(long = "accept-within", env = "AUTOMESH_RUNNER_ACCEPT_WITHIN", default_value = "10s", value_parser = automesh_domain::parse_duration)]
     pub accept_within: Duration,
     /// How often a replica looks for desktop work it was not told about
     /// (offers, given-back claims, cancellations, revoked runners, a run's
     /// change): the fallback for a lost notification. Notes (LISTEN/NOTIFY
     /// on PostgreSQL) bring work at once; a lost LISTEN connection is made
     /// again and followed by one look at everything.
-    #[arg(long = "dispatch-poll", env = "AUTOMESH_RUNNER_DISPATCH_POLL", default_value = "1s", value_parser = automesh_rpc::runtime::parse_duration)]
+    #[arg(long = "dispatch-poll", env = "AUTOMESH_RUNNER_DISPATCH_POLL", default_value = "1s", value_parser = automesh_domain::parse_duration)]
     pub dispatch_poll: Duration,
     /// What serves the runner listener's HTTP/2 connections: `lean` (ours,
     /// which keeps no buffers on an idle connection: about 12 KiB per idle

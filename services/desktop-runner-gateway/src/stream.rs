@@ -19,9 +19,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use automesh_edge::status;
 use automesh_proto::runner::v1 as rpb;
 use automesh_proto::runner::v1::desktop_runner_service_server::DesktopRunnerService;
-use automesh_rpc::status;
 use automesh_store::Store;
 use chrono::Utc;
 use tokio::sync::mpsc;

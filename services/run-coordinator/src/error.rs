@@ -1,7 +1,7 @@
 //! The coordinator's errors, and their one mapping into `Status`.
 
 use automesh_domain::Violations;
-use automesh_rpc::status;
+use automesh_edge::status;
 use automesh_store::StoreError;
 use tonic::Status;
 

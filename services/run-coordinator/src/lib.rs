@@ -58,7 +58,7 @@ automesh_rpc::service_config! {
     pub models: automesh_rpc::runtime::Models,
 }
 
-pub use automesh_rpc::runtime::parse_duration;
+pub use automesh_domain::parse_duration;
 
 /// The coordinator assembled from its configuration. Its binary, `dev` mode
 /// and the test harness all start it the same way: [`Service::new`], then
@@ -135,7 +135,7 @@ impl Service {
             models: Arc::new(config.models.catalog()),
             ..drive::Settings::default()
         };
-        store.observe_pool(&automesh_rpc::metrics::meter());
+        store.observe_pool(&automesh_telemetry::metrics::meter());
         let context = Arc::new(drive::Context {
             store,
             executors,

@@ -22,15 +22,15 @@ pub(crate) struct Metrics {
     call_errors: Counter<u64>,
     tokens: Counter<u64>,
     cost: Counter<u64>,
-    pub(crate) pending: automesh_rpc::metrics::Sampled,
-    pub(crate) lag: automesh_rpc::metrics::Sampled,
+    pub(crate) pending: automesh_telemetry::metrics::Sampled,
+    pub(crate) lag: automesh_telemetry::metrics::Sampled,
 }
 
 pub(crate) fn metrics() -> &'static Metrics {
     static M: OnceLock<Metrics> = OnceLock::new();
     M.get_or_init(|| {
-        use automesh_rpc::metrics::{counter, seconds};
-        let m = automesh_rpc::metrics::meter();
+        use automesh_telemetry::metrics::{counter, seconds};
+        let m = automesh_telemetry::metrics::meter();
         Metrics {
             dispatch: seconds(
                 "automesh.run.dispatch.duration",
@@ -64,12 +64,12 @@ pub(crate) fn metrics() -> &'static Metrics {
                 .with_unit("{micro-unit}")
                 .with_description("Cost of ended runs in micro-units of the catalogue's currency")
                 .build(),
-            pending: automesh_rpc::metrics::Sampled::gauge(
+            pending: automesh_telemetry::metrics::Sampled::gauge(
                 "automesh.runs.pending",
                 "{run}",
                 "Runs waiting to be claimed by a coordinator",
             ),
-            lag: automesh_rpc::metrics::Sampled::gauge(
+            lag: automesh_telemetry::metrics::Sampled::gauge(
                 "automesh.runs.queue.lag",
                 "s",
                 "Age of the oldest run waiting to be claimed",
@@ -105,7 +105,7 @@ impl Metrics {
         code: Option<ErrorCode>,
         usage: &automesh_domain::Usage,
     ) {
-        automesh_rpc::metrics::run_ended(run.placement, state, code);
+        automesh_telemetry::metrics::run_ended(run.placement, state, code);
         let p = placement(run.placement);
         let tokens = |n: i64| u64::try_from(n).unwrap_or(0);
         self.tokens.add(

@@ -5,10 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use automesh_domain::{Principal, Run};
+use automesh_edge::convert;
 use automesh_proto::coordinator::v1 as cpb;
 use automesh_proto::coordinator::v1::run_coordinator_service_server::RunCoordinatorService;
 use automesh_proto::v1 as pb;
-use automesh_rpc::convert;
 use automesh_store::Store;
 use automesh_store::page::Cursor;
 use chrono::{DateTime, Utc};
@@ -75,7 +75,7 @@ impl Coordinator {
         }
         if self.store.internal().request_cancel(&run.id, now).await? {
             // Said in the run's trace (the request is a trace of its own).
-            let span = automesh_rpc::propagation::run_span(
+            let span = automesh_telemetry::propagation::run_span(
                 "automesh.run.cancel",
                 &run.id,
                 run.traceparent.as_deref(),
@@ -96,7 +96,7 @@ impl Coordinator {
 
 #[tonic::async_trait]
 impl RunCoordinatorService for Coordinator {
-    automesh_rpc::scoped_calls! {
+    automesh_edge::scoped_calls! {
         get_run(cpb::GetRunRequest) -> cpb::GetRunResponse => serve_get[id];
         list_runs(cpb::ListRunsRequest) -> cpb::ListRunsResponse => serve_list[request];
         cancel_run(cpb::CancelRunRequest) -> cpb::CancelRunResponse => serve_cancel[id];

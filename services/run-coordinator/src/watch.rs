@@ -18,9 +18,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use automesh_domain::{Run, RunEvent};
+use automesh_edge::convert;
 use automesh_proto::coordinator::v1 as cpb;
 use automesh_proto::v1 as pb;
-use automesh_rpc::convert;
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -287,7 +287,7 @@ async fn follow(
         let fed = tokio::select! {
             fed = feed.recv() => fed,
             () = tx.closed() => return Ok(()),
-            () = shutdown.cancelled() => return Err(automesh_rpc::status::shutting_down("resume from the last sequence")),
+            () = shutdown.cancelled() => return Err(automesh_edge::status::shutting_down("resume from the last sequence")),
             () = tokio::time::sleep_until(give_up) => return Err(Status::deadline_exceeded(
                 "the run did not end by its deadline plus the grace period",
             )),
@@ -303,7 +303,7 @@ async fn follow(
             // store says which; a new feed follows a run still going.
             Err(broadcast::error::RecvError::Closed) => {
                 if shutdown.is_cancelled() {
-                    return Err(automesh_rpc::status::shutting_down(
+                    return Err(automesh_edge::status::shutting_down(
                         "resume from the last sequence",
                     ));
                 }

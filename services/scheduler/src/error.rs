@@ -2,7 +2,7 @@
 
 use automesh_domain::Violations;
 use automesh_domain::automation::IllegalStateChange;
-use automesh_rpc::status;
+use automesh_edge::status;
 use automesh_store::StoreError;
 use tonic::Status;
 

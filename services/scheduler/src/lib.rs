@@ -3,7 +3,7 @@
 //! occurrences and run-now) with ids derived so that each is created once.
 //!
 //! Handlers are thin: they convert protobuf into domain types with
-//! `automesh_rpc::convert`, call [`Scheduler`], and map its [`Error`] into a
+//! `automesh_edge::convert`, call [`Scheduler`], and map its [`Error`] into a
 //! `Status` in one place.
 
 mod error;
@@ -44,7 +44,7 @@ impl Config {
     }
 }
 
-pub use automesh_rpc::runtime::parse_duration;
+pub use automesh_domain::parse_duration;
 
 /// The scheduler assembled from its configuration. Its binary, `dev` mode
 /// and the test harness all start it the same way: [`Service::new`], then
@@ -66,7 +66,7 @@ impl Service {
             !config.run_deadline.is_zero(),
             "the run deadline (AUTOMESH_RUN_DEADLINE, --run-deadline) must be longer than 0"
         );
-        store.observe_pool(&automesh_rpc::metrics::meter());
+        store.observe_pool(&automesh_telemetry::metrics::meter());
         // An edit wakes the occurrence loop.
         let wake = Arc::new(Notify::new());
         let scheduler = Scheduler::new(store.clone(), config.run_deadline, wake.clone());

@@ -13,7 +13,7 @@ use opentelemetry::metrics::{Counter, Histogram};
 fn created() -> &'static Counter<u64> {
     static CREATED: OnceLock<Counter<u64>> = OnceLock::new();
     CREATED.get_or_init(|| {
-        automesh_rpc::metrics::counter(
+        automesh_telemetry::metrics::counter(
             "automesh.runs.created",
             "Runs created, by placement, trigger and initial state",
         )
@@ -31,7 +31,7 @@ const FIRE_DELAY: [f64; 17] = [
 fn fire_delay() -> &'static Histogram<f64> {
     static FIRE: OnceLock<Histogram<f64>> = OnceLock::new();
     FIRE.get_or_init(|| {
-        automesh_rpc::metrics::seconds(
+        automesh_telemetry::metrics::seconds(
             "automesh.occurrence.fire.duration",
             "From an occurrence's due instant to the commit of the run it created (0 when it \
              committed ahead of the instant), by placement and path (ahead: fired by one \
@@ -100,7 +100,7 @@ pub(crate) fn count(created: &[Created]) {
             ],
         );
         if c.state.is_terminal() {
-            automesh_rpc::metrics::run_ended(c.placement, c.state, c.code);
+            automesh_telemetry::metrics::run_ended(c.placement, c.state, c.code);
         }
     }
 }

@@ -12,13 +12,13 @@ use automesh_domain::run::NewRun;
 use automesh_domain::{
     AutomationPatch, AutomationState, Placement, Principal, Receipt, Run, RunState, RunTrigger,
 };
+use automesh_edge::convert::{self, CreateInput};
 use automesh_proto::scheduler::v1 as spb;
 use automesh_proto::scheduler::v1::scheduler_service_server::SchedulerService;
 use automesh_proto::v1 as pb;
-use automesh_rpc::convert::{self, CreateInput};
-use automesh_rpc::propagation;
 use automesh_store::page::Cursor;
 use automesh_store::{Store, StoreError};
+use automesh_telemetry::propagation;
 use chrono::{DateTime, Utc};
 
 use crate::error::Error;
@@ -249,7 +249,7 @@ fn state_change(change: i32) -> Result<StateChange, Error> {
 
 #[tonic::async_trait]
 impl SchedulerService for Scheduler {
-    automesh_rpc::scoped_calls! {
+    automesh_edge::scoped_calls! {
         create_automation(spb::CreateAutomationRequest) -> spb::CreateAutomationResponse
             => serve_create as answer;
         get_automation(spb::GetAutomationRequest) -> spb::GetAutomationResponse

@@ -54,7 +54,7 @@ pub struct OpenCodeConfig {
     pub base_url: String,
     /// HTTP Basic credentials, when the server has a password.
     pub username: String,
-    pub password: Option<automesh_rpc::auth::Secret>,
+    pub password: Option<automesh_domain::Secret>,
     /// The project directory (`?directory=`), or the server's own.
     pub directory: Option<String>,
     /// Time without progress of the session after which it is ended.

@@ -24,18 +24,18 @@ struct Metrics {
 fn metrics() -> &'static Metrics {
     static M: OnceLock<Metrics> = OnceLock::new();
     M.get_or_init(|| {
-        let meter = crate::metrics::meter();
+        let meter = automesh_telemetry::metrics::meter();
         Metrics {
             open: meter
                 .i64_up_down_counter("automesh.server.connections")
                 .with_description("Connections a listener holds open, by listener")
                 .build(),
-            at_cap: crate::metrics::counter(
+            at_cap: automesh_telemetry::metrics::counter(
                 "automesh.server.connection_cap.reached",
                 "Times a listener held its most connections (AUTOMESH_MAX_CONNECTIONS) and \
                  stopped accepting until one closed, by listener",
             ),
-            unready: crate::metrics::counter(
+            unready: automesh_telemetry::metrics::counter(
                 "automesh.server.connections.unready",
                 "Connections closed because they sent no request within the first-request \
                  bound (AUTOMESH_FIRST_REQUEST_WITHIN; no HTTP/2 preface, or no request \

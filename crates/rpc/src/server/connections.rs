@@ -138,9 +138,7 @@ pub(crate) async fn serve(
             // A body that ended early is read as tonic reads its own.
             let calls = ServiceBuilder::new()
                 .map_request(|req: http::Request<automesh_http2::RecvBody>| {
-                    req.map(|body| {
-                        http_body_util::BodyExt::map_err(body, crate::status::lean_stream)
-                    })
+                    req.map(|body| http_body_util::BodyExt::map_err(body, lean_stream))
                 })
                 .service(calls(&routes, settings, span_of, first.asked()));
             let connection = automesh_http2::Connection::new(tcp, calls, limits);
@@ -341,6 +339,17 @@ fn causes(error: &(dyn std::error::Error + 'static)) -> String {
         source = cause.source();
     }
     causes.join(": ")
+}
+
+/// A request body of the lean HTTP/2 server that ended early: a stream
+/// lost or reset with CANCEL was abandoned by its caller.
+fn lean_stream(error: automesh_http2::StreamError) -> tonic::Status {
+    use automesh_http2::{Reason, StreamError};
+    let abandoned = match &error {
+        StreamError::Lost => true,
+        StreamError::Reset { reason, .. } => *reason == Reason::CANCEL,
+    };
+    automesh_edge::status::stream_ended(abandoned, &error)
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ use tonic_health::server::HealthReporter;
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-use crate::propagation;
+use automesh_telemetry::propagation;
 
 mod admission;
 mod connections;

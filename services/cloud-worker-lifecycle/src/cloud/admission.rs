@@ -81,7 +81,7 @@ impl Cloud {
             worker_id = %d.worker_id,
             replica = %self.replica,
         );
-        automesh_rpc::propagation::continue_trace(&span, Some(spec.traceparent.as_str()));
+        automesh_telemetry::propagation::continue_trace(&span, Some(spec.traceparent.as_str()));
         self.admit_attempts(run_id, &spec).instrument(span).await
     }
 

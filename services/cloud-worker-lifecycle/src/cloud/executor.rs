@@ -8,11 +8,11 @@
 use std::time::Duration;
 
 use automesh_domain::ErrorCode;
+use automesh_edge::status;
+use automesh_executor::{self as executor, Executor};
 use automesh_proto::agent::v1 as apb;
 use automesh_proto::executor::v1 as epb;
 use automesh_proto::v1 as pb;
-use automesh_rpc::executor::{self, Executor};
-use automesh_rpc::status;
 use automesh_store::cloud::{CloudDispatch, CloudPhase, Reservation};
 use chrono::Utc;
 use prost::Message as _;

@@ -35,12 +35,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use automesh_domain::ErrorCode;
+use automesh_domain::Secret;
+use automesh_edge::status;
 use automesh_proto::agent::v1::worker_agent_service_client::WorkerAgentServiceClient;
 use automesh_proto::executor::v1 as epb;
 use automesh_proto::v1 as pb;
 use automesh_rpc::InternalCredential;
-use automesh_rpc::auth::Secret;
-use automesh_rpc::status;
 use automesh_store::Store;
 use automesh_store::cloud::{CloudDispatch, CloudPhase};
 use chrono::Utc;
@@ -111,7 +111,7 @@ impl Interceptor for AgentAuth {
             self.host.clone(),
         );
         // Calls to the agent continue the run's trace.
-        automesh_rpc::propagation::inject(req.metadata_mut());
+        automesh_telemetry::propagation::inject(req.metadata_mut());
         Ok(req)
     }
 }
@@ -144,7 +144,7 @@ fn outcome(
 ) -> epb::Outcome {
     epb::Outcome {
         state: state as i32,
-        error_code: automesh_rpc::convert::code_name(code),
+        error_code: automesh_edge::convert::code_name(code),
         error_message: message.into(),
         engine: "native-v1".into(),
         usage,
@@ -161,7 +161,7 @@ fn outcome(
 
 fn status_of(d: Option<&CloudDispatch>) -> epb::ExecutionStatus {
     let Some(d) = d else {
-        return automesh_rpc::executor::unknown_status();
+        return automesh_executor::unknown_status();
     };
     let (phase, idle) = match d.phase {
         CloudPhase::Running => (epb::ExecutionPhase::Running, false),
@@ -280,7 +280,7 @@ impl Cloud {
             .flatten()
             .and_then(|d| epb::RunSpec::decode(d.spec.as_slice()).ok())
             .map(|spec| spec.traceparent);
-        automesh_rpc::propagation::run_span(name, run_id, traceparent.as_deref())
+        automesh_telemetry::propagation::run_span(name, run_id, traceparent.as_deref())
     }
 
     /// Takes the run's drive, or `None` while another live replica has it;

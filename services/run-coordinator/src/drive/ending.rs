@@ -3,8 +3,8 @@
 //! run no runner took (`runner_offline`, `runner_unresponsive`).
 
 use automesh_domain::{ErrorCode, Placement, RunState, Usage};
+use automesh_edge::convert;
 use automesh_proto::executor::v1 as epb;
-use automesh_rpc::convert;
 
 /// How a run ends.
 #[derive(Debug, Clone)]

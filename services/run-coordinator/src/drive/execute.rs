@@ -5,9 +5,10 @@
 use std::time::Duration;
 
 use automesh_domain::{ErrorCode, Placement, Run, RunEventPayload, RunState};
+use automesh_edge::convert;
 use automesh_proto::executor::v1 as epb;
 use automesh_proto::executor::v1::executor_service_client::ExecutorServiceClient;
-use automesh_rpc::{InternalChannel, convert};
+use automesh_rpc::InternalChannel;
 use automesh_store::StoreError;
 use automesh_store::events::NewEvent;
 use automesh_store::leases::ClaimedRun;

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use automesh_domain::Run;
-use automesh_rpc::propagation;
 use automesh_store::leases::{ClaimedRun, Renewal};
+use automesh_telemetry::propagation;
 use chrono::Utc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;

@@ -6,6 +6,11 @@
 //! Spans always get OpenTelemetry trace ids, exported or not, so that run
 //! records and log lines carry them.
 
+pub mod json_log;
+pub mod metrics;
+pub mod otlp_logs;
+pub mod propagation;
+
 use opentelemetry::global;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::Resource;

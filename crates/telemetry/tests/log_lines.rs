@@ -52,12 +52,12 @@ fn in_child(test: &str, env: &[(&str, &str)]) {
 }
 
 /// The process's logging as a service installs it, writing into `lines`.
-fn install(lines: &Lines) -> (tokio::runtime::Runtime, automesh_rpc::telemetry::Telemetry) {
+fn install(lines: &Lines) -> (tokio::runtime::Runtime, automesh_telemetry::Telemetry) {
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
     let sink = lines.clone();
     let telemetry = {
         let _guard = runtime.enter();
-        automesh_rpc::telemetry::init_writing_to("automesh-log-test", move || sink.clone())
+        automesh_telemetry::init_writing_to("automesh-log-test", move || sink.clone())
             .expect("telemetry")
     };
     (runtime, telemetry)
@@ -113,7 +113,7 @@ fn a_json_line_logged_with_an_explicit_parent_names_the_parents_trace() {
 fn json_child() {
     let lines = Lines::default();
     let (_runtime, _telemetry) = install(&lines);
-    let run = automesh_rpc::propagation::run_span("test.run", "run-1", Some(TRACEPARENT));
+    let run = automesh_telemetry::propagation::run_span("test.run", "run-1", Some(TRACEPARENT));
     let stream = tracing::info_span!("stream");
     {
         let _in_stream = stream.enter();

@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use crate::status;
+use automesh_edge::status;
 
 /// Updates one observe stream may have queued before its feeder waits.
 const OBSERVE_BUFFER: usize = 64;

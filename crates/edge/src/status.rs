@@ -7,7 +7,7 @@ use automesh_domain::Violations;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
-use crate::propagation;
+use automesh_telemetry::propagation;
 
 /// INVALID_ARGUMENT naming every offending field.
 pub fn invalid_argument(violations: &Violations) -> Status {
@@ -75,19 +75,14 @@ pub fn connection_lost(what: &str) -> Status {
     Status::unavailable(format!("{what}: the connection was lost"))
 }
 
-/// A request body of the lean HTTP/2 server that ended early, as tonic
-/// reads its own: a stream the caller cancelled (or a lost connection) is a
-/// call the caller abandoned, which ends a request stream; any other reset
-/// is INTERNAL.
-pub fn lean_stream(error: automesh_http2::StreamError) -> Status {
-    use automesh_http2::{Reason, StreamError};
-    match error {
-        StreamError::Lost => Status::cancelled(error.to_string()),
-        StreamError::Reset {
-            reason: Reason::CANCEL,
-            ..
-        } => Status::cancelled(error.to_string()),
-        StreamError::Reset { .. } => Status::internal(error.to_string()),
+/// A request body that ended early, as tonic reads its own: a stream the
+/// caller cancelled (or a lost connection) is a call the caller abandoned,
+/// which ends a request stream; any other reset is INTERNAL.
+pub fn stream_ended(abandoned: bool, why: &dyn std::fmt::Display) -> Status {
+    if abandoned {
+        Status::cancelled(why.to_string())
+    } else {
+        Status::internal(why.to_string())
     }
 }
 
