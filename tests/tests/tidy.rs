@@ -167,6 +167,98 @@ fn the_engine_does_not_depend_on_the_server_side() {
     }
 }
 
+/// ARCHITECTURE.md names only what is in the repo (issue 31, item 5):
+/// every path it names in backticks — a token with a `/`, or a file name
+/// with an extension — exists, from the root or from the directory of the
+/// code-map section it is in (`### \`crates/store\`` reads `writer.rs` as
+/// `crates/store/src/writer.rs`; a bare file name may be anywhere below
+/// that directory). Placeholders (`<backend>`), globs, URLs
+/// and the few protocol names that look like paths are not paths.
+#[test]
+fn every_path_architecture_md_names_exists() {
+    let root = workspace();
+    let text = std::fs::read_to_string(root.join("ARCHITECTURE.md")).expect("ARCHITECTURE.md");
+    // An MCP method and an npm package, not paths.
+    let not_paths = ["tools/list", "@grpc/grpc-js"];
+    let mut section = String::new();
+    let mut missing = vec![];
+    let mut named = 0;
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("### `") {
+            section = rest
+                .split('`')
+                .next()
+                .unwrap_or_default()
+                .trim_end_matches('/')
+                .to_owned();
+            continue;
+        }
+        if line.starts_with("## ") {
+            section.clear();
+        }
+        for (i, token) in line.split('`').enumerate() {
+            let is_file = [".rs", ".md", ".proto", ".yml", ".toml", ".mjs"]
+                .iter()
+                .any(|e| token.ends_with(e));
+            if i % 2 == 0
+                || token.contains(char::is_whitespace)
+                || !(token.contains('/') || is_file)
+                || token.contains(['<', '*', '{', ':', '(', '@'])
+                || token.starts_with('/')
+                || not_paths.contains(&token)
+            {
+                continue;
+            }
+            named += 1;
+            let token = token.trim_end_matches('/');
+            let mut candidates = vec![root.join(token)];
+            if !section.is_empty() {
+                candidates.push(root.join(&section).join(token));
+                candidates.push(root.join(&section).join("src").join(token));
+            }
+            let bare = !token.contains('/');
+            let below = if section.is_empty() {
+                root.clone()
+            } else {
+                root.join(&section)
+            };
+            let found =
+                candidates.iter().any(|c| c.exists()) || (bare && holds_file(&below, token));
+            if !found {
+                missing.push(format!("{token} (in section {section:?})"));
+            }
+        }
+    }
+    assert!(
+        named > 50,
+        "only {named} paths found: is the parsing broken?"
+    );
+    assert!(
+        missing.is_empty(),
+        "ARCHITECTURE.md names paths that do not exist: {missing:#?}"
+    );
+}
+
+/// Whether a file named `name` is anywhere below `dir` (build output and
+/// tools skipped).
+fn holds_file(dir: &Path, name: &str) -> bool {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    entries.flatten().any(|entry| {
+        let path = entry.path();
+        let file = entry.file_name();
+        if path.is_dir() {
+            !matches!(
+                file.to_str(),
+                Some("target" | ".tools" | ".git" | "node_modules")
+            ) && holds_file(&path, name)
+        } else {
+            file == name
+        }
+    })
+}
+
 /// Proto types never reach the store: the store crate does not even
 /// depend on the generated protobuf code (handlers convert at the edge).
 #[test]
