@@ -2200,3 +2200,100 @@ pub async fn a_runner_is_connected_while_its_stream_is_held_and_refreshed(store:
         ["ra"]
     );
 }
+
+/// Cloud dispatch (every write of it): a reservation is made once and
+/// stands; one replica drives a run at a time, its drive renewable by it
+/// and taken over by another only once it lapses (then the run reads as
+/// undriven); progress and a cancellation are recorded until the run
+/// finishes, its outcome once; a finished run is neither driven nor
+/// undriven.
+pub async fn cloud_dispatch_is_driven_by_one_replica_and_finished_once(store: &Store) {
+    use automesh_store::cloud::{CloudPhase, Reservation};
+    let reservation = |message_id: &'static str, spec: &'static [u8]| Reservation {
+        run_id: "c1",
+        org_id: "org-a",
+        owner_id: "alice",
+        worker_id: "w1",
+        workspace_id: "ws1",
+        thread_id: "th1",
+        message_id,
+        spec,
+    };
+    assert!(
+        store
+            .reserve_cloud_run(&reservation("m1", b"spec\x00"), t(1))
+            .await
+            .expect("reserve")
+    );
+    assert!(
+        !store
+            .reserve_cloud_run(&reservation("m2", b"other"), t(2))
+            .await
+            .expect("again"),
+        "reserved once"
+    );
+    let read = || async { store.cloud_run("c1").await.expect("read").expect("held") };
+    let held = read().await;
+    assert_eq!(
+        (held.message_id.as_str(), &held.spec[..]),
+        ("m1", &b"spec\x00"[..])
+    );
+    assert_eq!(held.phase, CloudPhase::Waking);
+    assert!(!held.cancel_requested);
+    // Never driven: undriven.
+    let undriven = |at: i64| async move {
+        store
+            .undriven_cloud_runs(t(at), 10)
+            .await
+            .expect("undriven")
+    };
+    assert_eq!(undriven(10).await, ["c1"]);
+    let take = |owner: &'static str, until: i64, now: i64| async move {
+        store
+            .take_cloud_drive("c1", owner, t(until), t(now))
+            .await
+            .expect("take")
+    };
+    assert!(take("d1", 20, 10).await);
+    assert!(!take("d2", 40, 15).await, "d1's drive is live");
+    assert!(take("d1", 30, 15).await, "its driver renews it");
+    assert!(undriven(25).await.is_empty());
+    assert_eq!(undriven(31).await, ["c1"], "the drive lapsed");
+    assert!(take("d2", 50, 31).await, "taken over once lapsed");
+    assert!(!take("d1", 60, 32).await, "and no longer d1's");
+    // Progress, and a cancellation.
+    let phase = |p: CloudPhase, wake: i64, admission: i64, at: i64| async move {
+        store
+            .set_cloud_phase("c1", p, wake, admission, t(at))
+            .await
+            .expect("phase")
+    };
+    assert!(phase(CloudPhase::Admitted, 5, 7, 33).await);
+    let held = read().await;
+    assert_eq!(
+        (held.phase, held.wake_micros, held.admission_micros),
+        (CloudPhase::Admitted, 5, 7)
+    );
+    assert!(store.cancel_cloud_run("c1", t(34)).await.expect("cancel"));
+    assert!(read().await.cancel_requested);
+    assert!(
+        !store.cancel_cloud_run("c9", t(34)).await.expect("cancel"),
+        "no such run"
+    );
+    // Finished once: then nothing moves it.
+    let finish = |out: &'static [u8]| async move {
+        store
+            .finish_cloud_run("c1", out, t(35))
+            .await
+            .expect("finish")
+    };
+    assert!(finish(b"out\x00\xff").await);
+    assert!(!finish(b"later").await, "finished once");
+    assert!(!phase(CloudPhase::Running, 9, 9, 36).await);
+    assert!(!take("d2", 90, 36).await, "a finished run is not driven");
+    assert!(undriven(1000).await.is_empty());
+    let held = read().await;
+    assert_eq!(held.phase, CloudPhase::Finished);
+    assert_eq!(held.outcome.as_deref(), Some(&b"out\x00\xff"[..]));
+    assert_eq!((held.wake_micros, held.admission_micros), (5, 7));
+}
