@@ -13,6 +13,7 @@ use automesh_store::StoreError;
 use automesh_store::events::NewEvent;
 use automesh_store::leases::ClaimedRun;
 use chrono::Utc;
+use futures_util::FutureExt;
 use tokio_util::sync::CancellationToken;
 
 use super::ending::{CancelCause, Ending, cancelled, finished, offline_unless, ran_on_executor};
@@ -185,17 +186,37 @@ pub(super) async fn execute(
                 None
             }
         };
+        // An update read while gathering events, to be handled next.
+        let mut held: Option<epb::ObserveRunResponse> = None;
         loop {
             let cancel_deadline = cancel.map(|(_, at)| at + ctx.settings.cancel_bound);
             tokio::select! {
-                item = async { match stream.as_mut() { Some(s) => s.message().await, None => Ok(None) } } => {
+                item = async {
+                    if let Some(update) = held.take() {
+                        return Ok(Some(update));
+                    }
+                    match stream.as_mut() { Some(s) => s.message().await, None => Ok(None) }
+                } => {
                     match item {
                         Ok(Some(update)) => {
                             backoff = Duration::from_millis(100);
                             match update.update {
                                 Some(epb::observe_run_response::Update::Event(e)) => {
-                                    record_event(ctx, run, &e).await?;
-                                    after = after.max(e.sequence);
+                                    // With the events the stream holds ready behind it: one write.
+                                    let mut events = vec![e];
+                                    while events.len() < RECORD_AT_ONCE
+                                        && let Some(Ok(Some(next))) = stream.as_mut().and_then(|s| s.message().now_or_never())
+                                    {
+                                        match next.update {
+                                            Some(epb::observe_run_response::Update::Event(e)) => events.push(e),
+                                            _ => {
+                                                held = Some(next);
+                                                break;
+                                            }
+                                        }
+                                    }
+                                    record_events(ctx, run, &events).await?;
+                                    after = events.iter().fold(after, |a, e| a.max(e.sequence));
                                     if !first_event {
                                         first_event = true;
                                         crate::metrics::metrics().first_event(run);
@@ -434,34 +455,39 @@ pub(super) async fn apply_status(
     Ok(())
 }
 
-pub(super) async fn record_event(
+/// Events the executor reported, recorded in the run's log in order (in
+/// one write), each priced and bounded; an event without an id is dropped.
+pub(super) async fn record_events(
     ctx: &Context,
     run: &Run,
-    e: &automesh_proto::v1::RunEvent,
+    events: &[automesh_proto::v1::RunEvent],
 ) -> Result<(), Stop> {
-    let e = &e.clone().bounded();
-    let Some(mut payload) = convert::event_payload_from_pb(e) else {
-        return Ok(());
-    };
-    if let RunEventPayload::Usage(usage) = &mut payload {
-        *usage = priced(*usage, ctx.price(run));
+    let mut new = Vec::with_capacity(events.len());
+    for e in events {
+        let e = &e.clone().bounded();
+        let Some(mut payload) = convert::event_payload_from_pb(e) else {
+            continue;
+        };
+        if let RunEventPayload::Usage(usage) = &mut payload {
+            *usage = priced(*usage, ctx.price(run));
+        }
+        if e.event_id.is_empty() {
+            tracing::warn!("executor event without an id dropped");
+            continue;
+        }
+        new.push(NewEvent {
+            event_id: e.event_id.clone(),
+            payload,
+        });
     }
-    if e.event_id.is_empty() {
-        tracing::warn!("executor event without an id dropped");
-        return Ok(());
+    if !new.is_empty() {
+        ctx.store.append_events(&run.id, &new, Utc::now()).await?;
     }
-    ctx.store
-        .append_events(
-            &run.id,
-            &[NewEvent {
-                event_id: e.event_id.clone(),
-                payload,
-            }],
-            Utc::now(),
-        )
-        .await?;
     Ok(())
 }
+
+/// The most ready events recorded in one write.
+const RECORD_AT_ONCE: usize = 256;
 
 /// One unary executor call for `run`: bounded by the call timeout, its
 /// duration and result measured (`automesh.executor.call.*`).
