@@ -301,3 +301,127 @@ fn test_code_is_told_apart_from_production_code() {
         "services/run-coordinator/src/drive/mod.rs"
     )));
 }
+
+/// One form for each write (issue 31, item 1): the store's statements are
+/// written once for both backends. What still differs is named here, each
+/// for a reason; a new backend-specific statement fails this test until it
+/// is added with its reason (16 such statements before the bulk writes).
+///
+/// - `writer.rs` `LOCK_RUNS_PG`, `desktop/write.rs` `LOCK_ASSIGNMENTS_PG`:
+///   a batch locks the rows it writes in one order (SQLite has one writer
+///   and no row locks).
+/// - `leases.rs` `CLAIM_PG`/`CLAIM_SQLITE`, `desktop/mod.rs` `CLAIM_PG`,
+///   `scheduling.rs` `DUE_PG`: one shared text with PostgreSQL's row-lock
+///   clause (`FOR UPDATE SKIP LOCKED`) appended.
+/// - `scheduling.rs` `synchronous_commit = off` (a scheduling transaction)
+///   and the same setting in `desktop/mod.rs` `CLAIM_PG` (a runner's
+///   claim): they commit asynchronously, a PostgreSQL setting.
+/// - `signal.rs` `pg_notify`: notifications are PostgreSQL's; SQLite's
+///   are in-process.
+///
+/// Besides, a bulk statement's input relation is spelled per backend by
+/// `bulk!` (in `sql.rs`) from the one field list, and nothing else builds
+/// SQL with a macro: shared fragments are `const`s joined with `concatcp!`.
+#[test]
+fn the_stores_writes_take_one_form_for_both_backends() {
+    let src = workspace().join("crates/store/src");
+    let mut files = vec![];
+    sources(&src, &mut files);
+    let allowed_consts = [
+        ("writer.rs", "LOCK_RUNS_PG"),
+        ("desktop/write.rs", "LOCK_ASSIGNMENTS_PG"),
+        ("leases.rs", "CLAIM_PG"),
+        ("leases.rs", "CLAIM_SQLITE"),
+        ("desktop/mod.rs", "CLAIM_PG"),
+        ("scheduling.rs", "DUE_PG"),
+    ];
+    // The macros of the store: `bulk!` builds SQL; the rest bind and
+    // decode values (`rows.rs`).
+    let allowed_macros = [
+        ("sql.rs", "bulk"),
+        ("rows.rs", "params"),
+        ("rows.rs", "plain"),
+        ("rows.rs", "json"),
+        ("rows.rs", "columns"),
+        ("rows.rs", "named"),
+    ];
+    let mut consts = vec![];
+    let mut macros = vec![];
+    let mut stray = vec![];
+    for path in &files {
+        let relative = path.strip_prefix(&src).expect("below src");
+        let name = relative.to_string_lossy().replace('\\', "/");
+        let text = std::fs::read_to_string(path).expect("readable source");
+        for (n, line) in text.lines().enumerate() {
+            let code = line.trim_start();
+            if code.starts_with("//") {
+                continue;
+            }
+            let declared = code
+                .strip_prefix("const ")
+                .or_else(|| code.split_once(") const ").map(|(_, rest)| rest));
+            if let Some(rest) = declared {
+                let ident = rest.split(':').next().unwrap_or_default().trim();
+                // `Job::LOCK_PG` names one of the statements listed.
+                let names_one = ident == "LOCK_PG";
+                if !names_one && (ident.ends_with("_PG") || ident.ends_with("_SQLITE")) {
+                    consts.push((name.clone(), ident.to_owned()));
+                }
+            }
+            if let Some(rest) = code.strip_prefix("macro_rules! ") {
+                let ident = rest.split([' ', '{']).next().unwrap_or_default();
+                macros.push((name.clone(), ident.to_owned()));
+            }
+            let at = format!("{name}:{}: {}", n + 1, code);
+            if code.contains("concat!(") {
+                stray.push(format!("{at} (join SQL with concatcp!)"));
+            }
+            if code.contains("synchronous_commit")
+                && !matches!(name.as_str(), "scheduling.rs" | "desktop/mod.rs")
+            {
+                stray.push(format!("{at} (a backend setting outside scheduling.rs)"));
+            }
+            if code.contains("pg_notify") && name != "signal.rs" {
+                stray.push(format!("{at} (notify through signal::notify)"));
+            }
+        }
+    }
+    let named = |list: &[(&str, &str)]| -> Vec<(String, String)> {
+        let mut list: Vec<_> = list
+            .iter()
+            .map(|(f, c)| ((*f).to_owned(), (*c).to_owned()))
+            .collect();
+        list.sort();
+        list
+    };
+    consts.sort();
+    macros.sort();
+    assert_eq!(
+        consts,
+        named(&allowed_consts),
+        "backend-specific statements of the store (see this test's docs)"
+    );
+    assert_eq!(
+        macros,
+        named(&allowed_macros),
+        "macros of the store: only bulk! builds SQL"
+    );
+    assert!(stray.is_empty(), "{stray:#?}");
+    // And no production code outside the store notifies by hand.
+    let root = workspace();
+    let mut all = vec![];
+    sources(&root, &mut all);
+    let notifying: Vec<_> = all
+        .iter()
+        .filter(|p| {
+            let relative = p.strip_prefix(&root).expect("below the root");
+            !is_test_code(relative)
+                && !relative.ends_with("crates/store/src/signal.rs")
+                && std::fs::read_to_string(p).is_ok_and(|t| t.contains("pg_notify"))
+        })
+        .collect();
+    assert!(
+        notifying.is_empty(),
+        "pg_notify only in signal.rs: {notifying:?}"
+    );
+}

@@ -6,66 +6,63 @@ use automesh_domain::{Attention, ErrorCode, Principal, Receipt, Run};
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
+use const_format::concatcp;
+
 use crate::page::{Cursor, Page};
 use crate::rows::{self, col, micros, opt_micros};
 use crate::{Result, Store, StoreError};
 
 /// The columns every automation query reads, in `decode`'s terms.
-macro_rules! automation_columns {
-    () => {
-        "id, org_id, owner_id, name, prompt, model, placement, surface, schedule, state, \
-         attention_reason, attention_message, pause_reason, version, next_run_at, created_at, \
-         updated_at"
-    };
-}
-pub(crate) use automation_columns;
+pub(crate) const AUTOMATION_COLUMNS: &str = "id, org_id, owner_id, name, prompt, model, placement, \
+     surface, schedule, state, attention_reason, attention_message, pause_reason, version, \
+     next_run_at, created_at, updated_at";
 
 const INSERT: &str = "INSERT INTO automations (id, org_id, owner_id, name, prompt, model, placement, \
      surface, schedule, state, attention_reason, attention_message, version, next_run_at, \
      created_at, updated_at) \
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'active', NULL, NULL, 1, $10, $11, $11)";
 
-const GET: &str = rows::select!(
-    automation_columns,
-    "FROM automations WHERE id = $1 AND org_id = $2 AND owner_id = $3"
+const GET: &str = concatcp!(
+    "SELECT ",
+    AUTOMATION_COLUMNS,
+    " FROM automations WHERE id = $1 AND org_id = $2 AND owner_id = $3"
 );
 
-const GET_UNSCOPED: &str = rows::select!(automation_columns, "FROM automations WHERE id = $1");
-
-const LIST: &str = rows::select!(
-    automation_columns,
-    "FROM automations \
-     WHERE org_id = $1 AND owner_id = $2 \
-       AND (created_at < $3 OR (created_at = $3 AND id < $4)) \
-       AND ($5 = 1 OR state <> 'archived') \
-     ORDER BY created_at DESC, id DESC LIMIT $6"
+const GET_UNSCOPED: &str = concatcp!(
+    "SELECT ",
+    AUTOMATION_COLUMNS,
+    " FROM automations WHERE id = $1"
 );
+
+/// A page of an owner's automations (`$1`..`$5`), `$6` rows at most.
+const PAGE: &str = "FROM automations a \
+     WHERE a.org_id = $1 AND a.owner_id = $2 \
+       AND (a.created_at < $3 OR (a.created_at = $3 AND a.id < $4)) \
+       AND ($5 = 1 OR a.state <> 'archived') \
+     ORDER BY a.created_at DESC, a.id DESC LIMIT $6";
+
+const LIST: &str = concatcp!("SELECT ", AUTOMATION_COLUMNS, " ", PAGE);
 
 /// The newest run of each automation of a [`LIST`] page (same parameters).
-macro_rules! last_run_ids {
-    () => {
-        "SELECT (SELECT r.id FROM runs r WHERE r.automation_id = a.id \
-         ORDER BY r.created_at DESC, r.id DESC LIMIT 1) FROM automations a \
-         WHERE a.org_id = $1 AND a.owner_id = $2 \
-           AND (a.created_at < $3 OR (a.created_at = $3 AND a.id < $4)) \
-           AND ($5 = 1 OR a.state <> 'archived') \
-         ORDER BY a.created_at DESC, a.id DESC LIMIT $6"
-    };
-}
+const LAST_RUN_IDS: &str = concatcp!(
+    "SELECT (SELECT r.id FROM runs r WHERE r.automation_id = a.id \
+     ORDER BY r.created_at DESC, r.id DESC LIMIT 1) ",
+    PAGE
+);
 
-const LAST_RUNS: &str = concat!(
+const LAST_RUNS: &str = concatcp!(
     "SELECT ",
-    crate::runs::run_columns!(),
+    crate::runs::RUN_COLUMNS,
     " FROM runs WHERE id IN (",
-    last_run_ids!(),
+    LAST_RUN_IDS,
     ")"
 );
 
-const LAST_RECEIPTS: &str = concat!(
+const LAST_RECEIPTS: &str = concatcp!(
     "SELECT ",
-    crate::receipts::receipt_columns!(),
+    crate::receipts::RECEIPT_COLUMNS,
     " FROM receipts WHERE run_id IN (",
-    last_run_ids!(),
+    LAST_RUN_IDS,
     ")"
 );
 

@@ -7,19 +7,51 @@ use futures_util::future::BoxFuture;
 use sqlx::AnyConnection;
 use sqlx::any::AnyRow;
 
+use std::collections::{HashMap, HashSet};
+
 use crate::rows::{self, col, micros};
+use crate::sql::{Bulk, bulk};
 use crate::{Result, Store, StoreError};
 
-/// Locks the run row (a no-op write) and reads its last sequence, so that
-/// concurrent appenders to one run queue up instead of racing for numbers.
-const LOCK_RUN: &str =
-    "UPDATE runs SET last_event_seq = last_event_seq WHERE id = $1 RETURNING last_event_seq";
+bulk! {
+    /// An event at its number in its run's log.
+    struct EventRow {
+        run_id: String => TEXT,
+        seq: i64 => BIGINT,
+        event_id: String => TEXT,
+        kind: &'static str => TEXT,
+        payload: String => TEXT,
+        created_at: i64 => BIGINT,
+    }
+}
 
-/// An event, unless the log holds its id already.
-const INSERT: &str = "INSERT INTO run_events (run_id, seq, event_id, kind, payload, created_at) \
-     VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (run_id, event_id) DO NOTHING";
+/// Events, each unless its run's log holds its id already: the ones
+/// written.
+pub(crate) const INSERT: Bulk<EventRow> = bulk!(EventRow => [
+    "INSERT INTO run_events (run_id, seq, event_id, kind, payload, created_at) \
+     SELECT i.run_id, i.seq, i.event_id, i.kind, i.payload, i.created_at FROM "
+] [
+    " WHERE true ON CONFLICT (run_id, event_id) DO NOTHING RETURNING run_id, event_id"
+]);
 
-const SET_LAST_SEQ: &str = "UPDATE runs SET last_event_seq = $2 WHERE id = $1";
+/// For the rows' runs, each run's last event number (a row with no
+/// `event_id`), and which of the rows' ids its log holds already (rows
+/// with an `event_id`): one round trip for what numbering needs.
+const LOOKUP: Bulk<EventRow> = bulk!(EventRow => [
+    "WITH input AS (SELECT * FROM "
+] [
+    ") SELECT r.id AS run_id, r.last_event_seq AS seq, NULL AS event_id FROM runs r \
+       WHERE r.id IN (SELECT run_id FROM input) \
+     UNION ALL SELECT e.run_id, e.seq, e.event_id FROM run_events e \
+       JOIN input ON e.run_id = input.run_id AND e.event_id = input.event_id"
+]);
+
+/// The runs' last event numbers (`seq` of each row).
+pub(crate) const SET_LAST_SEQ: Bulk<EventRow> = bulk!(EventRow => [
+    "UPDATE runs SET last_event_seq = i.seq FROM "
+] [
+    " WHERE runs.id = i.run_id"
+]);
 
 const LIST_AFTER: &str = "SELECT run_id, seq, event_id, payload, created_at FROM run_events \
      WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT $3";
@@ -85,60 +117,101 @@ impl crate::writer::Job for Append {
         &self.run_id
     }
 
-    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<Vec<RunEvent>>> {
-        Box::pin(append_in(db, &self.run_id, &self.events, self.now))
-    }
-}
-
-/// [`Store::append_events`] inside the caller's transaction, so events can
-/// commit with the state change they describe.
-pub(crate) async fn append_in(
-    tx: &mut AnyConnection,
-    run_id: &str,
-    events: &[NewEvent],
-    now: DateTime<Utc>,
-) -> Result<Vec<RunEvent>> {
-    let last = rows::optional(&mut *tx, LOCK_RUN, (run_id,), |r| col(r, "last_event_seq"));
-    let mut seq: i64 = last.await?.ok_or(StoreError::NotFound)?;
-    let mut appended = Vec::new();
-    for event in events {
-        // An id the log holds (or this call appended) adds nothing.
-        if insert(&mut *tx, run_id, seq + 1, event, now).await? {
-            seq += 1;
-            appended.push(RunEvent {
-                run_id: run_id.to_owned(),
-                sequence: seq,
-                event_id: event.event_id.clone(),
-                created_at: now,
-                payload: event.payload.clone(),
+    /// Three statements for every job: the runs' last numbers with which
+    /// ids their logs hold, the new events numbered on from the last, and
+    /// the runs' new last numbers. The numbers read are the batch's to take:
+    /// its runs are locked before (PostgreSQL; SQLite has one writer), so
+    /// two writers never number one run's events alike.
+    fn write_all<'a>(
+        jobs: &'a [&'a Self],
+        db: &'a mut AnyConnection,
+    ) -> BoxFuture<'a, Result<Vec<Result<Vec<RunEvent>>>>> {
+        Box::pin(async move {
+            let mut candidates = vec![];
+            for job in jobs {
+                for event in &job.events {
+                    candidates.push(row(&job.run_id, 0, event, job.now)?);
+                }
+            }
+            // A job of no events still needs its run's last number (or to
+            // hear that the run does not exist).
+            for job in jobs.iter().filter(|j| j.events.is_empty()) {
+                let none = NewEvent {
+                    event_id: String::new(),
+                    payload: RunEventPayload::AssistantText {
+                        text: String::new(),
+                    },
+                };
+                candidates.push(row(&job.run_id, 0, &none, job.now)?);
+            }
+            let found = LOOKUP.all(&mut *db, &candidates, |r| {
+                let run_id: String = col(r, "run_id")?;
+                let event_id: Option<String> = col(r, "event_id")?;
+                Ok((run_id, col::<i64>(r, "seq")?, event_id))
             });
-        }
+            let mut last: HashMap<String, i64> = HashMap::new();
+            let mut held: HashSet<(String, String)> = HashSet::new();
+            for (run_id, seq, event_id) in found.await? {
+                match event_id {
+                    Some(event_id) => {
+                        held.insert((run_id, event_id));
+                    }
+                    None => {
+                        last.insert(run_id, seq);
+                    }
+                }
+            }
+            let mut rows = vec![];
+            let mut answers = vec![];
+            for job in jobs {
+                let Some(&from) = last.get(&job.run_id) else {
+                    answers.push(Err(StoreError::NotFound));
+                    continue;
+                };
+                let mut seq = from;
+                let mut appended = vec![];
+                for event in &job.events {
+                    // An id the log holds (or this job appends) adds nothing.
+                    if !held.insert((job.run_id.clone(), event.event_id.clone())) {
+                        continue;
+                    }
+                    seq += 1;
+                    rows.push(row(&job.run_id, seq, event, job.now)?);
+                    appended.push(RunEvent {
+                        run_id: job.run_id.clone(),
+                        sequence: seq,
+                        event_id: event.event_id.clone(),
+                        created_at: job.now,
+                        payload: event.payload.clone(),
+                    });
+                }
+                answers.push(Ok(appended));
+            }
+            INSERT.execute(&mut *db, &rows).await?;
+            // Each run's last row carries its new last number.
+            let mut lasts: HashMap<&str, &EventRow> = HashMap::new();
+            for row in &rows {
+                lasts.insert(&row.run_id, row);
+            }
+            let lasts: Vec<EventRow> = lasts.into_values().cloned().collect();
+            SET_LAST_SEQ.execute(&mut *db, &lasts).await?;
+            Ok(answers)
+        })
     }
-    if !appended.is_empty() {
-        rows::execute(&mut *tx, SET_LAST_SEQ, (run_id, seq)).await?;
-    }
-    Ok(appended)
 }
 
-/// An event's id, kind and stored payload, as `run_events` keeps them.
-pub(crate) fn columns(event: &NewEvent) -> Result<(&str, &'static str, String)> {
+/// `event` as the row of run `run_id`'s log at `seq`.
+pub(crate) fn row(run_id: &str, seq: i64, event: &NewEvent, at: DateTime<Utc>) -> Result<EventRow> {
     let payload = serde_json::to_string(&event.payload)
         .map_err(|e| StoreError::Corrupt(format!("event payload: {e}")))?;
-    Ok((&event.event_id, event.payload.kind(), payload))
-}
-
-/// Inserts `event` at `seq`, the run's row locked and its sequence taken by
-/// the caller; false when the log holds the event's id already.
-pub(crate) async fn insert(
-    tx: &mut AnyConnection,
-    run_id: &str,
-    seq: i64,
-    event: &NewEvent,
-    now: DateTime<Utc>,
-) -> Result<bool> {
-    let (id, kind, payload) = columns(event)?;
-    let params = (run_id, seq, id, kind, payload, micros(now));
-    rows::changed_one(&mut *tx, INSERT, params).await
+    Ok(EventRow {
+        run_id: run_id.to_owned(),
+        seq,
+        event_id: event.event_id.clone(),
+        kind: event.payload.kind(),
+        payload,
+        created_at: micros(at),
+    })
 }
 
 impl crate::Internal<'_> {

@@ -9,41 +9,41 @@ use chrono::{DateTime, Utc};
 use futures_util::future::BoxFuture;
 use sqlx::AnyConnection;
 
+use const_format::concatcp;
+
 use crate::rows::{self, col, micros};
-use crate::runs::live_states;
-use crate::runs::run_columns;
+use crate::runs::{LIVE_STATES, RUN_COLUMNS};
+use crate::sql::{Bulk, bulk};
 use crate::{Backend, Result, Store};
 
 /// The claim of up to `$4` runs: live, unleased or with a lapsed lease, of
 /// a placement this coordinator executes (or past what any coordinator
 /// must end), due by `$7` (a scheduled run a little before its instant,
-/// see [`CLAIM_AHEAD`]), oldest first; `$lock` is how the backend keeps
-/// two claims apart. A run of a placement this coordinator executes gets its message
-/// identity (`msg_<run id>`) with its first such claim, before any
-/// `StartRun`, and keeps it.
-macro_rules! claim_sql {
-    ($lock:literal) => {
-        concat!(
-            "UPDATE runs SET lease_owner = $1, lease_expires_at = $2, claims = claims + 1, \
-               message_id = CASE WHEN $5 LIKE '%,' || placement || ',%' \
-                 THEN COALESCE(message_id, 'msg_' || id) ELSE message_id END \
-             WHERE id IN (SELECT id FROM runs \
-                WHERE state IN ",
-            live_states!(),
-            " \
-                  AND (lease_expires_at IS NULL OR lease_expires_at < $3) \
-                  AND (scheduled_for IS NULL OR scheduled_for <= $7) \
-                  AND ($5 LIKE '%,' || placement || ',%' \
-                       OR (message_id IS NULL AND (deadline_at < $3 OR cancel_requested_at IS NOT NULL)) \
-                       OR deadline_at < $6) \
-                ORDER BY created_at LIMIT $4",
-            $lock,
-            ") RETURNING ",
-            run_columns!(),
-            ", executor_seq, claims"
-        )
-    };
-}
+/// see [`CLAIM_AHEAD`]), oldest first, with [`CLAIM_LOCK`] between the
+/// candidates and the update: how the backend keeps two claims apart. A run
+/// of a placement this coordinator executes gets its message identity
+/// (`msg_<run id>`) with its first such claim, before any `StartRun`, and
+/// keeps it.
+const CLAIM: [&str; 2] = [
+    concatcp!(
+        "UPDATE runs SET lease_owner = $1, lease_expires_at = $2, claims = claims + 1, \
+           message_id = CASE WHEN $5 LIKE '%,' || placement || ',%' \
+             THEN COALESCE(message_id, 'msg_' || id) ELSE message_id END \
+         WHERE id IN (SELECT id FROM runs WHERE state IN ",
+        LIVE_STATES,
+        " AND (lease_expires_at IS NULL OR lease_expires_at < $3) \
+              AND (scheduled_for IS NULL OR scheduled_for <= $7) \
+              AND ($5 LIKE '%,' || placement || ',%' \
+                   OR (message_id IS NULL AND (deadline_at < $3 OR cancel_requested_at IS NOT NULL)) \
+                   OR deadline_at < $6) \
+            ORDER BY created_at LIMIT $4"
+    ),
+    concatcp!(") RETURNING ", RUN_COLUMNS, ", executor_seq, claims"),
+];
+
+/// PostgreSQL: rows another coordinator is claiming are skipped. SQLite
+/// has one writer at a time: its claim needs no row locks.
+const CLAIM_LOCK: &str = " FOR UPDATE SKIP LOCKED";
 
 /// How long before its instant a scheduled run may be claimed. The
 /// scheduler creates an on-time occurrence's run a little ahead of its
@@ -53,26 +53,47 @@ macro_rules! claim_sql {
 /// left. Nothing reaches an executor before the run's instant.
 pub const CLAIM_AHEAD: std::time::Duration = std::time::Duration::from_millis(20);
 
-const CLAIM_PG: &str = claim_sql!(" FOR UPDATE SKIP LOCKED");
+const CLAIM_PG: &str = concatcp!(CLAIM[0], CLAIM_LOCK, CLAIM[1]);
 
-/// SQLite has one writer at a time: the claim needs no row locks.
-const CLAIM_SQLITE: &str = claim_sql!("");
+const CLAIM_SQLITE: &str = concatcp!(CLAIM[0], CLAIM[1]);
 
-const RENEW: &str = concat!(
-    "UPDATE runs SET lease_expires_at = $3 \
-     WHERE id = $1 AND lease_owner = $2 AND state IN ",
-    live_states!(),
-    " \
-     RETURNING cancel_requested_at"
-);
+bulk! {
+    /// A lease renewed by its owner until `until`.
+    struct RenewRow {
+        id: String => TEXT,
+        owner: String => TEXT,
+        until: i64 => BIGINT,
+    }
+}
 
-const SET_EXECUTOR_SEQ: &str =
-    "UPDATE runs SET executor_seq = $2 WHERE id = $1 AND executor_seq < $2";
+/// Leases renewed, each only while its owner holds it and the run is live:
+/// the runs renewed, each with whether a cancellation was asked for.
+const RENEW: Bulk<RenewRow> = bulk!(RenewRow => [
+    "UPDATE runs SET lease_expires_at = i.until FROM "
+] [
+    " WHERE runs.id = i.id AND runs.lease_owner = i.owner AND runs.state IN ", LIVE_STATES,
+    " RETURNING runs.id, runs.cancel_requested_at"
+]);
 
-const REQUEST_CANCEL: &str = concat!(
+bulk! {
+    /// How far a run's executor event stream was read.
+    struct SeqRow {
+        id: String => TEXT,
+        seq: i64 => BIGINT,
+    }
+}
+
+/// The runs' executor sequence numbers, each only forward.
+const SET_EXECUTOR_SEQ: Bulk<SeqRow> = bulk!(SeqRow => [
+    "UPDATE runs SET executor_seq = i.seq FROM "
+] [
+    " WHERE runs.id = i.id AND runs.executor_seq < i.seq"
+]);
+
+const REQUEST_CANCEL: &str = concatcp!(
     "UPDATE runs SET cancel_requested_at = COALESCE(cancel_requested_at, $2) \
      WHERE id = $1 AND state IN ",
-    live_states!()
+    LIVE_STATES
 );
 
 /// What renewing a lease found.
@@ -190,18 +211,35 @@ impl crate::writer::Job for Renew {
         &self.id
     }
 
-    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<Renewal>> {
+    fn write_all<'a>(
+        jobs: &'a [&'a Self],
+        db: &'a mut AnyConnection,
+    ) -> BoxFuture<'a, Result<Vec<Result<Renewal>>>> {
         Box::pin(async move {
-            let params = (&self.id, &self.owner, micros(self.until));
-            let row = rows::optional(db, RENEW, params, |r| {
-                col::<Option<i64>>(r, "cancel_requested_at")
+            let rows: Vec<RenewRow> = jobs
+                .iter()
+                .map(|j| RenewRow {
+                    id: j.id.clone(),
+                    owner: j.owner.clone(),
+                    until: micros(j.until),
+                })
+                .collect();
+            let held = RENEW.all(db, &rows, |r| {
+                let cancel = col::<Option<i64>>(r, "cancel_requested_at")?;
+                Ok((col::<String>(r, "id")?, cancel.is_some()))
             });
-            Ok(match row.await? {
-                None => Renewal::Lost,
-                Some(cancel) => Renewal::Held {
-                    cancel_requested: cancel.is_some(),
-                },
-            })
+            let held: std::collections::HashMap<String, bool> = held.await?.into_iter().collect();
+            Ok(jobs
+                .iter()
+                .map(|j| {
+                    Ok(match held.get(&j.id) {
+                        None => Renewal::Lost,
+                        Some(cancel) => Renewal::Held {
+                            cancel_requested: *cancel,
+                        },
+                    })
+                })
+                .collect())
         })
     }
 }
@@ -220,10 +258,20 @@ impl crate::writer::Job for ExecutorSeq {
         &self.id
     }
 
-    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<()>> {
+    fn write_all<'a>(
+        jobs: &'a [&'a Self],
+        db: &'a mut AnyConnection,
+    ) -> BoxFuture<'a, Result<Vec<Result<()>>>> {
         Box::pin(async move {
-            rows::execute(db, SET_EXECUTOR_SEQ, (&self.id, self.seq)).await?;
-            Ok(())
+            let rows: Vec<SeqRow> = jobs
+                .iter()
+                .map(|j| SeqRow {
+                    id: j.id.clone(),
+                    seq: j.seq,
+                })
+                .collect();
+            SET_EXECUTOR_SEQ.execute(db, &rows).await?;
+            Ok(jobs.iter().map(|_| Ok(())).collect())
         })
     }
 }

@@ -3,9 +3,12 @@
 //! driver, with the schema in `migrations/<backend>/`.
 //!
 //! The queries keep to the dialect both backends share: `$n` parameters,
-//! `ON CONFLICT`, `RETURNING`, instants as BIGINT microseconds and ids as
-//! text. Where the backends differ (row locking), the query is chosen by
-//! [`Backend`]. Queries are grouped per aggregate, one module each.
+//! `ON CONFLICT`, `RETURNING`, `UPDATE … FROM`, instants as BIGINT
+//! microseconds and ids as text. Every write the writer commits is one
+//! bulk statement per step, whose input relation `bulk!` spells per
+//! backend (`sql.rs`). What else differs (row locks, asynchronous commit)
+//! is a short list of backend-specific statements a tidy test names.
+//! Queries are grouped per aggregate, one module each.
 //!
 //! Correctness across service replicas comes from here — unique keys,
 //! guarded updates, row locks — never from in-memory state.
@@ -24,6 +27,7 @@ pub mod runners;
 pub mod runs;
 pub mod scheduling;
 mod signal;
+mod sql;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod workers;
@@ -39,10 +43,7 @@ pub use signal::{
     AssignmentState, DesktopListener, DesktopNote, Heard, LISTEN_APPLICATION_NAME, RunWatcher,
     Topic, Watcher,
 };
-pub use writer::{
-    ended_at_once, moved_at_once, offered_at_once, replayed, reported_at_once, written,
-    written_alone,
-};
+pub use writer::{replayed, statements, written};
 
 /// Which database a store talks to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -252,6 +253,13 @@ impl Store {
     pub(crate) fn writer(&self) -> &writer::Writer {
         self.writer
             .get_or_init(|| writer::Writer::start(self.pool.clone(), self.backend))
+    }
+
+    /// Batches of this store's writes rolled back because a statement
+    /// failed and run again one write per transaction (the process-wide
+    /// figure is [`replayed`]); a write its guard refuses is not one.
+    pub fn writes_replayed(&self) -> u64 {
+        self.writer.get().map_or(0, writer::Writer::replayed)
     }
 
     /// The id-only reads and writes, for internal callers that act for no

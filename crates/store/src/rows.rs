@@ -274,14 +274,6 @@ json!(
     automesh_domain::RunEventPayload => automesh_domain::RunEventPayload
 );
 
-/// `SELECT <the columns $columns!() names> <the rest>`, as one literal.
-macro_rules! select {
-    ($columns:ident, $($rest:literal),+ $(,)?) => {
-        concat!("SELECT ", $columns!(), " ", $($rest),+)
-    };
-}
-pub(crate) use select;
-
 /// `Ok(T { field: col(row, "field")?, … })`: a `T` whose every field is the
 /// row's column of the same name, or of the name given (`field = "column"`);
 /// fields after a `;` are the variables of their names.

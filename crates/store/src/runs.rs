@@ -6,112 +6,172 @@ use automesh_domain::{ErrorCode, Principal, QuarterUsage, Run, RunState};
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
-use crate::page::{Cursor, Page};
+use const_format::concatcp;
 use futures_util::future::BoxFuture;
 use sqlx::AnyConnection;
 
+use crate::page::{Cursor, Page};
 use crate::rows::{self, col, micros};
-use crate::writer::{Joined, Joint, Row};
+use crate::sql::{Bulk, Input, bulk};
 use crate::{Result, Store, StoreError};
 
 /// The columns every run query reads, in `decode`'s terms.
-macro_rules! run_columns {
-    () => {
-        "id, automation_id, org_id, owner_id, placement, trigger, scheduled_for, idempotency_key, \
-         prompt, model, state, error_code, error_message, deadline_at, traceparent, message_id, \
-         cancel_requested_at, admitted_at, started_at, created_at, updated_at"
-    };
-}
-pub(crate) use run_columns;
+pub(crate) const RUN_COLUMNS: &str = "id, automation_id, org_id, owner_id, placement, trigger, \
+     scheduled_for, idempotency_key, prompt, model, state, error_code, error_message, deadline_at, \
+     traceparent, message_id, cancel_requested_at, admitted_at, started_at, created_at, updated_at";
 
 /// The states of a live run, as an SQL list: named once, for every query
 /// that must only touch live runs (a unit test keeps it equal to the
 /// domain's non-terminal states).
-macro_rules! live_states {
-    () => {
-        "('pending', 'waking', 'admitted', 'running')"
-    };
+pub(crate) const LIVE_STATES: &str = "('pending', 'waking', 'admitted', 'running')";
+
+bulk! {
+    /// A run as it is created.
+    struct RunRow {
+        id: String => TEXT,
+        automation_id: String => TEXT,
+        org_id: String => TEXT,
+        owner_id: String => TEXT,
+        placement: &'static str => TEXT,
+        trigger: &'static str => TEXT,
+        scheduled_for: Option<i64> => BIGINT,
+        idempotency_key: Option<String> => TEXT,
+        prompt: String => TEXT,
+        model: String => TEXT,
+        state: &'static str => TEXT,
+        error_code: Option<&'static str> => TEXT,
+        error_message: Option<String> => TEXT,
+        deadline_at: i64 => BIGINT,
+        traceparent: Option<String> => TEXT,
+        created_at: i64 => BIGINT,
+    }
 }
-pub(crate) use live_states;
 
-/// The columns a run's insert sets, and their values (`$1`..`$16`, see
-/// [`insert_run_params`]).
-macro_rules! insert_run_into {
-    () => {
-        "INSERT INTO runs (id, automation_id, org_id, owner_id, placement, trigger, \
-         scheduled_for, idempotency_key, prompt, model, state, error_code, error_message, \
-         deadline_at, traceparent, created_at, updated_at)"
-    };
+/// Runs created, each unless its id exists: the ids created.
+const CREATE: Bulk<RunRow> = bulk!(RunRow => [
+    "INSERT INTO runs (", <RunRow as Input>::COLUMNS, ", updated_at) SELECT i.*, i.created_at FROM "
+] [
+    " WHERE true ON CONFLICT (id) DO NOTHING RETURNING id"
+]);
+
+impl RunRow {
+    /// `new`, created at `now`.
+    pub(crate) fn of(new: &NewRun<'_>, now: DateTime<Utc>) -> RunRow {
+        let a = new.automation;
+        RunRow {
+            id: new.id.clone(),
+            automation_id: a.id.clone(),
+            org_id: a.org_id.clone(),
+            owner_id: a.owner_id.clone(),
+            placement: a.placement.as_str(),
+            trigger: new.trigger.as_str(),
+            scheduled_for: rows::opt_micros(new.scheduled_for),
+            idempotency_key: new.idempotency_key.clone(),
+            prompt: a.prompt.clone(),
+            model: a.model.clone(),
+            state: new.state.as_str(),
+            error_code: new.error.as_ref().map(|(c, _)| c.as_str()),
+            error_message: new.error.as_ref().map(|(_, m)| m.clone()),
+            deadline_at: micros(new.deadline_at),
+            traceparent: new.traceparent.clone(),
+            created_at: micros(now),
+        }
+    }
 }
-macro_rules! insert_run_values {
-    () => {
-        "$1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $16"
-    };
+
+/// Creates `rows`' runs, each unless its id exists: the ids created.
+pub(crate) async fn create(
+    db: &mut AnyConnection,
+    rows: &[RunRow],
+) -> Result<std::collections::HashSet<String>> {
+    let created = CREATE.all(db, rows, |r| col::<String>(r, "id")).await?;
+    Ok(created.into_iter().collect())
 }
-pub(crate) use {insert_run_into, insert_run_values};
 
-/// A run's insert, unless its id exists.
-macro_rules! insert_run_sql {
-    () => {
-        concat!(
-            $crate::runs::insert_run_into!(),
-            " VALUES (",
-            $crate::runs::insert_run_values!(),
-            ") ON CONFLICT (id) DO NOTHING"
-        )
-    };
+bulk! {
+    /// A run, by id.
+    struct IdRow {
+        id: String => TEXT,
+    }
 }
-pub(crate) use insert_run_sql;
 
-const INSERT: &str = insert_run_sql!();
+impl IdRow {
+    pub(crate) fn of(id: &str) -> IdRow {
+        IdRow { id: id.to_owned() }
+    }
+}
 
-/// PostgreSQL: a run created unless its id exists, in one statement that
-/// also wakes the coordinators at commit when the run is live (`$17` = 1);
-/// how many it created.
-const CREATE_PG: &str = concat!(
-    "WITH created AS (",
-    insert_run_sql!(),
-    " RETURNING id) \
-     SELECT (SELECT COUNT(*) FROM created) AS created, \
-     (SELECT COUNT(*) FROM (SELECT pg_notify('automesh_runs', $18) FROM created WHERE $17 = 1) w) \
-     AS woken"
-);
+/// The runs' last event numbers.
+pub(crate) const LAST_EVENT_SEQ: Bulk<IdRow> = bulk!(IdRow => [
+    "SELECT r.id, r.last_event_seq FROM runs r JOIN "
+] [
+    " ON r.id = i.id"
+]);
 
-const GET_UNSCOPED: &str = rows::select!(run_columns, "FROM runs WHERE id = $1");
+/// The runs' states (why a write was refused).
+const STATES: Bulk<IdRow> =
+    bulk!(IdRow => ["SELECT r.id, r.state FROM runs r JOIN "] [" ON r.id = i.id"]);
 
-const GET: &str = rows::select!(
-    run_columns,
-    "FROM runs WHERE id = $1 AND org_id = $2 AND owner_id = $3"
+/// Why each of `ids` was refused a move to the state `to` names: the run
+/// is missing, or it is in the state it is in.
+pub(crate) async fn refusals(
+    db: &mut AnyConnection,
+    ids: &[&str],
+    to: impl Fn(&str) -> String,
+) -> Result<std::collections::HashMap<String, StoreError>> {
+    let rows: Vec<IdRow> = ids.iter().map(|id| IdRow::of(id)).collect();
+    let states = STATES.all(db, &rows, |r| {
+        Ok((col::<String>(r, "id")?, col::<String>(r, "state")?))
+    });
+    let states: std::collections::HashMap<String, String> = states.await?.into_iter().collect();
+    Ok(ids
+        .iter()
+        .map(|id| {
+            let refusal = match states.get(*id) {
+                None => StoreError::NotFound,
+                Some(from) => StoreError::IllegalTransition {
+                    from: from.clone(),
+                    to: to(id),
+                },
+            };
+            ((*id).to_owned(), refusal)
+        })
+        .collect())
+}
+
+const GET_UNSCOPED: &str = concatcp!("SELECT ", RUN_COLUMNS, " FROM runs WHERE id = $1");
+
+const GET: &str = concatcp!(
+    "SELECT ",
+    RUN_COLUMNS,
+    " FROM runs WHERE id = $1 AND org_id = $2 AND owner_id = $3"
 );
 
 /// A page of an owner's runs, narrowed (`$1`..`$8`, see
 /// [`Store::list_runs`]), `$9` rows at most.
-macro_rules! run_page {
-    () => {
-        "FROM runs \
-         WHERE org_id = $1 AND owner_id = $2 AND ($3 = '' OR automation_id = $3) \
-           AND (created_at < $4 OR (created_at = $4 AND id < $5)) \
-           AND ($6 = '' OR (',' || $6 || ',') LIKE ('%,' || state || ',%')) \
-           AND created_at >= $7 AND created_at < $8 \
-         ORDER BY created_at DESC, id DESC LIMIT $9"
-    };
-}
+const RUN_PAGE: &str = "FROM runs \
+     WHERE org_id = $1 AND owner_id = $2 AND ($3 = '' OR automation_id = $3) \
+       AND (created_at < $4 OR (created_at = $4 AND id < $5)) \
+       AND ($6 = '' OR (',' || $6 || ',') LIKE ('%,' || state || ',%')) \
+       AND created_at >= $7 AND created_at < $8 \
+     ORDER BY created_at DESC, id DESC LIMIT $9";
 
-const LIST: &str = concat!("SELECT ", run_columns!(), " ", run_page!());
+const LIST: &str = concatcp!("SELECT ", RUN_COLUMNS, " ", RUN_PAGE);
 
 /// The receipts of the runs of a [`LIST`] page (same parameters).
-const LIST_RECEIPTS: &str = concat!(
+const LIST_RECEIPTS: &str = concatcp!(
     "SELECT ",
-    crate::receipts::receipt_columns!(),
+    crate::receipts::RECEIPT_COLUMNS,
     " FROM receipts WHERE run_id IN (SELECT id ",
-    run_page!(),
+    RUN_PAGE,
     ")"
 );
 
 /// An automation's newest run (the index `runs_by_automation` serves it).
-const LAST: &str = rows::select!(
-    run_columns,
-    "FROM runs WHERE automation_id = $1 AND org_id = $2 AND owner_id = $3 \
+const LAST: &str = concatcp!(
+    "SELECT ",
+    RUN_COLUMNS,
+    " FROM runs WHERE automation_id = $1 AND org_id = $2 AND owner_id = $3 \
      ORDER BY created_at DESC, id DESC LIMIT 1"
 );
 
@@ -127,39 +187,6 @@ const USAGE: &str = "SELECT r.created_at / 900000000 AS quarter, COUNT(*) AS run
        AND r.created_at >= $4 AND r.created_at < $5 \
      GROUP BY r.created_at / 900000000 ORDER BY quarter";
 
-/// A live run's end (its receipt is written in the same transaction,
-/// `receipts.rs`); `$6` is the lease owner the end is fenced by, or empty
-/// for an end no lease fences. It takes the sequence number of the run's
-/// terminal event. Every write of a run's state is in this module: this,
-/// [`TRANSITION`], [`ADVANCE`] and the creation.
-pub(crate) const END: &str = concat!(
-    "UPDATE runs SET state = $2, error_code = $3, error_message = $4, \
-     updated_at = $5, last_event_seq = last_event_seq + 1 WHERE id = $1 AND state IN ",
-    live_states!(),
-    " AND ($6 = '' OR lease_owner = $6) RETURNING last_event_seq, automation_id"
-);
-
-/// [`END`], the run's receipt and its terminal event in one statement
-/// (PostgreSQL), answering with the state of the run's automation: `$7`
-/// .. `$24` the receipt's columns after its outcome and error, `$25`..`$27`
-/// the event's id, kind and payload.
-pub(crate) const END_PG: &str = concat!(
-    "WITH ended AS (UPDATE runs SET state = $2, error_code = $3, error_message = $4, \
-     updated_at = $5, last_event_seq = last_event_seq + 1 WHERE id = $1 AND state IN ",
-    live_states!(),
-    " AND ($6 = '' OR lease_owner = $6) RETURNING id, last_event_seq, automation_id), \
-     receipt AS (INSERT INTO receipts (run_id, outcome, error_code, error_message, placement, \
-       engine, queued_us, wake_us, admission_us, execution_us, input_tokens, output_tokens, \
-       cost_micros, worker_id, workspace_id, thread_id, message_id, created_at, model, \
-       provider_model, price_input_micros_per_mtok, price_output_micros_per_mtok) \
-       SELECT id, $2, $3, $4, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, \
-       $20, $21, $22, $23, $24 FROM ended ON CONFLICT (run_id) DO NOTHING) \
-     INSERT INTO run_events (run_id, seq, event_id, kind, payload, created_at) \
-     SELECT id, last_event_seq, $25, $26, $27, $20 FROM ended \
-     RETURNING (SELECT a.state FROM automations a, ended e WHERE a.id = e.automation_id) \
-       AS automation_state"
-);
-
 /// `$5` is a comma-framed list of the states the run may move from, such as
 /// `,pending,waking,`: one static query for every transition on both backends.
 const TRANSITION: &str = "UPDATE runs SET state = $2, error_code = $3, error_message = $4, \
@@ -168,38 +195,28 @@ const TRANSITION: &str = "UPDATE runs SET state = $2, error_code = $3, error_mes
      started_at = CASE WHEN $2 = 'running' THEN $6 ELSE started_at END \
      WHERE id = $1 AND $5 LIKE '%,' || state || ',%'";
 
-/// [`ADVANCE`] and the status event it takes the number of, in one
-/// statement (PostgreSQL): `$5`..`$7` the event's id, kind and payload.
-const ADVANCE_PG: &str = "WITH moved AS (UPDATE runs SET state = $2, updated_at = $4, \
-     admitted_at = CASE WHEN $2 = 'admitted' THEN $4 ELSE admitted_at END, \
-     started_at = CASE WHEN $2 = 'running' THEN $4 ELSE started_at END, \
-     last_event_seq = last_event_seq + 1 \
-     WHERE id = $1 AND $3 LIKE '%,' || state || ',%' RETURNING id, last_event_seq) \
-     INSERT INTO run_events (run_id, seq, event_id, kind, payload, created_at) \
-     SELECT id, last_event_seq, $5, $6, $7, $4 FROM moved RETURNING seq";
+bulk! {
+    /// A run's move forward to `state`, from one of `froms` (a
+    /// comma-framed list such as `,pending,waking,`), at `at`.
+    struct MoveRow {
+        id: String => TEXT,
+        state: &'static str => TEXT,
+        froms: String => TEXT,
+        at: i64 => BIGINT,
+    }
+}
 
-/// Many runs' single moves forward and their status events in one
-/// statement (PostgreSQL): `$1` a JSON array of the moves, one per run,
-/// each as [`ADVANCE_PG`] takes its values. Each run's guard is its own
-/// (the states it may move from); a run whose guard does not hold is left
-/// as it is. Answers the ids of the runs that moved.
-const ADVANCE_MANY_PG: &str = "WITH input AS (SELECT * FROM json_to_recordset($1::json) \
-       AS i(id TEXT, state TEXT, froms TEXT, at BIGINT, event_id TEXT, kind TEXT, payload TEXT)), \
-     moved AS (UPDATE runs r SET state = i.state, updated_at = i.at, \
-       admitted_at = CASE WHEN i.state = 'admitted' THEN i.at ELSE r.admitted_at END, \
-       started_at = CASE WHEN i.state = 'running' THEN i.at ELSE r.started_at END, \
-       last_event_seq = r.last_event_seq + 1 \
-       FROM input i WHERE r.id = i.id AND i.froms LIKE '%,' || r.state || ',%' \
-       RETURNING r.id, r.last_event_seq, i.at, i.event_id, i.kind, i.payload) \
-     INSERT INTO run_events (run_id, seq, event_id, kind, payload, created_at) \
-     SELECT id, last_event_seq, event_id, kind, payload, at FROM moved RETURNING run_id";
-
-/// [`TRANSITION`] forward, taking the sequence number of its status event.
-const ADVANCE: &str = "UPDATE runs SET state = $2, updated_at = $4, \
-     admitted_at = CASE WHEN $2 = 'admitted' THEN $4 ELSE admitted_at END, \
-     started_at = CASE WHEN $2 = 'running' THEN $4 ELSE started_at END, \
-     last_event_seq = last_event_seq + 1 \
-     WHERE id = $1 AND $3 LIKE '%,' || state || ',%' RETURNING last_event_seq";
+/// Runs' moves forward, each guarded by the states it may come from and
+/// taking the number of its status event: the runs that moved.
+const ADVANCE: Bulk<MoveRow> = bulk!(MoveRow => [
+    "UPDATE runs SET state = i.state, updated_at = i.at, \
+     admitted_at = CASE WHEN i.state = 'admitted' THEN i.at ELSE runs.admitted_at END, \
+     started_at = CASE WHEN i.state = 'running' THEN i.at ELSE runs.started_at END, \
+     last_event_seq = runs.last_event_seq + 1 FROM "
+] [
+    " WHERE runs.id = i.id AND i.froms LIKE '%,' || runs.state || ',%' \
+     RETURNING runs.id, runs.last_event_seq"
+]);
 
 pub(crate) fn decode(row: &AnyRow) -> Result<Run> {
     rows::columns! { row => Run {
@@ -211,27 +228,16 @@ pub(crate) fn decode(row: &AnyRow) -> Result<Run> {
 
 impl Store {
     /// Creates a run unless one with the same id exists, and returns the
-    /// stored run with `true` when this call created it.
+    /// stored run with `true` when this call created it. A live run wakes
+    /// the coordinators.
     pub async fn create_run(&self, new: &NewRun<'_>, now: DateTime<Utc>) -> Result<(Run, bool)> {
-        let created = if self.backend() == crate::Backend::Postgres {
-            // One statement, atomic on its own: no transaction around it.
-            let live = i64::from(!new.state.is_terminal());
-            let token = crate::signal::process_token();
-            let params = crate::runs::insert_run_params!(new, now, live, token);
-            let created =
-                rows::optional(self.db(), CREATE_PG, params, |r| col::<i64>(r, "created"))
-                    .await?
-                    .unwrap_or_default();
-            created > 0
-        } else {
-            let mut tx = self.begin_write().await?;
-            let created = insert(&mut tx, new, now).await?;
-            tx.commit().await?;
-            created
-        };
-        if created {
-            crate::signal::runs_created();
+        let mut db = self.db().acquire().await?;
+        // One statement, atomic on its own: no transaction around it.
+        let created = !create(&mut db, &[RunRow::of(new, now)]).await?.is_empty();
+        if created && !new.state.is_terminal() {
+            crate::signal::runs_created_on(&mut db).await?;
         }
+        drop(db);
         Ok((self.internal().get_run(&new.id).await?, created))
     }
 
@@ -412,81 +418,52 @@ impl crate::writer::Job for Advance {
         &self.id
     }
 
-    /// The move, when the job is one move (the common case: each status
-    /// an executor reports moves its run one step).
-    fn joined_row(&self) -> Option<Row> {
-        let [to] = self.targets.as_slice() else {
-            return None;
-        };
-        let event = crate::events::status_event(*to, None, None);
-        let (event_id, kind, payload) = crate::events::columns(&event).ok()?;
-        Some(Row {
-            joint: Joint::Move,
-            run_id: self.id.clone(),
-            value: serde_json::json!({
-                "id": self.id,
-                "state": to.as_str(),
-                "froms": predecessors(*to),
-                "at": micros(self.now),
-                "event_id": event_id,
-                "kind": kind,
-                "payload": payload,
-            }),
-        })
-    }
-
-    fn joined(&self, done: Joined) -> Option<Vec<RunState>> {
-        let Joined::Moved(made) = done else {
-            return None;
-        };
-        Some(if made { self.targets.clone() } else { vec![] })
-    }
-
-    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<Vec<RunState>>> {
+    /// Step by step (each status an executor reports is one step): every
+    /// job's next move in one statement, then the status events of the
+    /// runs that moved in another.
+    fn write_all<'a>(
+        jobs: &'a [&'a Self],
+        db: &'a mut AnyConnection,
+    ) -> BoxFuture<'a, Result<Vec<Result<Vec<RunState>>>>> {
         Box::pin(async move {
-            let mut moved = vec![];
-            for to in &self.targets {
-                let (from, at) = (predecessors(*to), micros(self.now));
-                // A move made writes its status event, which cannot exist
-                // yet: the state was not reached before.
-                let event = crate::events::status_event(*to, None, None);
-                let made = if rows::is_postgres(db) {
-                    let (id, kind, payload) = crate::events::columns(&event)?;
-                    let params = (&self.id, to.as_str(), from, at, id, kind, payload);
-                    let made = rows::optional(&mut *db, ADVANCE_PG, params, |_| Ok(()));
-                    made.await?.is_some()
-                } else {
-                    let params = (&self.id, to.as_str(), from, at);
-                    let seq =
-                        rows::optional(&mut *db, ADVANCE, params, |r| col(r, "last_event_seq"));
-                    match seq.await? {
-                        Some(seq) => {
-                            crate::events::insert(&mut *db, &self.id, seq, &event, self.now).await?
-                        }
-                        None => false,
+            let mut moved: Vec<Vec<RunState>> = jobs.iter().map(|_| vec![]).collect();
+            let steps = jobs.iter().map(|j| j.targets.len()).max().unwrap_or(0);
+            for step in 0..steps {
+                let of_step: Vec<(usize, RunState)> = jobs
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, j)| j.targets.get(step).map(|to| (i, *to)))
+                    .collect();
+                let rows: Vec<MoveRow> = of_step
+                    .iter()
+                    .map(|(i, to)| MoveRow {
+                        id: jobs[*i].id.clone(),
+                        state: to.as_str(),
+                        froms: predecessors(*to),
+                        at: micros(jobs[*i].now),
+                    })
+                    .collect();
+                let made = ADVANCE.all(&mut *db, &rows, |r| {
+                    Ok((col::<String>(r, "id")?, col::<i64>(r, "last_event_seq")?))
+                });
+                let made: std::collections::HashMap<String, i64> =
+                    made.await?.into_iter().collect();
+                let mut events = vec![];
+                for (i, to) in of_step {
+                    let job = jobs[i];
+                    if let Some(seq) = made.get(&job.id) {
+                        // A move made writes its status event, which cannot
+                        // exist yet: the state was not reached before.
+                        let event = crate::events::status_event(to, None, None);
+                        events.push(crate::events::row(&job.id, *seq, &event, job.now)?);
+                        moved[i].push(to);
                     }
-                };
-                if made {
-                    moved.push(*to);
                 }
+                crate::events::INSERT.execute(&mut *db, &events).await?;
             }
-            Ok(moved)
+            Ok(moved.into_iter().map(Ok).collect())
         })
     }
-}
-
-/// Makes the moves of `input` (a JSON array of [`Advance`]'s joined rows,
-/// of distinct runs) in one statement (PostgreSQL); the ids of the runs
-/// that moved, each guard deciding for its own run as [`ADVANCE_PG`]
-/// would.
-pub(crate) async fn advance_many(
-    db: &mut AnyConnection,
-    input: String,
-) -> Result<std::collections::HashSet<String>> {
-    let moved = rows::all(db, ADVANCE_MANY_PG, (input,), |r| {
-        col::<String>(r, "run_id")
-    });
-    Ok(moved.await?.into_iter().collect())
 }
 
 /// The states a run may move to `to` from, as [`TRANSITION`] takes them.
@@ -495,44 +472,6 @@ fn predecessors(to: RunState) -> String {
         .iter()
         .fold(String::from(","), |acc, s| format!("{acc}{s},"))
 }
-
-/// Inserts a run unless its id exists; `true` when this call created it.
-pub(crate) async fn insert(
-    tx: &mut AnyConnection,
-    new: &NewRun<'_>,
-    now: DateTime<Utc>,
-) -> Result<bool> {
-    rows::changed_one(&mut *tx, INSERT, insert_run_params!(new, now)).await
-}
-
-/// The values of [`insert_run_sql`]'s parameters for `$new` (a
-/// `&NewRun`) created at `$now`, then any `$extra` ones.
-macro_rules! insert_run_params {
-    ($new:expr, $now:expr $(, $extra:expr)*) => {{
-        let new: &automesh_domain::run::NewRun<'_> = $new;
-        let a = new.automation;
-        (
-            &new.id,
-            &a.id,
-            &a.org_id,
-            &a.owner_id,
-            a.placement.as_str(),
-            new.trigger.as_str(),
-            $crate::rows::opt_micros(new.scheduled_for),
-            new.idempotency_key.as_deref(),
-            &a.prompt,
-            &a.model,
-            new.state.as_str(),
-            new.error.as_ref().map(|(c, _)| c.as_str()),
-            new.error.as_ref().map(|(_, m)| m.as_str()),
-            $crate::rows::micros(new.deadline_at),
-            new.traceparent.as_deref(),
-            $crate::rows::micros($now)
-            $(, $extra)*
-        )
-    }};
-}
-pub(crate) use insert_run_params;
 
 impl crate::Internal<'_> {
     /// One run by id, for internal callers that act for no user.
@@ -547,7 +486,7 @@ mod tests {
 
     #[test]
     fn the_live_state_list_is_the_domains_non_terminal_states() {
-        let listed: Vec<&str> = live_states!()
+        let listed: Vec<&str> = super::LIVE_STATES
             .trim_matches(|c| c == '(' || c == ')')
             .split(", ")
             .map(|s| s.trim_matches('\''))

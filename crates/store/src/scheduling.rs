@@ -6,101 +6,59 @@
 use automesh_domain::run::NewRun;
 use automesh_domain::{Automation, Receipt};
 use chrono::{DateTime, Utc};
+use const_format::concatcp;
 use sqlx::{Any, Transaction};
 
-use crate::automations::automation_columns;
+use crate::automations::AUTOMATION_COLUMNS;
 use crate::rows::{self, col, micros, opt_micros};
-use crate::runs::live_states;
+use crate::runs::{LIVE_STATES, RunRow};
+use crate::sql::{Bulk, bulk};
 use crate::{Backend, Result, Store};
 
 /// Up to `$2` active automations due at `$1`, soonest first, each with
-/// whether a run of it is still live; `$lock` is how the backend keeps two
-/// schedulers' claims apart.
-macro_rules! due_sql {
-    ($lock:literal) => {
-        concat!(
-            "SELECT ",
-            automation_columns!(),
-            ", CASE WHEN EXISTS (SELECT 1 FROM runs r WHERE r.automation_id = automations.id \
-               AND r.state IN ",
-            live_states!(),
-            ") THEN 1 ELSE 0 END AS live_run FROM automations WHERE state = 'active' AND next_run_at IS NOT NULL \
-             AND next_run_at <= $1 ORDER BY next_run_at LIMIT $2",
-            $lock
-        )
-    };
-}
+/// whether a run of it is still live; read without a lock (SQLite has one
+/// writer at a time: its claim needs none either).
+const DUE: &str = concatcp!(
+    "SELECT ",
+    AUTOMATION_COLUMNS,
+    ", CASE WHEN EXISTS (SELECT 1 FROM runs r WHERE r.automation_id = automations.id \
+       AND r.state IN ",
+    LIVE_STATES,
+    ") THEN 1 ELSE 0 END AS live_run FROM automations WHERE state = 'active' \
+     AND next_run_at IS NOT NULL AND next_run_at <= $1 ORDER BY next_run_at LIMIT $2"
+);
 
-const DUE_PG: &str = due_sql!(" FOR UPDATE SKIP LOCKED");
-
-/// SQLite has one writer at a time: the claim needs no row locks.
-const DUE_SQLITE: &str = due_sql!("");
+/// PostgreSQL: [`DUE`], claimed (rows another scheduler holds are skipped).
+const DUE_PG: &str = concatcp!(DUE, " FOR UPDATE SKIP LOCKED");
 
 const NEXT_DUE: &str = "SELECT MIN(next_run_at) AS next_due FROM automations WHERE state = 'active' AND next_run_at IS NOT NULL";
 
 const ADVANCE: &str = "UPDATE automations SET next_run_at = $2, updated_at = $3, \
      version = version + 1 WHERE id = $1";
 
-/// PostgreSQL: an occurrence fired in one statement — the run created
-/// (unless its id exists), its automation advanced to `$17`, and, when the
-/// run is live (`$18` = 1), the coordinators woken at commit (a notification
-/// repeated in one transaction is delivered once). How many runs it created.
-const FIRE_PG: &str = concat!(
-    "WITH created AS (",
-    crate::runs::insert_run_sql!(),
-    " RETURNING id), advanced AS (UPDATE automations SET next_run_at = $17, updated_at = $16, \
-     version = version + 1 WHERE id = $2) \
-     SELECT (SELECT COUNT(*) FROM created) AS created, \
-     (SELECT COUNT(*) FROM (SELECT pg_notify('automesh_runs', $19) FROM created WHERE $18 = 1) w) \
-     AS woken"
-);
+bulk! {
+    /// An occurrence fired: its automation, as read (due at `due`, at
+    /// `version`), moved to its next occurrence.
+    struct FireRow {
+        automation_id: String => TEXT,
+        due: Option<i64> => BIGINT,
+        version: i64 => BIGINT,
+        next_run_at: Option<i64> => BIGINT,
+        at: i64 => BIGINT,
+    }
+}
 
-/// PostgreSQL: many occurrences fired in one statement, as [`FIRE_PG`]
-/// fires one — `$1` a JSON array of the runs, each with its automation's
-/// next occurrence (`next_run_at`), created at `$2`: every run created
-/// unless its id exists, every automation advanced, and the coordinators
-/// woken at commit when any run was created (with `$3`, the process's
-/// token). The ids of the runs it created.
-const FIRE_MANY_PG: &str = concat!(
-    "WITH input AS (SELECT * FROM json_to_recordset($1::json) AS i(id TEXT, automation_id TEXT, \
-       org_id TEXT, owner_id TEXT, placement TEXT, trigger TEXT, scheduled_for BIGINT, \
-       idempotency_key TEXT, prompt TEXT, model TEXT, state TEXT, error_code TEXT, \
-       error_message TEXT, deadline_at BIGINT, traceparent TEXT, next_run_at BIGINT)), \
-     created AS (",
-    crate::runs::insert_run_into!(),
-    " SELECT id, automation_id, org_id, owner_id, placement, trigger, scheduled_for, \
-       idempotency_key, prompt, model, state, error_code, error_message, deadline_at, \
-       traceparent, $2, $2 FROM input ON CONFLICT (id) DO NOTHING RETURNING id), \
-     advanced AS (UPDATE automations a SET next_run_at = i.next_run_at, updated_at = $2, \
-       version = a.version + 1 FROM input i WHERE a.id = i.automation_id) \
-     SELECT id, (SELECT COUNT(*) FROM (SELECT pg_notify('automesh_runs', $3) \
-       WHERE EXISTS (SELECT 1 FROM created)) w) AS woken FROM created"
-);
-
-/// PostgreSQL: an occurrence fired without a lock — the automation
-/// advanced to `$17` only while still active, due at `$18`, at version
-/// `$19` and with no run live; its run created only then, and the
-/// coordinators woken. It commits asynchronously, like the scheduling
-/// transaction (see [`Store::begin_scheduling`]). How many runs it created.
-const FIRE_UNLOCKED_PG: &str = concat!(
-    "WITH async_commit AS (SELECT set_config('synchronous_commit', 'off', true)), \
-     advanced AS (UPDATE automations SET next_run_at = $17, updated_at = $16, \
-       version = version + 1 \
-       WHERE id = $2 AND state = 'active' AND next_run_at = $18 AND version = $19 \
-       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.automation_id = $2 AND r.state IN ",
-    crate::runs::live_states!(),
-    ") RETURNING id), created AS (",
-    crate::runs::insert_run_into!(),
-    " SELECT ",
-    crate::runs::insert_run_values!(),
-    " FROM advanced ON CONFLICT (id) DO NOTHING RETURNING id) \
-     SELECT (SELECT COUNT(*) FROM created) AS created, \
-     (SELECT COUNT(*) FROM (SELECT pg_notify('automesh_runs', $20) FROM created) w) AS woken, \
-     (SELECT COUNT(*) FROM async_commit) AS settings"
-);
-
-/// What is due by `$1` (at most `$2`), read without a lock.
-const DUE_UNLOCKED: &str = due_sql!("");
+/// Automations moved to their next occurrence, each only while still
+/// active, due when it was read, unchanged since (its version) and with no
+/// run live: the ones moved, whose occurrences' runs are then created.
+const FIRE: Bulk<FireRow> = bulk!(FireRow => [
+    "UPDATE automations SET next_run_at = i.next_run_at, updated_at = i.at, \
+     version = automations.version + 1 FROM "
+] [
+    " WHERE automations.id = i.automation_id AND automations.state = 'active' AND automations.next_run_at = i.due \
+     AND automations.version = i.version AND NOT EXISTS (SELECT 1 FROM runs r \
+       WHERE r.automation_id = automations.id AND r.state IN ", LIVE_STATES, ") RETURNING automations.id"
+]);
 
 /// An automation due now, and whether a run of it is still live.
 #[derive(Debug, Clone)]
@@ -121,8 +79,6 @@ pub struct SchedulingTx {
     tx: Transaction<'static, Any>,
     backend: Backend,
     created_pending: bool,
-    /// The coordinators' wake-up is already part of the transaction.
-    notified: bool,
 }
 
 impl std::fmt::Debug for SchedulingTx {
@@ -152,7 +108,6 @@ impl Store {
             tx,
             backend: self.backend(),
             created_pending: false,
-            notified: false,
         })
     }
 
@@ -170,44 +125,27 @@ impl Store {
     pub async fn due_by(&self, at: DateTime<Utc>, limit: u32) -> Result<Vec<Due>> {
         let decode = rows::skipping("due automation", decode_due);
         let params = (micros(at), i64::from(limit));
-        let due = rows::all(self.db(), DUE_UNLOCKED, params, decode).await?;
+        let due = rows::all(self.db(), DUE, params, decode).await?;
         Ok(due.into_iter().flatten().collect())
     }
 
-    /// Fires an occurrence planned from [`Store::due_by`]'s read, in one
-    /// statement and without a lock: creates the run and moves the
-    /// automation's next occurrence from `due` to `next` — only if the
-    /// automation is still active, unchanged (its version) and due at
-    /// `due`, and no run of it is live. `true` when it fired; `false` when
-    /// a guard did not hold (a scheduling transaction then decides).
-    /// PostgreSQL only.
+    /// Fires occurrences planned from [`Store::due_by`]'s read, without a
+    /// lock, in one transaction that commits asynchronously (as
+    /// [`Store::begin_scheduling`]'s): each creates its run and moves its
+    /// automation's next occurrence, as [`SchedulingTx::fire_many`] fires
+    /// it — only if the automation is still active, unchanged and due as
+    /// read, and no run of it is live. Whether each fired, in order; one
+    /// whose guard did not hold is left to a scheduling pass, which claims
+    /// and decides again.
     pub async fn fire_unlocked(
         &self,
-        new: &NewRun<'_>,
-        due: DateTime<Utc>,
-        next: Option<DateTime<Utc>>,
+        fires: &[(&NewRun<'_>, Option<DateTime<Utc>>)],
         now: DateTime<Utc>,
-    ) -> Result<bool> {
-        if self.backend() != Backend::Postgres {
-            return Ok(false);
-        }
-        let version = new.automation.version;
-        let token = crate::signal::process_token();
-        let params = crate::runs::insert_run_params!(
-            new,
-            now,
-            opt_micros(next),
-            micros(due),
-            version,
-            token
-        );
-        let created = rows::optional(self.db(), FIRE_UNLOCKED_PG, params, |r| col(r, "created"));
-        let created: Option<i64> = created.await?;
-        let created = created.unwrap_or(0) > 0;
-        if created {
-            crate::signal::runs_created();
-        }
-        Ok(created)
+    ) -> Result<Vec<bool>> {
+        let mut tx = self.begin_scheduling().await?;
+        let fired = tx.fire_many(fires, now).await?;
+        tx.commit().await?;
+        Ok(fired)
     }
 }
 
@@ -218,7 +156,7 @@ impl SchedulingTx {
     pub async fn claim_due(&mut self, now: DateTime<Utc>, limit: u32) -> Result<Vec<Due>> {
         let sql = match self.backend {
             Backend::Postgres => DUE_PG,
-            Backend::Sqlite => DUE_SQLITE,
+            Backend::Sqlite => DUE,
         };
         // A row that does not decode is skipped, not allowed to stop every
         // other automation from firing.
@@ -230,75 +168,46 @@ impl SchedulingTx {
 
     /// Creates a run unless its (derived) id exists; `true` when created.
     pub async fn create_run(&mut self, new: &NewRun<'_>, now: DateTime<Utc>) -> Result<bool> {
-        let created = crate::runs::insert(&mut self.tx, new, now).await?;
+        let rows = [RunRow::of(new, now)];
+        let created = !crate::runs::create(&mut self.tx, &rows).await?.is_empty();
         if created && !new.state.is_terminal() {
             self.created_pending = true;
         }
         Ok(created)
     }
 
-    /// Fires an occurrence: creates its run unless the run's (derived) id
-    /// exists, and moves the automation's next occurrence to `next` — on
-    /// PostgreSQL in one statement, which also wakes the coordinators at
-    /// commit; `true` when the run was created.
-    pub async fn fire(
-        &mut self,
-        new: &NewRun<'_>,
-        next: Option<DateTime<Utc>>,
-        now: DateTime<Utc>,
-    ) -> Result<bool> {
-        if self.backend == Backend::Sqlite {
-            let created = self.create_run(new, now).await?;
-            self.advance(&new.automation.id, next, now).await?;
-            return Ok(created);
-        }
-        let live = i64::from(!new.state.is_terminal());
-        let token = crate::signal::process_token();
-        let params = crate::runs::insert_run_params!(new, now, opt_micros(next), live, token);
-        let (created, woken): (i64, i64) = rows::optional(&mut *self.tx, FIRE_PG, params, |r| {
-            Ok((col(r, "created")?, col(r, "woken")?))
-        })
-        .await?
-        .unwrap_or_default();
-        self.notified |= woken > 0;
-        self.created_pending |= created > 0 && live == 1;
-        Ok(created > 0)
-    }
-
-    /// Fires many occurrences, each as [`SchedulingTx::fire`] fires one
-    /// (its run created unless its id exists, its automation moved to its
-    /// `next` occurrence) — on PostgreSQL all in one statement, which also
-    /// wakes the coordinators at commit. Whether each run was created, in
+    /// Fires occurrences: each moves its automation's next occurrence to
+    /// its `next` and creates its run unless the run's (derived) id exists,
+    /// guarded as [`Store::fire_unlocked`] says (under this transaction's
+    /// claim the guard holds unless a run of the automation went live).
+    /// Two statements for all of them. Whether each run was created, in
     /// order.
     pub async fn fire_many(
         &mut self,
         fires: &[(&NewRun<'_>, Option<DateTime<Utc>>)],
         now: DateTime<Utc>,
     ) -> Result<Vec<bool>> {
-        if self.backend == Backend::Sqlite || fires.len() < 2 {
-            let mut created = Vec::with_capacity(fires.len());
-            for (new, next) in fires {
-                created.push(self.fire(new, *next, now).await?);
-            }
-            return Ok(created);
-        }
-        let input: Vec<serde_json::Value> = fires
+        let rows: Vec<FireRow> = fires
             .iter()
-            .map(|(new, next)| fire_row(new, *next))
+            .map(|(new, next)| FireRow {
+                automation_id: new.automation.id.clone(),
+                due: opt_micros(new.automation.next_run_at),
+                version: new.automation.version,
+                next_run_at: opt_micros(*next),
+                at: micros(now),
+            })
             .collect();
-        let input = serde_json::Value::Array(input).to_string();
-        let token = crate::signal::process_token();
-        let params = (input, micros(now), token);
-        let rows = rows::all(&mut *self.tx, FIRE_MANY_PG, params, |r| {
-            Ok((col::<String>(r, "id")?, col::<i64>(r, "woken")?))
-        })
-        .await?;
-        self.notified |= rows.iter().any(|(_, woken)| *woken > 0);
-        let made: std::collections::HashSet<&str> =
-            rows.iter().map(|(id, _)| id.as_str()).collect();
+        let moved = FIRE.all(&mut self.tx, &rows, |r| col::<String>(r, "id"));
+        let moved: std::collections::HashSet<String> = moved.await?.into_iter().collect();
+        let runs: Vec<RunRow> = fires
+            .iter()
+            .filter(|(new, _)| moved.contains(&new.automation.id))
+            .map(|(new, _)| RunRow::of(new, now))
+            .collect();
+        let made = crate::runs::create(&mut self.tx, &runs).await?;
         let created: Vec<bool> = fires
             .iter()
-            .map(|(new, _)| made.contains(new.id.as_str()))
+            .map(|(new, _)| made.contains(&new.id))
             .collect();
         self.created_pending |= fires
             .iter()
@@ -309,7 +218,7 @@ impl SchedulingTx {
 
     /// Stores the receipt of a run created terminal (skipped, missed).
     pub async fn insert_receipt(&mut self, receipt: &Receipt) -> Result<()> {
-        crate::receipts::created_terminal(&mut self.tx, receipt).await
+        crate::receipts::created_terminal(&mut self.tx, std::slice::from_ref(receipt)).await
     }
 
     /// Moves an automation's next occurrence (and its version: the
@@ -329,39 +238,14 @@ impl SchedulingTx {
     /// can be woken).
     pub async fn commit(self) -> Result<bool> {
         let mut tx = self.tx;
-        if self.created_pending && !self.notified && self.backend == Backend::Postgres {
+        if self.created_pending && self.backend == Backend::Postgres {
             let token = crate::signal::process_token();
             crate::signal::notify(&mut *tx, crate::Topic::Runs, token).await?;
         }
         tx.commit().await?;
         if self.created_pending {
-            crate::signal::runs_created();
+            crate::Topic::Runs.signal_local();
         }
         Ok(self.created_pending)
     }
-}
-
-/// One occurrence's row of [`FIRE_MANY_PG`]'s input: the run's columns as
-/// [`crate::runs::insert_run_params`] binds them, and its automation's
-/// next occurrence.
-fn fire_row(new: &NewRun<'_>, next: Option<DateTime<Utc>>) -> serde_json::Value {
-    let a = new.automation;
-    serde_json::json!({
-        "id": new.id,
-        "automation_id": a.id,
-        "org_id": a.org_id,
-        "owner_id": a.owner_id,
-        "placement": a.placement.as_str(),
-        "trigger": new.trigger.as_str(),
-        "scheduled_for": opt_micros(new.scheduled_for),
-        "idempotency_key": new.idempotency_key,
-        "prompt": a.prompt,
-        "model": a.model,
-        "state": new.state.as_str(),
-        "error_code": new.error.as_ref().map(|(c, _)| c.as_str()),
-        "error_message": new.error.as_ref().map(|(_, m)| m.as_str()),
-        "deadline_at": micros(new.deadline_at),
-        "traceparent": new.traceparent,
-        "next_run_at": opt_micros(next),
-    })
 }

@@ -3,8 +3,7 @@
 //! LISTEN/NOTIFY. Two topics: runs were created (`automesh_runs`, for
 //! run-coordinators) and desktop dispatch changed (`automesh_desktop`, for
 //! runner-gateway replicas). A wake-up is only a hint: every watcher also
-//! polls, so a lost one delays work by at most the poll interval, and never
-//! loses it.
+//! polls, so a lost one delays work by at most the poll interval.
 //!
 //! Desktop changes are [`DesktopNote`]s that say what changed, so a replica
 //! acts on exactly that — claims an offered run for the owner's runner it
@@ -391,9 +390,8 @@ async fn connect_listener(url: &str, topic: Topic) -> std::result::Result<PgList
     Ok(l)
 }
 
-/// Sends `payload` on `topic`'s channel through `db` (a pool, or a
-/// transaction: then it is delivered at commit). Every notification sent
-/// from Rust goes through here.
+/// Sends `payload` on `topic`'s channel through `db` (in a transaction, it
+/// is delivered at commit). Every notification is sent through here.
 pub(crate) async fn notify<'e, E>(db: E, topic: Topic, payload: &str) -> sqlx::Result<()>
 where
     E: sqlx::Executor<'e, Database = sqlx::Any>,
@@ -450,9 +448,14 @@ impl DesktopListener {
     }
 }
 
-/// Tells in-process watchers that runs were created.
-pub(crate) fn runs_created() {
+/// Tells the coordinators that runs were created (through `db`, outside a
+/// transaction): by NOTIFY on PostgreSQL, and this process's at once.
+pub(crate) async fn runs_created_on(db: &mut sqlx::AnyConnection) -> Result<()> {
+    if crate::rows::is_postgres(db) {
+        notify(&mut *db, Topic::Runs, process_token()).await?;
+    }
     Topic::Runs.signal_local();
+    Ok(())
 }
 
 /// The payload of this process's `automesh_runs` notifications: a token

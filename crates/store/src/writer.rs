@@ -1,53 +1,43 @@
 //! Group commit: the hot-path writes of many runs — state moves, events,
-//! receipts, desktop reports — committed together, one transaction per
-//! batch instead of one per write.
+//! receipts, leases, desktop offers and reports — committed together, one
+//! transaction per batch instead of one per write.
 //!
-//! Each process's store has a few writer tasks (one on SQLite). A write is
-//! a [`Job`]: its own guarded statements, exactly as it would run alone. A
-//! writer takes every job waiting when it is free (nothing waits on a
-//! timer: under no load a job commits at once, under load jobs pile up
-//! while the batches before commit, and the batches grow), runs them in one transaction in
-//! the order of their keys (a run's id, so that transactions of different
-//! writers lock rows in one order), and answers each job only after the
-//! commit. A batch is exactly as safe as
-//! its jobs one by one: each job's guards and fencing are its own
-//! statements, and a job that fails (having written part of what it
-//! writes, perhaps) poisons only its batch, which is then rolled back and
-//! run again one job per transaction: a job commits all of its writes or
-//! none, and one bad write never fails another.
+//! Each process's store has a few writer tasks in two lanes, the runs' and
+//! desktop dispatch's (one task each on SQLite, whose one write lock they
+//! share). A write is a [`Job`]. A writer takes every job waiting when it is free (nothing
+//! waits on a timer: under no load a job commits at once, under load jobs
+//! pile up while the batches before commit, and the batches grow) and
+//! commits them in one transaction, answering each job only after the
+//! commit.
 //!
-//! On PostgreSQL the batch's single moves forward of runs (to admitted, to
-//! running, each with its status event) are one statement for all of them,
-//! each row still guarded by its own run's state; a run another job of the
-//! batch also writes moves in its own statement, in order. Its ends of runs
-//! (terminal state, receipt and event) are one statement the same way, each
-//! row guarded as alone and locked in key order; an end whose guard does not
-//! hold is left to its job, which runs as alone and says why. Runners'
-//! reports and desktop offers are joined the same way. A job joins through
-//! its [`Job::joined_row`] (a [`Row`] of one [`Joint`]) and is answered
-//! from what the statement did ([`Joined`]).
+//! Every kind of job is written in bulk: [`Job::write_all`] makes the
+//! writes of many jobs of its kind with one statement per step (a bulk
+//! statement, `sql.rs`), each row guarded as if it were alone; a lone write
+//! is a batch of one. A batch is sorted by run id and cut into rounds (a
+//! run's first job in the first, its second in the second, …), so that two
+//! jobs of one run keep their order; each round writes each kind once.
 //!
-//! A joined statement takes its rows' locks (in key order) before the
-//! batch's other jobs take theirs, so a batch no longer locks strictly in
-//! one key order: two batches that write crossing sets of the same runs
-//! (say one with reports on r1 and r9 and a cancellation of r5, the other
-//! with reports on r2 and r5 and a cancellation of r9) can deadlock.
-//! PostgreSQL detects it after `deadlock_timeout`, the batch it picks fails
-//! and is run again one job per transaction — correct, but that late; the
-//! batches run again so are counted (`automesh.db.write.replayed`).
+//! On PostgreSQL a batch first locks the rows of every run it writes, in
+//! one statement per table and in one order (`ORDER BY id … FOR UPDATE`;
+//! a kind names its table's statement, [`Job::LOCK_PG`]: the runs, or a
+//! desktop kind's assignments, so that the runner gateway's writes never
+//! hold a run's row): batches of different writers and processes queue on
+//! their first common run instead of deadlocking over crossing sets. A job whose guard refuses it (a run
+//! already ended, a report from a stream that no longer holds the run) is
+//! answered so and writes nothing; it does not fail the batch.
+//!
+//! What is left of the replay path: a statement that fails outright (the
+//! database refused a row, or a deadlock with a statement outside the
+//! writers, such as a sweep that updates many rows) rolls the batch back,
+//! and every job is run again in a transaction of its own, so that one bad
+//! write never fails another (`automesh.db.write.replayed` counts them; a
+//! steady rate means something to look at).
 //!
 //! The desktop notes a batch's jobs ask for are sent (NOTIFY) inside the
 //! batch's transaction, so they are delivered at its commit, packed into as
 //! few payloads as they fit.
-//!
-//! On PostgreSQL a batch of one job that can be one statement (a desktop
-//! offer: its insert and its NOTIFY in one statement) runs as that
-//! statement alone, its own transaction: one round trip instead of four
-//! (BEGIN, the write, NOTIFY, COMMIT), where an idle mesh's latency goes.
-//! It is as safe: one statement commits all of its writes or none, and its
-//! note is delivered at its commit, as a batch's are.
 
-use std::any::Any;
+use std::any::{Any, TypeId};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -58,11 +48,6 @@ use tokio::sync::{mpsc, oneshot};
 use crate::signal::{DesktopNote, Topic};
 use crate::{Backend, Result, StoreError};
 
-mod joined;
-
-use joined::joined_at_once;
-pub(crate) use joined::{Joined, Joint, Row};
-
 /// Jobs one transaction takes at most.
 const MAX_BATCH: usize = 256;
 
@@ -72,18 +57,32 @@ const MAX_BATCH: usize = 256;
 /// at a time anyway.
 const PG_WRITERS: usize = 4;
 
+/// Writer tasks of a PostgreSQL store's desktop lane (offers, reports,
+/// cancellations and runners' events).
+const PG_DESKTOP_WRITERS: usize = 2;
+
 /// Jobs that may wait for the writer before a new one waits to be queued.
 const QUEUE: usize = 4096;
 
-/// One write committed with others: its statements, run on the batch's
-/// connection inside its transaction. It may run twice (once in a batch
-/// that is rolled back, then alone), so it must not act outside the
-/// database.
-pub(crate) trait Job: Send + Sync + 'static {
+/// PostgreSQL: the runs a batch's jobs write locked in one order, before
+/// anything else it writes (`$1` a JSON array of run ids).
+pub(crate) const LOCK_RUNS_PG: &str = "SELECT id FROM runs \
+     WHERE id IN (SELECT value FROM json_array_elements_text($1::json)) \
+     ORDER BY id COLLATE \"C\" FOR UPDATE";
+
+/// One kind of write committed with others. Its jobs may run twice (once
+/// in a batch that is rolled back, then alone), so a job must not act
+/// outside the database.
+pub(crate) trait Job: Send + Sync + Sized + 'static {
     type Output: Send + 'static;
 
-    /// What orders the batch's jobs (the row the job locks first).
+    /// The run the job writes (what orders and locks the batch).
     fn key(&self) -> &str;
+
+    /// PostgreSQL: the statement that locks, in one order, the rows of the
+    /// runs (`$1`, a JSON array of keys) that jobs of this kind write
+    /// (`LOCK_RUNS_PG`, unless a kind writes another table's rows only).
+    const LOCK_PG: &'static str = LOCK_RUNS_PG;
 
     /// What to tell the runner-gateway replicas once the job's writes
     /// commit, given what it did (nothing, unless a job says so).
@@ -91,41 +90,19 @@ pub(crate) trait Job: Send + Sync + 'static {
         None
     }
 
-    /// The job as one row of a statement a batch on PostgreSQL makes for
-    /// many jobs at once (none, unless a job says so): a run's single move
-    /// forward, a run's end, a runner's report, a desktop offer.
-    fn joined_row(&self) -> Option<Row> {
-        None
-    }
-
-    /// Its answer given what the joined statement did with its row; `None`
-    /// leaves the job to run as alone.
-    fn joined(&self, _done: Joined) -> Option<Self::Output> {
-        None
-    }
-
-    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Result<Self::Output>>;
-
-    /// On PostgreSQL, whether the job can run as one statement that
-    /// commits by itself ([`Job::run_alone`]).
-    fn runs_alone(&self) -> bool {
-        false
-    }
-
-    /// The job as one statement outside any transaction (so it commits by
-    /// itself), sending the note [`Job::signal`] would ask for itself:
-    /// exactly what `run` writes, then a NOTIFY at its commit.
-    fn run_alone<'c>(
-        &'c self,
-        _db: &'c mut AnyConnection,
-    ) -> Option<BoxFuture<'c, Result<Self::Output>>> {
-        None
-    }
+    /// Makes the writes of `jobs` (of distinct runs, in the order of their
+    /// ids) in the batch's transaction, with one bulk statement per step:
+    /// each job's answer, in order. A job its guard refuses is answered
+    /// with why, having written nothing; an error fails the batch.
+    fn write_all<'a>(
+        jobs: &'a [&'a Self],
+        db: &'a mut AnyConnection,
+    ) -> BoxFuture<'a, Result<Vec<Result<Self::Output>>>>;
 }
 
 type Answer = Result<Box<dyn Any + Send>>;
 
-/// A job's answer and the signal it asks for.
+/// A job's answer and the signal it asks for, or why it was refused.
 type Done = Result<(Box<dyn Any + Send>, Option<DesktopNote>)>;
 
 /// A job with its type erased, and where its answer goes.
@@ -136,58 +113,71 @@ struct Pending {
 
 trait Erased: Send + Sync {
     fn key(&self) -> &str;
-    fn joined_row(&self) -> Option<Row>;
-    fn joined(&self, done: Joined) -> Option<Done>;
-    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Done>;
-    fn runs_alone(&self) -> bool;
-    fn run_alone<'c>(
-        &'c self,
-        db: &'c mut AnyConnection,
-    ) -> Option<BoxFuture<'c, Result<Box<dyn Any + Send>>>>;
+    fn lock(&self) -> &'static str;
+    fn kind(&self) -> TypeId;
+    fn as_any(&self) -> &dyn Any;
+    /// Writes `group`, jobs of this one's kind.
+    fn write_group<'a>(
+        &'a self,
+        group: &'a [&'a Pending],
+        db: &'a mut AnyConnection,
+    ) -> BoxFuture<'a, Result<Vec<Done>>>;
 }
 
 impl<J: Job> Erased for J {
-    fn runs_alone(&self) -> bool {
-        Job::runs_alone(self)
-    }
-
-    fn run_alone<'c>(
-        &'c self,
-        db: &'c mut AnyConnection,
-    ) -> Option<BoxFuture<'c, Result<Box<dyn Any + Send>>>> {
-        let alone = Job::run_alone(self, db)?;
-        Some(Box::pin(async move {
-            alone.await.map(|out| Box::new(out) as Box<dyn Any + Send>)
-        }))
-    }
-
     fn key(&self) -> &str {
         Job::key(self)
     }
 
-    fn joined_row(&self) -> Option<Row> {
-        Job::joined_row(self)
+    fn lock(&self) -> &'static str {
+        J::LOCK_PG
     }
 
-    fn joined(&self, done: Joined) -> Option<Done> {
-        let out = Job::joined(self, done)?;
-        let signal = self.signal(&out);
-        Some(Ok((Box::new(out) as Box<dyn Any + Send>, signal)))
+    fn kind(&self) -> TypeId {
+        TypeId::of::<J>()
     }
 
-    fn run<'c>(&'c self, db: &'c mut AnyConnection) -> BoxFuture<'c, Done> {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn write_group<'a>(
+        &'a self,
+        group: &'a [&'a Pending],
+        db: &'a mut AnyConnection,
+    ) -> BoxFuture<'a, Result<Vec<Done>>> {
         Box::pin(async move {
-            let out = Job::run(self, db).await?;
-            let signal = self.signal(&out);
-            Ok((Box::new(out) as Box<dyn Any + Send>, signal))
+            let jobs: Vec<&J> = group
+                .iter()
+                .filter_map(|p| p.job.as_any().downcast_ref::<J>())
+                .collect();
+            let answers = J::write_all(&jobs, db).await?;
+            if jobs.len() != group.len() || answers.len() != jobs.len() {
+                return Err(StoreError::Corrupt("a bulk write lost a job".into()));
+            }
+            Ok(jobs
+                .iter()
+                .zip(answers)
+                .map(|(job, out)| {
+                    let out = out?;
+                    let signal = job.signal(&out);
+                    Ok((Box::new(out) as Box<dyn Any + Send>, signal))
+                })
+                .collect())
         })
     }
 }
 
-/// The queue of one store's writer task.
+/// The queues of one store's writer tasks: one lane for the writes of
+/// runs, one for desktop dispatch's (see [`Job::LOCK_PG`]), so that a
+/// write waiting on a desktop assignment another transaction holds never
+/// holds up a run's (when one process runs both services, as in dev mode).
 #[derive(Debug, Clone)]
 pub(crate) struct Writer {
-    queue: mpsc::Sender<Pending>,
+    runs: mpsc::Sender<Pending>,
+    desktop: mpsc::Sender<Pending>,
+    /// Batches this store's writers replayed (see [`replayed`]).
+    replayed: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for Pending {
@@ -202,20 +192,29 @@ impl Writer {
     /// The writers over `pool`; their tasks end once every handle is
     /// dropped.
     pub(crate) fn start(pool: AnyPool, backend: Backend) -> Writer {
-        let (queue, jobs) = mpsc::channel(QUEUE);
-        let jobs = Arc::new(tokio::sync::Mutex::new(jobs));
-        let writers = match backend {
-            Backend::Postgres => PG_WRITERS,
-            Backend::Sqlite => 1,
+        let replayed = Arc::new(AtomicU64::new(0));
+        let lane = |writers: usize| {
+            let (queue, jobs) = mpsc::channel(QUEUE);
+            let jobs = Arc::new(tokio::sync::Mutex::new(jobs));
+            for _ in 0..writers {
+                let db = Db {
+                    pool: pool.clone(),
+                    backend,
+                    replayed: replayed.clone(),
+                };
+                tokio::spawn(write_loop(db, jobs.clone()));
+            }
+            queue
         };
-        for _ in 0..writers {
-            let db = Db {
-                pool: pool.clone(),
-                backend,
-            };
-            tokio::spawn(write_loop(db, jobs.clone()));
+        let (runs, desktop) = match backend {
+            Backend::Postgres => (lane(PG_WRITERS), lane(PG_DESKTOP_WRITERS)),
+            Backend::Sqlite => (lane(1), lane(1)),
+        };
+        Writer {
+            runs,
+            desktop,
+            replayed,
         }
-        Writer { queue }
     }
 
     /// Commits `job` with whatever else is waiting, and answers what it
@@ -226,11 +225,24 @@ impl Writer {
             job: Arc::new(job),
             answer,
         };
-        self.queue.send(pending).await.map_err(|_| gone())?;
+        let lane = if J::LOCK_PG == LOCK_RUNS_PG {
+            &self.runs
+        } else {
+            &self.desktop
+        };
+        lane.send(pending).await.map_err(|_| gone())?;
         let out = answered.await.map_err(|_| gone())??;
         out.downcast::<J::Output>()
             .map(|out| *out)
             .map_err(|_| StoreError::Corrupt("a write answered with the wrong type".into()))
+    }
+}
+
+impl Writer {
+    /// Batches this store's writers rolled back and ran again one job per
+    /// transaction ([`replayed`] counts the whole process's).
+    pub(crate) fn replayed(&self) -> u64 {
+        self.replayed.load(Ordering::Relaxed)
     }
 }
 
@@ -243,6 +255,7 @@ fn gone() -> StoreError {
 struct Db {
     pool: AnyPool,
     backend: Backend,
+    replayed: Arc<AtomicU64>,
 }
 
 impl Db {
@@ -267,11 +280,8 @@ pub fn written() -> (u64, u64) {
 /// per process, whatever its stores (the counts are the process's):
 /// `automesh.db.write.batches` (transactions committed or tried),
 /// `automesh.db.write.jobs` (writes they held), `automesh.db.write.replayed`
-/// (batches run again one write per transaction), `automesh.db.write.alone`
-/// (writes that were one statement by themselves), and
-/// `automesh.db.write.joined` by `kind` (`move`, `end`, `report`,
-/// `offer`): writes a batch made together with others in one statement
-/// (counted when made, so a batch rolled back afterwards counts too).
+/// (batches run again one write per transaction) and
+/// `automesh.db.write.statements` (bulk statements they ran).
 pub(crate) fn observe(meter: &opentelemetry::metrics::Meter) {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -294,69 +304,40 @@ pub(crate) fn observe(meter: &opentelemetry::metrics::Meter) {
         );
         count(
             "automesh.db.write.replayed",
-            "Batches rolled back because one write failed (a refused write, a deadlock) and run again one write per transaction",
+            "Batches rolled back because a statement failed and run again one write per transaction",
             &REPLAYED,
         );
         count(
-            "automesh.db.write.alone",
-            "Writes that were one statement committing by itself (a lone desktop offer)",
-            &ALONE,
+            "automesh.db.write.statements",
+            "Bulk statements the store ran (its writers' batches, the scheduler's fires), each one step of many writes of one kind",
+            &STATEMENTS,
         );
-        let _joined = meter
-            .u64_observable_counter("automesh.db.write.joined")
-            .with_description("Writes a batch made together with others in one statement, by kind")
-            .with_callback(|o| {
-                for joint in Joint::ALL {
-                    let kind = opentelemetry::KeyValue::new("kind", joint.name());
-                    o.observe(joint.counter().load(Ordering::Relaxed), &[kind]);
-                }
-            })
-            .build();
     });
 }
 
-/// How many jobs the writers of this process ran alone, each one
-/// statement that committed by itself.
-pub fn written_alone() -> u64 {
-    ALONE.load(Ordering::Relaxed)
+/// How many bulk statements this process's stores ran (each one step of
+/// many writes of one kind: the writers' batches, the scheduler's fires).
+pub fn statements() -> u64 {
+    STATEMENTS.load(Ordering::Relaxed)
 }
 
-static ALONE: AtomicU64 = AtomicU64::new(0);
+static STATEMENTS: AtomicU64 = AtomicU64::new(0);
 
-/// How many runs' moves forward the writers of this process made together
-/// with others, in one statement per batch.
-pub fn moved_at_once() -> u64 {
-    Joint::Move.counter().load(Ordering::Relaxed)
-}
-
-/// How many runs' ends the writers of this process made together with
-/// others, in one statement per batch.
-pub fn ended_at_once() -> u64 {
-    Joint::End.counter().load(Ordering::Relaxed)
-}
-
-/// How many runners' reports the writers of this process recorded
-/// together with others, in one statement per batch.
-pub fn reported_at_once() -> u64 {
-    Joint::Report.counter().load(Ordering::Relaxed)
-}
-
-/// How many desktop offers the writers of this process made together with
-/// others, in one statement per batch.
-pub fn offered_at_once() -> u64 {
-    Joint::Offer.counter().load(Ordering::Relaxed)
+/// Counts a bulk statement run.
+pub(crate) fn counted() {
+    STATEMENTS.fetch_add(1, Ordering::Relaxed);
 }
 
 /// How many batches the writers of this process rolled back because one
-/// of their jobs failed (a refused write, a deadlock between batches) and
-/// ran again one job per transaction.
+/// of their statements failed (see the module's docs) and ran again one
+/// job per transaction.
 pub fn replayed() -> u64 {
     REPLAYED.load(Ordering::Relaxed)
 }
 
 static BATCHES: AtomicU64 = AtomicU64::new(0);
-/// Batches one of whose jobs failed (a refused write, a deadlock), rolled
-/// back and run again one job per transaction.
+/// Batches one of whose statements failed, rolled back and run again one
+/// job per transaction.
 static REPLAYED: AtomicU64 = AtomicU64::new(0);
 static JOBS: AtomicU64 = AtomicU64::new(0);
 
@@ -393,6 +374,7 @@ async fn write_loop(store: Db, jobs: Arc<tokio::sync::Mutex<mpsc::Receiver<Pendi
                 // One job failed: every job again, alone, so only that one
                 // fails.
                 REPLAYED.fetch_add(1, Ordering::Relaxed);
+                store.replayed.fetch_add(1, Ordering::Relaxed);
                 for pending in batch {
                     let answer = match commit(&store, std::slice::from_ref(&pending)).await {
                         Ok(mut answers) => answers.pop().unwrap_or_else(|| Err(gone())),
@@ -405,13 +387,13 @@ async fn write_loop(store: Db, jobs: Arc<tokio::sync::Mutex<mpsc::Receiver<Pendi
     }
 }
 
-/// A batch one of whose jobs failed, with its error; nothing of the batch
-/// was committed.
+/// A batch one of whose statements failed, with its error; nothing of the
+/// batch was committed.
 struct Poisoned(StoreError);
 
-/// Runs `batch` in one transaction: each job's answer once it committed,
-/// an error for every job when the transaction could not commit, or
-/// `Poisoned` when a job's statement failed.
+/// Runs `batch` (sorted by key) in one transaction: each job's answer once
+/// it committed, an error for every job when the transaction could not
+/// commit, or `Poisoned` when a statement failed.
 async fn commit(store: &Db, batch: &[Pending]) -> std::result::Result<Vec<Answer>, Poisoned> {
     let failed_all = |e: &StoreError| -> Vec<Answer> {
         batch
@@ -419,67 +401,104 @@ async fn commit(store: &Db, batch: &[Pending]) -> std::result::Result<Vec<Answer
             .map(|_| Err(StoreError::Database(copy_error(e))))
             .collect()
     };
-    if let [only] = batch
-        && store.backend == Backend::Postgres
-        && only.job.runs_alone()
-    {
-        let mut db = match store.pool.acquire().await {
-            Ok(db) => db,
-            Err(e) => return Ok(failed_all(&StoreError::Database(e))),
-        };
-        if let Some(alone) = only.job.run_alone(&mut db) {
-            ALONE.fetch_add(1, Ordering::Relaxed);
-            // One statement: it wrote everything or nothing.
-            return Ok(vec![alone.await]);
-        }
-    }
     let mut tx = match store.begin().await {
         Ok(tx) => tx,
         Err(e) => return Ok(failed_all(&e)),
     };
+    match write_batch(&mut tx, store.backend, batch).await {
+        Ok((answers, notes)) => {
+            if let Err(e) = tx.commit().await {
+                return Ok(failed_all(&StoreError::Database(e)));
+            }
+            if store.backend == Backend::Sqlite && !notes.is_empty() {
+                crate::signal::notes_local(&notes);
+            }
+            Ok(answers)
+        }
+        Err(error) => {
+            let _ = tx.rollback().await;
+            Err(Poisoned(error))
+        }
+    }
+}
+
+/// The batch's writes inside its transaction: its runs locked (PostgreSQL),
+/// then round by round each kind's jobs in bulk, then its notes sent.
+async fn write_batch(
+    tx: &mut AnyConnection,
+    backend: Backend,
+    batch: &[Pending],
+) -> Result<(Vec<Answer>, Vec<DesktopNote>)> {
+    if backend == Backend::Postgres {
+        // Each table's rows in one order, the tables in one order too: the
+        // runs last, so that a batch waiting on another table's row (a
+        // desktop assignment held elsewhere) holds no run meanwhile.
+        let mut locks: std::collections::BTreeMap<(bool, &str), Vec<&str>> = Default::default();
+        for p in batch {
+            let lock = p.job.lock();
+            let keys = locks.entry((lock == LOCK_RUNS_PG, lock)).or_default();
+            if keys.last() != Some(&p.job.key()) {
+                keys.push(p.job.key());
+            }
+        }
+        for ((_, lock), keys) in locks {
+            let keys = serde_json::to_string(&keys)
+                .map_err(|e| StoreError::Corrupt(format!("a batch's keys: {e}")))?;
+            crate::rows::execute(&mut *tx, lock, (keys,)).await?;
+        }
+    }
     let mut answers: Vec<Option<Answer>> = batch.iter().map(|_| None).collect();
     let mut notes = vec![];
-    if store.backend == Backend::Postgres
-        && let Err(error) = joined_at_once(&mut tx, batch, &mut answers, &mut notes).await
-    {
-        let _ = tx.rollback().await;
-        return Err(Poisoned(error));
-    }
-    for (pending, answer) in batch.iter().zip(answers.iter_mut()) {
-        if answer.is_some() {
-            continue;
+    for group in groups(batch) {
+        let pending: Vec<&Pending> = group.iter().map(|i| &batch[*i]).collect();
+        let done = pending[0].job.write_group(&pending, &mut *tx).await?;
+        for (i, done) in group.into_iter().zip(done) {
+            answers[i] = Some(done.map(|(out, signal)| {
+                notes.extend(signal);
+                out
+            }));
         }
-        // A job that fails may have written part of what it writes: the
-        // batch goes back, and every job runs alone.
-        let (out, signal) = match pending.job.run(&mut tx).await {
-            Ok(done) => done,
-            Err(error) => {
-                let _ = tx.rollback().await;
-                return Err(Poisoned(error));
-            }
-        };
-        notes.extend(signal);
-        *answer = Some(Ok(out));
     }
-    if store.backend == Backend::Postgres {
+    if backend == Backend::Postgres {
         for payload in DesktopNote::payloads(&notes) {
-            let notified = crate::signal::notify(&mut *tx, Topic::Desktop, &payload).await;
-            if let Err(error) = notified {
-                let _ = tx.rollback().await;
-                return Err(Poisoned(error.into()));
-            }
+            crate::signal::notify(&mut *tx, Topic::Desktop, &payload).await?;
         }
     }
-    if let Err(e) = tx.commit().await {
-        return Ok(failed_all(&StoreError::Database(e)));
-    }
-    if store.backend == Backend::Sqlite && !notes.is_empty() {
-        crate::signal::notes_local(&notes);
-    }
-    Ok(answers
+    let answers = answers
         .into_iter()
         .map(|a| a.unwrap_or_else(|| Err(gone())))
-        .collect())
+        .collect();
+    Ok((answers, notes))
+}
+
+/// The batch (sorted by key) as groups of jobs, each of one kind and of
+/// distinct runs, in the order they are written: round by round (a run's
+/// first job in the first round, its second in the second, …), and within
+/// a round one group per kind.
+fn groups(batch: &[Pending]) -> Vec<Vec<usize>> {
+    let mut rounds: Vec<Vec<usize>> = vec![];
+    let mut run = 0;
+    for (i, pending) in batch.iter().enumerate() {
+        let same = i > 0 && batch[i - 1].job.key() == pending.job.key();
+        run = if same { run + 1 } else { 0 };
+        if rounds.len() <= run {
+            rounds.push(vec![]);
+        }
+        rounds[run].push(i);
+    }
+    let mut groups = vec![];
+    for round in rounds {
+        let mut kinds: Vec<(TypeId, Vec<usize>)> = vec![];
+        for i in round {
+            let kind = batch[i].job.kind();
+            match kinds.iter_mut().find(|(k, _)| *k == kind) {
+                Some((_, group)) => group.push(i),
+                None => kinds.push((kind, vec![i])),
+            }
+        }
+        groups.extend(kinds.into_iter().map(|(_, group)| group));
+    }
+    groups
 }
 
 /// A database error again, for every job of a batch that failed as one

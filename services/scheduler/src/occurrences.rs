@@ -180,7 +180,7 @@ pub async fn run_loop(
 }
 
 /// How far ahead of a due instant the loop wakes to read what falls due,
-/// plan it and fire it, each occurrence by one statement: its run is then
+/// plan it and fire it, in one transaction: its runs are then
 /// committed, and claimed by a coordinator that holds it until the instant,
 /// before the instant comes ([`CLAIM_AHEAD`]: a run is claimable twice as
 /// long before its instant). An occurrence fired so is decided this much
@@ -197,9 +197,9 @@ const AHEAD_LIMIT: usize = 8;
 
 /// Fires what falls due at `at` ahead of it, when that is a few ordinary
 /// occurrences (nothing missed, no previous run live): read and planned
-/// without locks, each fired by one guarded statement (the automation
-/// still active, unchanged and due at the same instant, and no run of it
-/// live), concurrently, at once. A guard that does not hold fires nothing:
+/// without locks, and fired together in one transaction whose one bulk
+/// statement guards each (the automation still active, unchanged and due
+/// at the same instant, and no run of it live). A guard that does not hold fires nothing:
 /// the pass at the instant claims what is still due, with locks, and
 /// decides again. PostgreSQL only. How many fired when every occurrence
 /// due by `at` did (no pass is needed then), else `None`.
@@ -225,36 +225,43 @@ async fn fire_ahead(
         let (Some(fire), true) = (plan.fire, plan.missed.is_empty()) else {
             return Ok(None);
         };
-        fires.push((a, first_due, fire, plan.next));
+        fires.push((a, fire, plan.next));
     }
     let now = Utc::now();
-    let fired = fires.iter().map(|(a, first_due, fire, next)| async move {
-        let span = occurrence_span(a, *fire);
-        let traceparent = span.in_scope(propagation::current_traceparent);
-        let run = new_run(
-            a,
-            *fire,
-            now,
-            settings,
-            RunState::Pending,
-            None,
-            traceparent,
-        );
-        let created = store.fire_unlocked(&run, *first_due, *next, now).await?;
-        if created {
-            span.in_scope(|| tracing::info!(run_id = %run.id, "occurrence due: run created"));
-        }
-        Ok::<_, StoreError>(created.then_some(Created {
-            placement: a.placement,
-            trigger: RunTrigger::Schedule,
-            state: RunState::Pending,
-            code: None,
-            fired: Some((*fire, Path::Ahead)),
-        }))
-    });
+    let planned: Vec<_> = fires
+        .iter()
+        .map(|(a, fire, next)| {
+            let span = occurrence_span(a, *fire);
+            let traceparent = span.in_scope(propagation::current_traceparent);
+            let run = new_run(
+                a,
+                *fire,
+                now,
+                settings,
+                RunState::Pending,
+                None,
+                traceparent,
+            );
+            (span, run, *fire, *next)
+        })
+        .collect();
+    let runs: Vec<_> = planned
+        .iter()
+        .map(|(_, run, _, next)| (run, *next))
+        .collect();
+    let made = store.fire_unlocked(&runs, now).await?;
     let mut created = vec![];
-    for c in futures_util::future::join_all(fired).await {
-        created.extend(c?);
+    for ((span, run, fire, _), made) in planned.iter().zip(made) {
+        if made {
+            span.in_scope(|| tracing::info!(run_id = %run.id, "occurrence due: run created"));
+            created.push(Created {
+                placement: run.automation.placement,
+                trigger: RunTrigger::Schedule,
+                state: RunState::Pending,
+                code: None,
+                fired: Some((*fire, Path::Ahead)),
+            });
+        }
     }
     crate::metrics::count(&created);
     Ok((created.len() == fires.len()).then_some(created.len()))

@@ -12,6 +12,7 @@
 //! column type.
 
 use chrono::{DateTime, Utc};
+use const_format::concatcp;
 use sqlx::any::AnyRow;
 
 use crate::rows::{self, micros, to_hex};
@@ -23,7 +24,6 @@ mod streams;
 mod write;
 
 use write::{DesktopWrite, Reported, Write};
-pub(crate) use write::{offer_many, report_many};
 
 pub use events::DesktopEvent;
 
@@ -66,45 +66,34 @@ pub struct DesktopAssignment {
 }
 
 /// An assignment's columns, for a `SELECT` or a `RETURNING`.
-macro_rules! assignment_columns {
-    () => {
-        "run_id, org_id, owner_id, spec, runner_id, phase, idle, outcome, \
-         cancel_requested, cancel_reason, event_count, stream_id, claimed_at, passed_over"
-    };
-}
-
-const COLUMNS: &str = assignment_columns!();
+const COLUMNS: &str = "run_id, org_id, owner_id, spec, runner_id, phase, idle, outcome, \
+     cancel_requested, cancel_reason, event_count, stream_id, claimed_at, passed_over";
 
 /// Only the runner's newest stream may claim, only a run no runner has
 /// accepted, and not for the runner that already sat on it.
-/// Returns the assignment as claimed, so the replica that claimed an
-/// offer it was told of has the spec to send without another read.
-macro_rules! claim {
-    ($with:literal, $and:literal) => {
-        concat!(
-            $with,
-            "UPDATE desktop_assignments SET runner_id = $2, stream_id = $3, \
-             claimed_at = $4, updated_at = $4 \
-             WHERE run_id = $1 AND phase = 'admitted' AND cancel_requested = 0 \
-             AND (runner_id IS NULL OR runner_id = $2) \
-             AND (passed_over IS NULL OR passed_over <> $2) \
-             AND EXISTS (SELECT 1 FROM runner_streams s WHERE s.runner_id = $2 AND s.stream_id = $3)",
-            $and,
-            " RETURNING ",
-            assignment_columns!()
-        )
-    };
-}
-const CLAIM: &str = claim!("", "");
+const CLAIM_GUARDED: &str = "UPDATE desktop_assignments SET runner_id = $2, stream_id = $3, \
+     claimed_at = $4, updated_at = $4 \
+     WHERE run_id = $1 AND phase = 'admitted' AND cancel_requested = 0 \
+     AND (runner_id IS NULL OR runner_id = $2) \
+     AND (passed_over IS NULL OR passed_over <> $2) \
+     AND EXISTS (SELECT 1 FROM runner_streams s WHERE s.runner_id = $2 AND s.stream_id = $3)";
+
+/// The claim; it returns the assignment as claimed, so the replica that
+/// claimed an offer it was told of has the spec to send without another
+/// read.
+const CLAIM: &str = concatcp!(CLAIM_GUARDED, " RETURNING ", COLUMNS);
+
 /// PostgreSQL: the same claim, committed asynchronously (no wait for the
 /// WAL flush on the dispatch path). Safe: a claim lost with a database
 /// crash only makes the runner's acceptance fail its guard (the runner
 /// starts nothing before `AssignmentConfirmed`, whose acceptance commits
 /// durably, and so flushes the claim before it), and the run is offered
 /// again.
-const CLAIM_PG: &str = claim!(
+const CLAIM_PG: &str = concatcp!(
     "WITH async_commit AS (SELECT set_config('synchronous_commit', 'off', true)) ",
-    " AND EXISTS (SELECT 1 FROM async_commit)"
+    CLAIM_GUARDED,
+    " AND EXISTS (SELECT 1 FROM async_commit) RETURNING ",
+    COLUMNS
 );
 
 const RELEASE_UNACCEPTED: &str = "UPDATE desktop_assignments \
@@ -112,12 +101,12 @@ const RELEASE_UNACCEPTED: &str = "UPDATE desktop_assignments \
      WHERE runner_id = $1 AND stream_id = $2 AND phase = 'admitted' RETURNING run_id";
 
 /// A claim not accepted in time goes back, the runner passed over.
-const EXPIRE_CLAIM: &str = concat!(
+const EXPIRE_CLAIM: &str = concatcp!(
     "UPDATE desktop_assignments \
      SET runner_id = NULL, stream_id = NULL, passed_over = runner_id, updated_at = $4 \
      WHERE run_id = $1 AND runner_id = $2 AND stream_id = $3 AND phase = 'admitted' \
      RETURNING ",
-    assignment_columns!()
+    COLUMNS
 );
 
 /// Claims left by a replica that died with them, older than `$1`.

@@ -41,6 +41,7 @@ macro_rules! conformance_suite {
             many_reports_and_offers_joined_each_as_alone,
             runs_are_filtered_by_state_and_creation_time,
             a_runner_is_connected_while_its_stream_is_held_and_refreshed,
+            crossing_batches_commit_without_deadlock_or_replay,
             cloud_dispatch_is_driven_by_one_replica_and_finished_once,
         );
     };
