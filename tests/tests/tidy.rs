@@ -239,6 +239,59 @@ fn every_path_architecture_md_names_exists() {
     );
 }
 
+/// Every invariant in ARCHITECTURE.md names the tests that prove it (issue
+/// 31, item 5): each `**…**` paragraph of *Architecture invariants* names at
+/// least one test after "Proved", and every test it names is a `fn` in the
+/// workspace (a renamed or deleted test fails here, not silently).
+#[test]
+fn every_invariant_in_architecture_md_names_tests_that_exist() {
+    let root = workspace();
+    let text = std::fs::read_to_string(root.join("ARCHITECTURE.md")).expect("ARCHITECTURE.md");
+    let invariants = text
+        .split("## Architecture invariants")
+        .nth(1)
+        .expect("ARCHITECTURE.md has an *Architecture invariants* section");
+    let mut files = vec![];
+    sources(&root, &mut files);
+    let code: String = files
+        .iter()
+        .filter_map(|f| std::fs::read_to_string(f).ok())
+        .collect();
+    let mut checked = 0;
+    let mut problems = vec![];
+    for paragraph in invariants.split("\n\n").filter(|p| p.starts_with("**")) {
+        let title = paragraph.split("**").nth(1).unwrap_or_default().to_owned();
+        let Some(proof) = paragraph.split("Proved").nth(1) else {
+            problems.push(format!("{title:?} names no test (no \"Proved by\")"));
+            continue;
+        };
+        let tests: Vec<&str> = proof
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .filter(|t| {
+                t.contains('_')
+                    && t.chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+            })
+            .collect();
+        if tests.is_empty() {
+            problems.push(format!("{title:?} names no test"));
+        }
+        for test in tests {
+            checked += 1;
+            if !code.contains(&format!("fn {test}(")) {
+                problems.push(format!("{title:?} names `{test}`, which is no fn"));
+            }
+        }
+    }
+    assert!(
+        checked > 30,
+        "only {checked} tests named: is the parsing broken?"
+    );
+    assert!(problems.is_empty(), "{problems:#?}");
+}
+
 /// Whether a file named `name` is anywhere below `dir` (build output and
 /// tools skipped).
 fn holds_file(dir: &Path, name: &str) -> bool {
