@@ -49,15 +49,25 @@ bulk! {
 }
 
 /// Automations moved to their next occurrence, each only while still
-/// active, due when it was read, unchanged since (its version) and with no
-/// run live: the ones moved, whose occurrences' runs are then created.
+/// active and as it was read (due instant, version), with no run
+/// live: the ones moved, whose occurrences' runs are then created.
+///
+/// "No run live" is a scalar subquery, not `NOT EXISTS`: PostgreSQL turns
+/// a `NOT EXISTS` into an anti-join planned from the tables' statistics,
+/// and on young ones (a table just filled, not yet analysed) it scanned
+/// all of `runs` once per automation (278 ms for 200 occurrences in
+/// `bench-lifecycle`). A scalar subquery stays a lookup per automation in
+/// `runs_live_by_automation`, whatever the statistics say.
 const FIRE: Bulk<FireRow> = bulk!(FireRow => [
     "UPDATE automations SET next_run_at = i.next_run_at, updated_at = i.at, \
      version = automations.version + 1 FROM "
 ] [
-    " WHERE automations.id = i.automation_id AND automations.state = 'active' AND automations.next_run_at = i.due \
-     AND automations.version = i.version AND NOT EXISTS (SELECT 1 FROM runs r \
-       WHERE r.automation_id = automations.id AND r.state IN ", LIVE_STATES, ") RETURNING automations.id"
+    " WHERE automations.id = i.automation_id AND automations.state = 'active' \
+     AND automations.next_run_at = i.due \
+     AND automations.version = i.version \
+     AND (SELECT r.id FROM runs r WHERE r.automation_id = automations.id \
+       AND r.state IN ", LIVE_STATES, " LIMIT 1) IS NULL \
+     RETURNING automations.id"
 ]);
 
 /// An automation due now, and whether a run of it is still live.

@@ -29,7 +29,11 @@ use crate::{Result, StoreError};
 pub(crate) trait Input: Serialize {
     /// The fields, comma-separated, in order (a column list).
     const COLUMNS: &'static str;
-    /// `json_to_recordset($1::json) AS i(<field> <type>, …)`.
+    /// `(WITH bulk_input AS MATERIALIZED (SELECT * FROM json_to_recordset($1::json)
+    /// AS j(<field> <type>, …)) SELECT * FROM bulk_input) AS i`: the JSON is
+    /// parsed once per statement, however often a plan reads `i` (a nested
+    /// loop planned from young statistics read a bare `json_to_recordset`
+    /// once per row of the other side, parsing it each time).
     const POSTGRES: &'static str;
     /// `(SELECT json_extract(value, '$.<field>') AS <field>, … FROM json_each($1)) AS i`.
     const SQLITE: &'static str;
@@ -123,9 +127,9 @@ macro_rules! bulk {
             const COLUMNS: &'static str =
                 $crate::sql::bulk!(@list $(", ", stringify!($field)),+);
             const POSTGRES: &'static str = const_format::concatcp!(
-                "json_to_recordset($1::json) AS i(",
+                "(WITH bulk_input AS MATERIALIZED (SELECT * FROM json_to_recordset($1::json) AS j(",
                 $crate::sql::bulk!(@list $(", ", stringify!($field), " ", stringify!($sql)),+),
-                ")"
+                ")) SELECT * FROM bulk_input) AS i"
             );
             const SQLITE: &'static str = const_format::concatcp!(
                 "(SELECT ",
@@ -169,7 +173,8 @@ mod tests {
         let [postgres, sqlite] = PROBE.texts();
         assert_eq!(
             postgres,
-            "UPDATE t SET at = i.at FROM json_to_recordset($1::json) AS i(id TEXT, at BIGINT) \
+            "UPDATE t SET at = i.at FROM (WITH bulk_input AS MATERIALIZED (SELECT * FROM \
+             json_to_recordset($1::json) AS j(id TEXT, at BIGINT)) SELECT * FROM bulk_input) AS i \
              WHERE t.id = i.id"
         );
         assert_eq!(
