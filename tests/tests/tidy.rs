@@ -292,6 +292,99 @@ fn every_invariant_in_architecture_md_names_tests_that_exist() {
     assert!(problems.is_empty(), "{problems:#?}");
 }
 
+/// The store conformance suite reaches every public store function (issue
+/// 31: "covers every public store function that writes"): each `pub fn` in
+/// `crates/store/src` is called by a case in `crates/store/tests`, or is
+/// named below as one that writes nothing a backend could get wrong. A new
+/// public function must be given a case or a place here.
+#[test]
+fn every_public_store_function_is_reached_by_the_conformance_suite() {
+    // Reads, wiring and serde, each with why no conformance case needs it.
+    let exempt = [
+        // Reads only (each backs a service's listing, gauge or pass).
+        "cancelling_desktop_runs",
+        "desktop_runs_for_runner",
+        "get_runner",
+        "last_run",
+        "last_runs_of_page",
+        "next_due_at",
+        "next_token",
+        "ready_workers",
+        "receipts_of_run_page",
+        "run_queue",
+        "runners_revoked_since",
+        "status_event_id",
+        "usage_by_quarter_hour",
+        "worker_endpoint",
+        "workers_by_state",
+        // Opening a store and its test databases (every case goes through them).
+        "connect_and_migrate",
+        "from_env",
+        "from_url",
+        "postgres",
+        "postgres_admin_url",
+        "sqlite",
+        "readiness_probe",
+        "close",
+        // Counters and gauges of this process, no SQL.
+        "observe_pool",
+        "statements",
+        "replayed",
+        // Values without SQL: a cursor, a page's cut, a note's run id.
+        "after",
+        "cut",
+        "run_id",
+        // serde's derive-alike impls of the store's serde types.
+        "serialize",
+        "deserialize",
+    ];
+    let root = workspace();
+    let mut files = vec![];
+    sources(&root.join("crates/store/src"), &mut files);
+    let mut public = std::collections::BTreeSet::new();
+    for file in &files {
+        let text = std::fs::read_to_string(file).expect("a store source");
+        for line in text.lines() {
+            let line = line.trim_start();
+            let rest = line
+                .strip_prefix("pub async fn ")
+                .or_else(|| line.strip_prefix("pub fn "));
+            if let Some(name) = rest.and_then(|r| r.split(['(', '<']).next()) {
+                public.insert(name.to_owned());
+            }
+        }
+    }
+    let mut tests = vec![];
+    sources(&root.join("crates/store/tests"), &mut tests);
+    let suite: String = tests
+        .iter()
+        .filter_map(|f| std::fs::read_to_string(f).ok())
+        .collect();
+    let called = |name: &str| {
+        suite
+            .match_indices(name)
+            .any(|(i, _)| suite[i + name.len()..].starts_with(['(', '<', ':']))
+    };
+    let unreached: Vec<&String> = public
+        .iter()
+        .filter(|name| !exempt.contains(&name.as_str()) && !called(name))
+        .collect();
+    assert!(
+        public.len() > 80,
+        "only {} found: is the parsing broken?",
+        public.len()
+    );
+    assert!(
+        unreached.is_empty(),
+        "public store functions no conformance case calls: {unreached:#?}"
+    );
+    let stale: Vec<&&str> = exempt
+        .iter()
+        .filter(|name| !public.contains(**name))
+        .collect();
+    assert!(stale.is_empty(), "exempt, but no longer public: {stale:#?}");
+}
+
 /// Whether a file named `name` is anywhere below `dir` (build output and
 /// tools skipped).
 fn holds_file(dir: &Path, name: &str) -> bool {

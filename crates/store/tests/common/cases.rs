@@ -2396,3 +2396,122 @@ pub async fn cloud_dispatch_is_driven_by_one_replica_and_finished_once(store: &S
     assert_eq!(held.outcome.as_deref(), Some(&b"out\x00\xff"[..]));
     assert_eq!((held.wake_micros, held.admission_micros), (5, 7));
 }
+
+/// The writes the other cases do not reach: how far a run's executor
+/// stream was consumed (`set_executor_seq`: only forward, kept across a
+/// takeover), a coordinator giving back every lease it holds at shutdown
+/// (`release_all_leases`: its runs claimable at once by another, its old
+/// renewals refused, another holder's runs untouched), and the receipt of a
+/// run created terminal (`insert_receipt`, from the store and from a
+/// scheduling transaction: one receipt and one terminal event, written
+/// again changes nothing); and a scheduling transaction's `advance` of an
+/// automation (its next occurrence and its version).
+pub async fn executor_seqs_lease_releases_and_terminal_receipts_are_written_once(store: &Store) {
+    use automesh_store::leases::Renewal;
+    let a = create(store, &alice(), "a1", t(0)).await;
+    for id in ["r1", "r2", "r3"] {
+        store
+            .create_run(&new_run(&a, id), t(1))
+            .await
+            .expect("create");
+    }
+    let long_ago = t(-100_000);
+    let claim = |owner: &'static str, until: i64, now: i64, limit: u32| {
+        let store = store.clone();
+        async move {
+            let mut ids: Vec<(String, i64)> = store
+                .claim_runs(
+                    owner,
+                    &[Placement::Cloud],
+                    t(until),
+                    t(now),
+                    long_ago,
+                    limit,
+                )
+                .await
+                .expect("claim")
+                .into_iter()
+                .map(|c| (c.run.id, c.executor_seq))
+                .collect();
+            ids.sort();
+            ids
+        }
+    };
+    // c1 takes r1 and r2, c2 takes r3.
+    let c1 = claim("c1", 100, 2, 2).await;
+    assert_eq!(c1, [("r1".into(), 0), ("r2".into(), 0)]);
+    assert_eq!(claim("c2", 100, 2, 10).await, [("r3".into(), 0)]);
+    // The executor seq only moves forward.
+    store.set_executor_seq("r1", 5).await.expect("seq");
+    store.set_executor_seq("r1", 3).await.expect("an older seq");
+    // c1 gives back its leases: 2 runs, claimable at once by c3 (long
+    // before they would expire), r1 with its seq; c2's run stays c2's.
+    assert_eq!(store.release_all_leases("c1").await.expect("release"), 2);
+    assert_eq!(store.release_all_leases("c1").await.expect("again"), 0);
+    assert_eq!(
+        claim("c3", 200, 3, 10).await,
+        [("r1".into(), 5), ("r2".into(), 0)]
+    );
+    assert_eq!(
+        store.renew_lease("r1", "c1", t(4)).await.expect("renew"),
+        Renewal::Lost
+    );
+    assert_eq!(
+        store.renew_lease("r3", "c2", t(4)).await.expect("renew"),
+        Renewal::Held {
+            cancel_requested: false
+        }
+    );
+    // Runs created terminal get their receipt and terminal event once,
+    // whichever way it is written.
+    let mut skipped = new_run(&a, "s1");
+    skipped.state = RunState::Skipped;
+    store.create_run(&skipped, t(5)).await.expect("create");
+    let mut missed = new_run(&a, "m1");
+    missed.state = RunState::Missed;
+    store.create_run(&missed, t(5)).await.expect("create");
+    // A scheduling transaction moves an automation's next occurrence, and
+    // its version with it.
+    let mut tx = store.begin_scheduling().await.expect("begin");
+    tx.advance("a1", Some(t(7200)), t(5))
+        .await
+        .expect("advance");
+    tx.commit().await.expect("commit");
+    let advanced = store.get_automation(&alice(), "a1").await.expect("read");
+    assert_eq!(
+        (advanced.next_run_at, advanced.version),
+        (Some(t(7200)), a.version + 1)
+    );
+    let mut tx = store.begin_scheduling().await.expect("begin");
+    tx.advance("a1", None, t(6)).await.expect("advance");
+    tx.commit().await.expect("commit");
+    let advanced = store.get_automation(&alice(), "a1").await.expect("read");
+    assert_eq!(
+        (advanced.next_run_at, advanced.version),
+        (None, a.version + 2)
+    );
+    for _ in 0..2 {
+        store
+            .insert_receipt(&receipt("s1", RunState::Skipped))
+            .await
+            .expect("receipt");
+        let mut tx = store.begin_scheduling().await.expect("begin");
+        tx.insert_receipt(&receipt("m1", RunState::Missed))
+            .await
+            .expect("receipt");
+        tx.commit().await.expect("commit");
+    }
+    for (id, state) in [("s1", RunState::Skipped), ("m1", RunState::Missed)] {
+        let stored = store.internal().receipt(id).await.expect("read");
+        assert_eq!(
+            stored,
+            Some(receipt(id, state)),
+            "{id}'s receipt as written"
+        );
+        assert_eq!(
+            statuses_in_order(store, id).await,
+            [state.as_str()],
+            "{id}: one terminal event"
+        );
+    }
+}

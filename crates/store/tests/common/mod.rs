@@ -43,6 +43,7 @@ macro_rules! conformance_suite {
             a_runner_is_connected_while_its_stream_is_held_and_refreshed,
             crossing_batches_commit_without_deadlock_or_replay,
             cloud_dispatch_is_driven_by_one_replica_and_finished_once,
+            executor_seqs_lease_releases_and_terminal_receipts_are_written_once,
         );
     };
     ($backend:expr; $($case:ident),* $(,)?) => {
