@@ -139,13 +139,13 @@ impl Service {
 }
 
 fn router(state: AppState) -> Router {
-    use pages::{automation, automations, edit, runners, runs, sign_in};
+    use pages::{automation, automations, edit, preview, runners, runs, sign_in};
     Router::new()
         .route("/", get(automations::list))
         .route("/automations/bulk", post(automations::bulk))
         .route("/automations/new", get(edit::new_form))
         .route("/automations", post(edit::create))
-        .route("/preview", get(edit::preview))
+        .route("/preview", get(preview::preview))
         .route("/automations/{id}", get(automation::page))
         .route(
             "/automations/{id}/edit",

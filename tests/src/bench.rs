@@ -555,6 +555,7 @@ pub async fn insert_due(
     for i in 0..count {
         let at = far;
         let new = automesh_domain::automation::NewAutomation {
+            pause_after_failures: automesh_domain::automation::DEFAULT_PAUSE_AFTER_FAILURES,
             id: format!("{prefix}-{i:05}"),
             owner: owner(i),
             name: format!("bench {i}"),

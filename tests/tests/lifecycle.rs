@@ -405,6 +405,7 @@ on_both_backends!(
     three_days_of_downtime_catch_up_once,
     an_occurrence_while_the_previous_run_is_live_is_skipped,
     durable_failures_need_attention_until_a_run_succeeds,
+    a_failure_streak_pauses_its_automation_until_activated,
 );
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -573,6 +574,7 @@ async fn five_hundred_due_at_once_on_two_schedulers_and_two_coordinators() {
     for i in 0..500 {
         let owner = Principal::new("acme", format!("user-{}", i % 7));
         let new = NewAutomation {
+            pause_after_failures: automesh_domain::automation::DEFAULT_PAUSE_AFTER_FAILURES,
             id: format!("bulk-{i:03}"),
             owner: owner.clone(),
             name: format!("bulk {i}"),
@@ -642,6 +644,7 @@ async fn a_run_created_ahead_of_its_instant_starts_at_it_never_before() {
     .await;
     let owner = Principal::new("acme", "alice");
     let new = NewAutomation {
+        pause_after_failures: automesh_domain::automation::DEFAULT_PAUSE_AFTER_FAILURES,
         id: "ahead".into(),
         owner: owner.clone(),
         name: "ahead".into(),
@@ -734,6 +737,147 @@ async fn a_full_coordinator_claims_the_next_run_as_one_ends() {
             pair[1].0 >= pair[0].1,
             "a run started before the one before it ended: {spans:?}"
         );
+    }
+    mesh.stop().await.expect("stop");
+}
+
+/// Failure streaks through the public API (issue 32): `pause_after_failures`
+/// is set on create and changed by an update that names it; after that many
+/// runs in a row end failed, whatever their codes, the automation needs
+/// attention (`failing_repeatedly`), its schedule paused, its streak and its
+/// runs' codes shown; activating it ends the streak. Bad values are named
+/// INVALID_ARGUMENTs.
+async fn a_failure_streak_pauses_its_automation_until_activated(backend: Backend) {
+    let (mesh, executor) = mesh_with(
+        backend,
+        Behavior::Fail("provider_error"),
+        MeshOptions::default(),
+    )
+    .await;
+    let token = mesh.token("acme", "alice");
+    let mut api = mesh.automations(Some(&token));
+    let invalid = |value: i32| {
+        let mut request = daily_automation("streak", "do the thing", pb::Surface::Desktop);
+        if let Some(a) = request.automation.as_mut() {
+            a.pause_after_failures = Some(value);
+        }
+        request
+    };
+    for bad in [-1, 1001] {
+        let status = api
+            .create_automation(invalid(bad))
+            .await
+            .expect_err("a bad pause_after_failures is refused");
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{bad}");
+        assert!(
+            status.message().contains("automation.pause_after_failures"),
+            "{bad}: {}",
+            status.message()
+        );
+    }
+    // Unset means 3.
+    let defaulted = create(&mesh, &token, daily(5, 0)).await;
+    assert_eq!(defaulted.pause_after_failures, Some(3));
+    let a = api
+        .create_automation(invalid(2))
+        .await
+        .expect("create")
+        .into_inner()
+        .automation
+        .expect("automation");
+    assert_eq!((a.pause_after_failures, a.failure_streak), (Some(2), 0));
+    let get = |id: String| {
+        let mut api = api.clone();
+        async move {
+            api.get_automation(pb::GetAutomationRequest { id })
+                .await
+                .expect("get")
+                .into_inner()
+                .automation
+                .expect("automation")
+        }
+    };
+    let first = run_now(&mesh, &token, &a.id, "first").await;
+    terminal(mesh.store(), &first.id, Duration::from_secs(20)).await;
+    let one = get(a.id.clone()).await;
+    assert_eq!(one.state, pb::AutomationState::Active as i32);
+    assert_eq!(one.failure_streak, 1);
+    let second = run_now(&mesh, &token, &a.id, "second").await;
+    let failed = terminal(mesh.store(), &second.id, Duration::from_secs(20)).await;
+    assert_eq!(failed.error_code, Some(ErrorCode::ProviderError));
+    // Moved with the run's end, in its transaction: no wait.
+    let paused = get(a.id.clone()).await;
+    assert_eq!(paused.state, pb::AutomationState::NeedsAttention as i32);
+    assert_eq!(paused.attention_reason, "failing_repeatedly");
+    assert!(
+        paused.attention_message.contains("2 runs in a row"),
+        "{paused:?}"
+    );
+    assert_eq!(paused.failure_streak, 2);
+    assert_eq!(
+        paused.failure_streak_codes,
+        ["provider_error", "provider_error"]
+    );
+    assert_eq!(paused.next_run_time, None, "its schedule is paused");
+    // Activation ends the streak and resumes the schedule.
+    executor.set_behavior(Behavior::Complete {
+        after: Duration::from_millis(50),
+        events: 1,
+    });
+    let active = api
+        .activate_automation(pb::ActivateAutomationRequest {
+            id: a.id.clone(),
+            etag: String::new(),
+        })
+        .await
+        .expect("activate")
+        .into_inner()
+        .automation
+        .expect("automation");
+    assert_eq!(active.state, pb::AutomationState::Active as i32);
+    assert_eq!(active.attention_reason, "");
+    assert_eq!(active.failure_streak, 0);
+    assert!(active.failure_streak_codes.is_empty());
+    assert!(active.next_run_time.is_some());
+    // An update changes it only when its mask names it.
+    let update = |value: Option<i32>, paths: &[&str]| pb::UpdateAutomationRequest {
+        automation: Some(pb::Automation {
+            id: a.id.clone(),
+            name: "renamed".into(),
+            pause_after_failures: value,
+            etag: String::new(),
+            ..active.clone()
+        }),
+        update_mask: Some(prost_types::FieldMask {
+            paths: paths.iter().map(|p| (*p).to_owned()).collect(),
+        }),
+    };
+    let renamed = api
+        .update_automation(update(Some(9), &["name"]))
+        .await
+        .expect("rename")
+        .into_inner()
+        .automation
+        .expect("automation");
+    assert_eq!(renamed.pause_after_failures, Some(2), "not in the mask");
+    let off = api
+        .update_automation(update(Some(0), &["pause_after_failures"]))
+        .await
+        .expect("turn off")
+        .into_inner()
+        .automation
+        .expect("automation");
+    assert_eq!(off.pause_after_failures, Some(0));
+    for (value, why) in [
+        (Some(-3), "between 0"),
+        (None, "required when update_mask names it"),
+    ] {
+        let status = api
+            .update_automation(update(value, &["pause_after_failures"]))
+            .await
+            .expect_err("refused");
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert!(status.message().contains(why), "{}", status.message());
     }
     mesh.stop().await.expect("stop");
 }

@@ -1263,6 +1263,7 @@ async fn activation_needs_a_model_the_catalogue_admits(backend: Backend) {
     ];
     for (id, model, surface, admitted) in cases {
         let new = NewAutomation {
+            pause_after_failures: automesh_domain::automation::DEFAULT_PAUSE_AFTER_FAILURES,
             id: id.into(),
             owner: owner.clone(),
             name: id.into(),
@@ -1898,7 +1899,8 @@ async fn runner_tokens_are_returned_once_and_stored_hashed() {
 }
 
 /// `ListRuns` narrowed by state (the skipped and missed occurrences among
-/// them, with their reason) and by creation time; bad filters are named.
+/// them, with their reason), by reason and by creation time; bad filters
+/// are named.
 async fn run_history_filters_by_state_and_creation_time(backend: Backend) {
     use automesh_domain::{ErrorCode, NewRun, RunState, RunTrigger};
     let mesh = Mesh::start(backend).await.expect("mesh");
@@ -1991,6 +1993,17 @@ async fn run_history_filters_by_state_and_creation_time(backend: Backend) {
     .await
     .expect("list");
     assert_eq!(all.len(), 3);
+    // By reason alone: the missed occurrence, whatever its state filter.
+    let missed = list(pb::ListRunsRequest {
+        error_codes: vec!["missed_during_downtime".into()],
+        ..Default::default()
+    })
+    .await
+    .expect("list");
+    assert_eq!(
+        missed.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+        ["missed-1"]
+    );
     for (request, field) in [
         (
             pb::ListRunsRequest {
@@ -1998,6 +2011,13 @@ async fn run_history_filters_by_state_and_creation_time(backend: Backend) {
                 ..Default::default()
             },
             "states[0]",
+        ),
+        (
+            pb::ListRunsRequest {
+                error_codes: vec!["previous_run_live".into(), "no_such_code".into()],
+                ..Default::default()
+            },
+            "error_codes[1]",
         ),
         (
             pb::ListRunsRequest {

@@ -453,9 +453,10 @@ fn test_code_is_told_apart_from_production_code() {
 /// for a reason; a new backend-specific statement fails this test until it
 /// is added with its reason (16 such statements before the bulk writes).
 ///
-/// - `writer.rs` `LOCK_RUNS_PG`, `desktop/write.rs` `LOCK_ASSIGNMENTS_PG`:
-///   a batch locks the rows it writes in one order (SQLite has one writer
-///   and no row locks).
+/// - `writer.rs` `LOCK_RUNS_PG`, `desktop/write.rs` `LOCK_ASSIGNMENTS_PG`,
+///   `automations.rs` `LOCK_AUTOMATIONS_PG` (the automations whose runs a
+///   batch ends, after its runs): a batch locks the rows it writes in one
+///   order (SQLite has one writer and no row locks).
 /// - `leases.rs` `CLAIM_PG`/`CLAIM_SQLITE`, `desktop/mod.rs` `CLAIM_PG`,
 ///   `scheduling.rs` `DUE_PG`: one shared text with PostgreSQL's row-lock
 ///   clause (`FOR UPDATE SKIP LOCKED`) appended.
@@ -476,6 +477,7 @@ fn the_stores_writes_take_one_form_for_both_backends() {
     let allowed_consts = [
         ("writer.rs", "LOCK_RUNS_PG"),
         ("desktop/write.rs", "LOCK_ASSIGNMENTS_PG"),
+        ("automations.rs", "LOCK_AUTOMATIONS_PG"),
         ("leases.rs", "CLAIM_PG"),
         ("leases.rs", "CLAIM_SQLITE"),
         ("desktop/mod.rs", "CLAIM_PG"),

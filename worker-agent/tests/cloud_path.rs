@@ -125,6 +125,7 @@ impl Env {
             .store()
             .create_automation(
                 &NewAutomation {
+                    pause_after_failures: automesh_domain::automation::DEFAULT_PAUSE_AFTER_FAILURES,
                     id: id.into(),
                     owner: o.clone(),
                     name: "cloud".into(),

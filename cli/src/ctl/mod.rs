@@ -84,6 +84,11 @@ enum CtlCommand {
         surface: SurfaceArg,
         #[command(flatten)]
         schedule: ScheduleArgs,
+        /// Pause the automation (needs attention, `failing_repeatedly`) after
+        /// this many runs in a row end failed or timed out; 0 never pauses.
+        /// 3 unless given.
+        #[arg(long, value_name = "RUNS")]
+        pause_after_failures: Option<i32>,
     },
     /// List your automations.
     List {
@@ -93,7 +98,8 @@ enum CtlCommand {
     },
     /// Show one automation.
     Get { id: String },
-    /// Change name, prompt, model or schedule (placement never changes).
+    /// Change name, prompt, model, schedule or the failure streak that
+    /// pauses it (placement never changes).
     Update {
         id: String,
         #[arg(long)]
@@ -104,6 +110,10 @@ enum CtlCommand {
         model: Option<String>,
         #[command(flatten)]
         schedule: ScheduleArgs,
+        /// Pause it after this many runs in a row end failed or timed out;
+        /// 0 never pauses.
+        #[arg(long, value_name = "RUNS")]
+        pause_after_failures: Option<i32>,
         /// Only update if the automation is still at this etag.
         #[arg(long)]
         etag: Option<String>,
@@ -146,6 +156,11 @@ enum CtlCommand {
         /// Only runs created at or after this instant (RFC 3339).
         #[arg(long, value_parser = parse_instant)]
         since: Option<prost_types::Timestamp>,
+        /// Only runs that carry this error code (repeatable), such as
+        /// missed_during_downtime or previous_run_live: the occurrences that
+        /// did not run, and why (docs/error-codes.md).
+        #[arg(long = "reason", value_name = "CODE")]
+        reasons: Vec<String>,
         /// Only runs created before this instant (RFC 3339).
         #[arg(long, value_parser = parse_instant)]
         until: Option<prost_types::Timestamp>,
@@ -286,6 +301,7 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
             model,
             surface,
             schedule,
+            pause_after_failures,
         } => {
             let surface = match surface {
                 SurfaceArg::Desktop => pb::Surface::Desktop,
@@ -302,6 +318,7 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
                         prompt,
                         model,
                         schedule: Some(schedule),
+                        pause_after_failures,
                         ..Default::default()
                     }),
                     surface: surface as i32,
@@ -352,6 +369,7 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
             prompt,
             model,
             schedule,
+            pause_after_failures,
             etag,
         } => {
             let mut paths = vec![];
@@ -368,9 +386,12 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
             if schedule.is_some() {
                 paths.push("schedule".to_owned());
             }
+            if pause_after_failures.is_some() {
+                paths.push("pause_after_failures".to_owned());
+            }
             anyhow::ensure!(
                 !paths.is_empty(),
-                "nothing to update: pass --name, --prompt, --model or a schedule"
+                "nothing to update: pass --name, --prompt, --model, a schedule or --pause-after-failures"
             );
             let updated = automations
                 .update_automation(pb::UpdateAutomationRequest {
@@ -380,6 +401,7 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
                         prompt: prompt.unwrap_or_default(),
                         model: model.unwrap_or_default(),
                         schedule,
+                        pause_after_failures,
                         etag: etag.unwrap_or_default(),
                         ..Default::default()
                     }),
@@ -440,6 +462,7 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
             automation,
             limit,
             states,
+            reasons,
             since,
             until,
         } => {
@@ -451,6 +474,7 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
                     states,
                     created_after: since,
                     created_before: until,
+                    error_codes: reasons,
                 })
                 .await
                 .map_err(explain)?

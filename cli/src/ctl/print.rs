@@ -71,6 +71,14 @@ pub(super) fn print_automation(a: Option<pb::Automation>) {
     if !a.pause_reason.is_empty() {
         println!("paused:     {}", a.pause_reason);
     }
+    match a.pause_after_failures {
+        Some(0) => println!("failures:   {} in a row (never pauses)", a.failure_streak),
+        Some(n) => println!("failures:   {} in a row (pauses at {n})", a.failure_streak),
+        None => {}
+    }
+    if !a.failure_streak_codes.is_empty() {
+        println!("streak:     {}", a.failure_streak_codes.join(", "));
+    }
     if let Some(r) = &a.last_run {
         let cost = r.receipt.as_ref().and_then(|x| x.usage.as_ref());
         let cost = cost.map_or(String::new(), |u| format!(", cost {} µ", u.cost_micros));

@@ -76,6 +76,11 @@ async fn render(
             states: states.clone(),
             created_after: from.map(timestamp),
             created_before: to.map(timestamp),
+            error_codes: query
+                .get("reason")
+                .filter(|r| !r.is_empty())
+                .map(|r| vec![r.to_owned()])
+                .unwrap_or_default(),
         })
         .await?
         .into_inner();
@@ -100,6 +105,19 @@ async fn render(
             }
             dt { "Schedule" } dd { (schedule(&a.schedule, viewer)) }
             dt { "Next run" } dd { (viewer.ts(&a.next_run_time)) }
+            dt { "Failed runs in a row" } dd #failure-streak {
+                (a.failure_streak)
+                @if !a.failure_streak_codes.is_empty() {
+                    " (" @for (i, code) in a.failure_streak_codes.iter().enumerate() {
+                        @if i > 0 { ", " } code { (code) }
+                    } ")"
+                }
+                @match a.pause_after_failures {
+                    Some(0) => { " — never pauses by itself" }
+                    Some(n) => { " — pauses after " (n) }
+                    None => {}
+                }
+            }
             dt { "Model" } dd { (a.model) }
             dt { "Prompt" } dd { pre.prompt { (a.prompt) } }
             dt { "Created" } dd { (viewer.ts(&a.create_time)) }
@@ -174,7 +192,7 @@ fn older_link(id: &str, query: &Form, token: &str) -> String {
     for s in query.all("state") {
         q.append_pair("state", s);
     }
-    for k in ["from", "to"] {
+    for k in ["from", "to", "reason"] {
         if let Some(v) = query.get(k) {
             q.append_pair(k, v);
         }
@@ -193,6 +211,13 @@ fn history_filter(id: &str, states: &[i32], query: &Form) -> Markup {
                         input type="checkbox" name="state" value=(s as i32) checked[states.contains(&(s as i32))];
                         " " (label)
                     }
+                }
+            }
+            label for="reason" { "Reason" }
+            select #reason name="reason" {
+                option value="" { "any" }
+                @for code in automesh_domain::ErrorCode::ALL {
+                    option value=(code.as_str()) selected[query.text("reason") == code.as_str()] { (code.as_str()) }
                 }
             }
             label for="from" { "From (day)" }

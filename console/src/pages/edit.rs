@@ -1,5 +1,6 @@
-//! Creating and editing an automation: name, prompt, model and a once,
-//! daily or weekly schedule in an IANA zone, with a preview of the next
+//! Creating and editing an automation: name, prompt, model, a once,
+//! daily or weekly schedule in an IANA zone, and how many failed runs in a
+//! row pause it, with a preview of the next
 //! occurrences (in the schedule's zone and in UTC, across the next DST
 //! change) from the API's `PreviewSchedule`.
 //!
@@ -18,17 +19,28 @@ use http::StatusCode;
 use maud::{Markup, html};
 use tonic::Code;
 
+use automesh_domain::automation::DEFAULT_PAUSE_AFTER_FAILURES;
+
 use crate::pages::{DAYS, csrf, layout, schedule as schedule_words, see_other};
 use crate::session::{Posted, Session};
-use crate::time::{in_zone, instant, timestamp};
+use crate::time::{instant, timestamp};
 use crate::{AppState, Failure, Form};
 
 /// The model a new automation starts with.
 const DEFAULT_MODEL: &str = "openai/gpt-4.1-mini";
 
+/// What the edit form changes (every field it shows).
+const UPDATED: &[&str] = &[
+    "name",
+    "prompt",
+    "model",
+    "schedule",
+    "pause_after_failures",
+];
+
 /// What the form holds, as typed.
 #[derive(Debug, Default, Clone)]
-struct Draft {
+pub(crate) struct Draft {
     name: String,
     prompt: String,
     model: String,
@@ -37,14 +49,16 @@ struct Draft {
     days: Vec<i32>,
     zone: String,
     once_at: String,
+    /// Runs in a row that may end failed before it pauses itself, as typed.
+    pause_after_failures: String,
     etag: String,
 }
 
 /// Messages for the form's fields, by field name; `""` for the form.
-type Errors = HashMap<&'static str, Vec<String>>;
+pub(crate) type Errors = HashMap<&'static str, Vec<String>>;
 
 impl Draft {
-    fn from_form(form: &Form) -> Self {
+    pub(crate) fn from_form(form: &Form) -> Self {
         Self {
             name: form.text("name"),
             prompt: form.get("prompt").unwrap_or_default().to_owned(),
@@ -58,6 +72,7 @@ impl Draft {
                 .collect(),
             zone: form.text("zone"),
             once_at: form.text("once_at"),
+            pause_after_failures: form.text("pause_after_failures"),
             etag: form.text("etag"),
         }
     }
@@ -69,6 +84,10 @@ impl Draft {
             prompt: a.prompt.clone(),
             model: a.model.clone(),
             etag: a.etag.clone(),
+            pause_after_failures: a
+                .pause_after_failures
+                .unwrap_or(DEFAULT_PAUSE_AFTER_FAILURES as i32)
+                .to_string(),
             ..Draft::default()
         };
         let tod = |t: &Option<pb::TimeOfDay>| {
@@ -101,7 +120,7 @@ impl Draft {
     }
 
     /// The schedule the form describes, or the fields it cannot read.
-    fn schedule(&self) -> Result<pb::Schedule, Errors> {
+    pub(crate) fn schedule(&self) -> Result<pb::Schedule, Errors> {
         use pb::schedule::Kind;
         let mut errors = Errors::new();
         let time = || -> Option<pb::TimeOfDay> {
@@ -182,14 +201,42 @@ impl Draft {
         }
     }
 
+    /// The failure streak that pauses it, as typed: blank is the default
+    /// (3); the API checks the range and names the field.
+    fn pause_after_failures(&self) -> Result<i32, Errors> {
+        let typed = self.pause_after_failures.trim();
+        if typed.is_empty() {
+            return Ok(DEFAULT_PAUSE_AFTER_FAILURES as i32);
+        }
+        typed.parse().map_err(|_| {
+            let mut errors = Errors::new();
+            errors
+                .entry("pause_after_failures")
+                .or_default()
+                .push("enter a whole number of runs (0 never pauses)".into());
+            errors
+        })
+    }
+
     fn automation(&self, id: &str) -> Result<pb::Automation, Errors> {
+        let schedule = self.schedule();
+        let pause_after_failures = self.pause_after_failures();
+        let (schedule, pause_after_failures) = match (schedule, pause_after_failures) {
+            (Ok(s), Ok(p)) => (s, p),
+            (s, p) => {
+                let mut errors = s.err().unwrap_or_default();
+                errors.extend(p.err().unwrap_or_default());
+                return Err(errors);
+            }
+        };
         Ok(pb::Automation {
             id: id.to_owned(),
             name: self.name.clone(),
             prompt: self.prompt.clone(),
             model: self.model.clone(),
             etag: self.etag.clone(),
-            schedule: Some(self.schedule()?),
+            schedule: Some(schedule),
+            pause_after_failures: Some(pause_after_failures),
             ..Default::default()
         })
     }
@@ -203,6 +250,7 @@ fn field_of(path: &str) -> &'static str {
         "name" => "name",
         "prompt" => "prompt",
         "model" => "model",
+        "pause_after_failures" => "pause_after_failures",
         p if p.ends_with("time_zone") => "zone",
         p if p.ends_with("days") => "days",
         p if p.contains("time_of_day") => "time",
@@ -321,6 +369,11 @@ fn form(session: &Session, id: Option<&str>, d: &Draft, errors: &Errors) -> Mark
                 (field_errors(errors, "zone"))
             }
             section #preview aria-live="polite" aria-label="Next occurrences" {}
+            label for="pause_after_failures" { "Pause after this many failed runs in a row (0: never)" }
+            input #pause_after_failures type="number" name="pause_after_failures" min="0" max="1000"
+                value=(if d.pause_after_failures.is_empty() { DEFAULT_PAUSE_AFTER_FAILURES.to_string() } else { d.pause_after_failures.clone() })
+                aria-describedby=[described(errors, "pause_after_failures")];
+            (field_errors(errors, "pause_after_failures"))
             p.placement-note { "Runs in your cloud worker (created from the web)." }
             button type="submit" { @if id.is_some() { "Save changes" } @else { "Create automation" } }
         }
@@ -427,7 +480,9 @@ pub async fn update(
             .automations(session.token())?
             .update_automation(pb::UpdateAutomationRequest {
                 automation: Some(automation.clone()),
-                update_mask: None,
+                update_mask: Some(prost_types::FieldMask {
+                    paths: UPDATED.iter().map(|p| (*p).to_owned()).collect(),
+                }),
             })
             .await
     };
@@ -471,6 +526,7 @@ fn conflict(session: &Session, mine: &pb::Automation, saved: &pb::Automation) ->
                 dt { "Prompt" } dd { pre { (a.prompt) } }
                 dt { "Model" } dd { (a.model) }
                 dt { "Schedule" } dd { (schedule_words(&a.schedule, &session.viewer)) }
+                dt { "Pause after" } dd { (a.pause_after_failures.unwrap_or_default()) " failed runs in a row" }
             }
         }
     };
@@ -482,66 +538,6 @@ fn conflict(session: &Session, mine: &pb::Automation, saved: &pb::Automation) ->
                 div { h3 { "Your version" } (rows(mine)) }
                 div { h3 { "Saved version" } (rows(saved)) }
             }
-        }
-    }
-}
-
-/// The preview fragment the form's script asks for as the schedule changes.
-pub async fn preview(State(state): State<AppState>, session: Session, uri: http::Uri) -> Response {
-    let draft = Draft::from_form(&Form::query(&uri));
-    let schedule = match draft.schedule() {
-        Ok(s) => s,
-        Err(errors) => {
-            let all: Vec<String> = errors.into_values().flatten().collect();
-            return html! { p.muted { "No preview yet: " (all.join("; ")) } }.into_response();
-        }
-    };
-    let answer = async {
-        state
-            .api
-            .automations(session.token())?
-            .preview_schedule(pb::PreviewScheduleRequest {
-                schedule: Some(schedule),
-                count: 5,
-                after_time: None,
-            })
-            .await
-    };
-    match answer.await {
-        Ok(r) => occurrences(&r.into_inner()).into_response(),
-        Err(s) if s.code() == Code::InvalidArgument => {
-            html! { p.muted { "No preview: " (crate::failure::refusal(&s)) } }.into_response()
-        }
-        Err(s) => (StatusCode::BAD_GATEWAY, html! { p.error { (s.message()) } }).into_response(),
-    }
-}
-
-fn occurrences(p: &pb::PreviewScheduleResponse) -> Markup {
-    let zone = automesh_domain::schedule::parse_time_zone(&p.time_zone).unwrap_or(chrono_tz::UTC);
-    let line = |o: &pb::Occurrence| {
-        let at = o.time.as_ref().and_then(instant);
-        html! {
-            @if let Some(at) = at {
-                tr { td { (in_zone(at, zone)) } td { (in_zone(at, chrono_tz::UTC)) } }
-            }
-        }
-    };
-    html! {
-        h2 { "Next occurrences" }
-        @if p.occurrences.is_empty() {
-            p { "None: this schedule does not fire again." }
-        } @else {
-            table.preview {
-                thead { tr { th scope="col" { "In " (p.time_zone) } th scope="col" { "In UTC" } } }
-                tbody { @for o in &p.occurrences { (line(o)) } }
-            }
-        }
-        @if let (Some(change), Some(first)) = (p.next_offset_change_time.as_ref().and_then(instant), &p.first_after_offset_change) {
-            p.dst {
-                "The zone's offset changes at " (in_zone(change, chrono_tz::UTC))
-                "; the first occurrence after it: "
-            }
-            table.preview.after-dst { tbody { (line(first)) } }
         }
     }
 }

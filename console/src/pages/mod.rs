@@ -7,6 +7,7 @@
 pub mod automation;
 pub mod automations;
 pub mod edit;
+pub mod preview;
 pub mod runners;
 pub mod runs;
 pub mod sign_in;

@@ -67,6 +67,7 @@ error_codes! {
     PreviousRunLive => "previous_run_live": "Skipped: the previous run of the automation was still live at the due instant.",
     MissedDuringDowntime => "missed_during_downtime": "Missed: the occurrence fell due while the mesh was down, outside the catch-up window.",
     Internal => "internal": "An internal error; see the logs by trace id.",
+    FailingRepeatedly => "failing_repeatedly": "An automation's reason for needing attention, not a run's code: its last runs (as many as its pause_after_failures) all ended failed or timed out, so its schedule paused.",
 }
 
 impl fmt::Display for ErrorCode {

@@ -21,8 +21,8 @@ pub mod validation;
 pub mod worker;
 
 pub use automation::{
-    Attention, Automation, AutomationPatch, AutomationState, NewAutomation, Placement, StateChange,
-    Surface,
+    Attention, Automation, AutomationPatch, AutomationState, FailureStreak, NewAutomation,
+    Placement, StateChange, Surface,
 };
 pub use error_code::{CodedError, ErrorCode};
 pub use failure::{Failure, FailureKind};

@@ -1,26 +1,31 @@
 //! Queries of the `automations` aggregate.
 
-use automesh_domain::automation::{Automation, NewAutomation};
+use std::collections::HashMap;
+
+use automesh_domain::automation::{Automation, FailureStreak, NewAutomation};
 use automesh_domain::schedule::{Schedule, ScheduleRecord};
-use automesh_domain::{Attention, ErrorCode, Principal, Receipt, Run};
+use automesh_domain::{Attention, ErrorCode, Principal, Receipt, Run, RunState};
 use chrono::{DateTime, Utc};
+use sqlx::AnyConnection;
 use sqlx::any::AnyRow;
 
 use const_format::concatcp;
 
 use crate::page::{Cursor, Page};
 use crate::rows::{self, col, micros, opt_micros};
+use crate::runs::IdRow;
+use crate::sql::{Bulk, bulk};
 use crate::{Result, Store, StoreError};
 
 /// The columns every automation query reads, in `decode`'s terms.
 pub(crate) const AUTOMATION_COLUMNS: &str = "id, org_id, owner_id, name, prompt, model, placement, \
      surface, schedule, state, attention_reason, attention_message, pause_reason, version, \
-     next_run_at, created_at, updated_at";
+     next_run_at, created_at, updated_at, pause_after_failures, failure_streak, streak_codes";
 
 const INSERT: &str = "INSERT INTO automations (id, org_id, owner_id, name, prompt, model, placement, \
      surface, schedule, state, attention_reason, attention_message, version, next_run_at, \
-     created_at, updated_at) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'active', NULL, NULL, 1, $10, $11, $11)";
+     created_at, updated_at, pause_after_failures) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'active', NULL, NULL, 1, $10, $11, $11, $12)";
 
 const GET: &str = concatcp!(
     "SELECT ",
@@ -69,8 +74,51 @@ const LAST_RECEIPTS: &str = concatcp!(
 /// Placement, surface, owner and creation time are absent: they never change.
 const UPDATE_IF_VERSION: &str = "UPDATE automations SET name = $4, prompt = $5, model = $6, \
      schedule = $7, state = $8, attention_reason = $9, attention_message = $10, \
-     next_run_at = $11, updated_at = $12, pause_reason = $14, version = version + 1 \
+     next_run_at = $11, updated_at = $12, pause_reason = $14, pause_after_failures = $15, \
+     failure_streak = $16, streak_codes = $17, version = version + 1 \
      WHERE id = $1 AND org_id = $2 AND owner_id = $3 AND version = $13";
+
+/// PostgreSQL: the automations a batch's ended runs move, locked in one
+/// order (`$1`, a JSON array of ids), after the batch's runs: batches that
+/// end runs of crossing sets of automations queue instead of deadlocking.
+/// `NO KEY UPDATE`, so that a scheduler inserting a run of one (whose
+/// foreign key takes a key-share lock) never waits for it.
+pub(crate) const LOCK_AUTOMATIONS_PG: &str = "SELECT id FROM automations \
+     WHERE id IN (SELECT value FROM json_array_elements_text($1::json)) \
+     ORDER BY id COLLATE \"C\" FOR NO KEY UPDATE";
+
+/// The automations of a batch's ended runs, read in its transaction.
+const STANDINGS: Bulk<IdRow> = bulk!(IdRow => [
+    "SELECT ", AUTOMATION_COLUMNS, " FROM automations WHERE id IN (SELECT i.id FROM "
+] [
+    ")"
+]);
+
+bulk! {
+    /// What runs' ends made of an automation: its state, why it needs
+    /// attention, its next occurrence and its failure streak.
+    struct StandingRow {
+        id: String => TEXT,
+        state: &'static str => TEXT,
+        attention_reason: Option<&'static str> => TEXT,
+        attention_message: Option<String> => TEXT,
+        next_run_at: Option<i64> => BIGINT,
+        failure_streak: i64 => BIGINT,
+        streak_codes: String => TEXT,
+        at: i64 => BIGINT,
+    }
+}
+
+/// Automations moved by their runs' ends (read and locked in the same
+/// transaction, so no guard but the id is needed).
+const STAND: Bulk<StandingRow> = bulk!(StandingRow => [
+    "UPDATE automations SET state = i.state, attention_reason = i.attention_reason, \
+     attention_message = i.attention_message, next_run_at = i.next_run_at, \
+     failure_streak = i.failure_streak, streak_codes = i.streak_codes, updated_at = i.at, \
+     version = automations.version + 1 FROM "
+] [
+    " WHERE automations.id = i.id"
+]);
 
 pub(crate) fn decode(row: &AnyRow) -> Result<Automation> {
     let reason: Option<ErrorCode> = col(row, "attention_reason")?;
@@ -79,10 +127,85 @@ pub(crate) fn decode(row: &AnyRow) -> Result<Automation> {
         reason,
         message: message.unwrap_or_default(),
     });
+    let pause_after_failures: i64 = col(row, "pause_after_failures")?;
+    let pause_after_failures = u32::try_from(pause_after_failures)
+        .map_err(|_| StoreError::Corrupt(format!("pause_after_failures={pause_after_failures}")))?;
+    let codes: String = col(row, "streak_codes")?;
+    let failure_streak = FailureStreak {
+        runs: col(row, "failure_streak")?,
+        codes: serde_json::from_str(&codes)
+            .map_err(|e| StoreError::Corrupt(format!("streak_codes: {e}")))?,
+    };
     rows::columns! { row => Automation {
         id, org_id, owner_id, name, prompt, model, placement, surface, schedule, state, version,
-        next_run_at, created_at, updated_at, pause_reason; attention
+        next_run_at, created_at, updated_at, pause_reason;
+        attention, pause_after_failures, failure_streak
     } }
+}
+
+fn codes_json(streak: &FailureStreak) -> String {
+    // A list of strings always serialises.
+    serde_json::to_string(&streak.codes).unwrap_or_else(|_| "[]".into())
+}
+
+/// A run's end, as it bears on its automation.
+#[derive(Debug, Clone)]
+pub(crate) struct RunEnd<'a> {
+    pub(crate) automation_id: &'a str,
+    pub(crate) outcome: RunState,
+    pub(crate) code: Option<ErrorCode>,
+    pub(crate) message: Option<&'a str>,
+}
+
+/// What runs' ends do to their automations, in the transaction that ends
+/// them (after the runs' rows are locked): each automation is locked and
+/// read, moved by its runs' ends in the order given
+/// ([`Automation::after_run`]), and written once if they changed it. The
+/// automations as they stand after, by id; each with whether it changed.
+pub(crate) async fn after_runs(
+    db: &mut AnyConnection,
+    ends: &[RunEnd<'_>],
+    now: DateTime<Utc>,
+) -> Result<HashMap<String, (Automation, bool)>> {
+    if ends.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let mut ids: Vec<&str> = ends.iter().map(|e| e.automation_id).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    if rows::is_postgres(db) {
+        let json = serde_json::to_string(&ids)
+            .map_err(|e| StoreError::Corrupt(format!("automation ids: {e}")))?;
+        crate::writer::counted();
+        rows::execute(&mut *db, LOCK_AUTOMATIONS_PG, (json,)).await?;
+    }
+    let ids: Vec<IdRow> = ids.iter().map(|id| IdRow::of(id)).collect();
+    let read = STANDINGS.all(&mut *db, &ids, |r| {
+        let a = decode(r)?;
+        Ok((a.id.clone(), (a, false)))
+    });
+    let mut standing: HashMap<String, (Automation, bool)> = read.await?.into_iter().collect();
+    for end in ends {
+        if let Some((a, changed)) = standing.get_mut(end.automation_id) {
+            *changed |= a.after_run(end.outcome, end.code, end.message, now);
+        }
+    }
+    let moved: Vec<StandingRow> = standing
+        .values()
+        .filter(|(_, changed)| *changed)
+        .map(|(a, _)| StandingRow {
+            id: a.id.clone(),
+            state: a.state.as_str(),
+            attention_reason: a.attention.as_ref().map(|x| x.reason.as_str()),
+            attention_message: a.attention.as_ref().map(|x| x.message.clone()),
+            next_run_at: opt_micros(a.next_run_at),
+            failure_streak: a.failure_streak.runs,
+            streak_codes: codes_json(&a.failure_streak),
+            at: micros(now),
+        })
+        .collect();
+    STAND.execute(&mut *db, &moved).await?;
+    Ok(standing)
 }
 
 fn schedule_json(s: &Schedule) -> String {
@@ -116,6 +239,7 @@ impl Store {
             schedule_json(&new.schedule),
             opt_micros(next_run_at),
             micros(now),
+            i64::from(new.pause_after_failures),
         );
         rows::execute(self.db(), INSERT, params).await?;
         self.internal().get_automation(&new.id).await
@@ -213,6 +337,9 @@ impl Store {
             micros(now),
             expected_version,
             updated.pause_reason.as_deref(),
+            i64::from(updated.pause_after_failures),
+            updated.failure_streak.runs,
+            codes_json(&updated.failure_streak),
         );
         let written = rows::changed_one(self.db(), UPDATE_IF_VERSION, params).await?;
         let owner = Principal::new(&updated.org_id, &updated.owner_id);

@@ -57,6 +57,12 @@ const MIGRATIONS: &[(i64, &str, &str, &str)] = &[
         include_str!("../../../migrations/postgres/0008_console.sql"),
         include_str!("../../../migrations/sqlite/0008_console.sql"),
     ),
+    (
+        9,
+        "failure streaks",
+        include_str!("../../../migrations/postgres/0009_failure_streaks.sql"),
+        include_str!("../../../migrations/sqlite/0009_failure_streaks.sql"),
+    ),
 ];
 
 pub(crate) fn migrator(backend: Backend) -> Migrator {

@@ -5,13 +5,14 @@
 
 use std::collections::{HashMap, HashSet};
 
-use automesh_domain::{AutomationState, Price, Receipt, Usage};
+use automesh_domain::{AutomationState, ErrorCode, Price, Receipt, RunState, Usage};
 use chrono::{DateTime, Utc};
 use const_format::concatcp;
 use futures_util::future::BoxFuture;
 use sqlx::AnyConnection;
 use sqlx::any::AnyRow;
 
+use crate::automations::RunEnd;
 use crate::events::status_event;
 use crate::rows::{self, col, micros};
 use crate::runs::IdRow;
@@ -113,9 +114,23 @@ const END: Bulk<EndRow> = bulk!(EndRow => [
 ] [
     " WHERE runs.id = i.id AND runs.state IN ", crate::runs::LIVE_STATES,
     " AND (i.lease_owner = '' OR runs.lease_owner = i.lease_owner) \
-     RETURNING runs.id, runs.last_event_seq, \
-     (SELECT a.state FROM automations a WHERE a.id = runs.automation_id) AS automation_state"
+     RETURNING runs.id, runs.last_event_seq, runs.automation_id, \
+     (SELECT a.state FROM automations a WHERE a.id = runs.automation_id) AS automation_state, \
+     (SELECT a.failure_streak FROM automations a WHERE a.id = runs.automation_id) AS failure_streak"
 ]);
+
+/// What a run's end did to its automation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AfterRun {
+    /// Its state once the run ended.
+    pub state: AutomationState,
+    /// Why it needs attention, when this run's end moved it there.
+    pub paused: Option<ErrorCode>,
+    /// Whether this run's end made it active again.
+    pub resumed: bool,
+    /// Its consecutive failed or timed-out runs once the run ended.
+    pub failure_streak: i64,
+}
 
 pub(crate) fn decode(row: &AnyRow) -> Result<Receipt> {
     let usage: Result<Usage> = rows::columns! { row => Usage {
@@ -139,15 +154,12 @@ pub(crate) fn decode(row: &AnyRow) -> Result<Receipt> {
 
 impl Store {
     /// Moves a live run to the receipt's terminal outcome and stores the
-    /// receipt, atomically; answers with the state of the run's automation
-    /// (what the outcome means for it is the caller's). A run already
-    /// terminal is left as it is (`IllegalTransition`), so a run has
-    /// exactly one receipt.
-    pub async fn finish_run(
-        &self,
-        receipt: &Receipt,
-        now: DateTime<Utc>,
-    ) -> Result<AutomationState> {
+    /// receipt, atomically, with what the outcome means for the run's
+    /// automation (its failure streak, needs-attention or active again:
+    /// [`Automation::after_run`](automesh_domain::Automation::after_run)),
+    /// which it answers. A run already terminal is left as it is
+    /// (`IllegalTransition`), so a run has exactly one receipt.
+    pub async fn finish_run(&self, receipt: &Receipt, now: DateTime<Utc>) -> Result<AfterRun> {
         self.finish(receipt, None, now).await
     }
 
@@ -158,7 +170,7 @@ impl Store {
         receipt: &Receipt,
         lease_owner: &str,
         now: DateTime<Utc>,
-    ) -> Result<AutomationState> {
+    ) -> Result<AfterRun> {
         self.finish(receipt, Some(lease_owner), now).await
     }
 
@@ -167,7 +179,7 @@ impl Store {
         receipt: &Receipt,
         lease_owner: Option<&str>,
         now: DateTime<Utc>,
-    ) -> Result<AutomationState> {
+    ) -> Result<AfterRun> {
         if !receipt.outcome.is_terminal() {
             return Err(StoreError::IllegalTransition {
                 from: "live".into(),
@@ -195,28 +207,51 @@ impl Store {
     }
 }
 
-/// A run's end: its terminal state, its receipt and its terminal event, in
-/// one transaction, fenced by the lease owner (none when empty).
+/// A run's end: its terminal state, its receipt, its terminal event and
+/// what it does to its automation, in one transaction, fenced by the lease
+/// owner (none when empty).
 struct Finish {
     receipt: Receipt,
     lease_owner: String,
     now: DateTime<Utc>,
 }
 
+/// What the run's end (`ended`: its automation, whose state and failure
+/// streak were as read) may do to its automation: a failure always counts;
+/// a success only ends a streak or a needs-attention; nothing else moves it.
+fn may_move(outcome: RunState, state: AutomationState, streak: i64) -> bool {
+    match outcome {
+        RunState::Failed | RunState::TimedOut => true,
+        RunState::Succeeded => streak > 0 || state == AutomationState::NeedsAttention,
+        _ => false,
+    }
+}
+
+/// A run ended by END: its terminal event's number, its automation, and
+/// that automation's state and failure streak as END read them.
+struct Ended {
+    seq: i64,
+    automation_id: String,
+    state: AutomationState,
+    streak: i64,
+}
+
 impl crate::writer::Job for Finish {
-    type Output = AutomationState;
+    type Output = AfterRun;
 
     fn key(&self) -> &str {
         &self.receipt.run_id
     }
 
     /// Three statements for every job: the runs ended (each by its own
-    /// guard), their receipts, their terminal events; a run its guard
-    /// refused is answered with why.
+    /// guard), their receipts, their terminal events; and, when a run's end
+    /// moves its automation (a failure, or a success that ends a streak or
+    /// a needs-attention), the automations locked, read and written. A run
+    /// its guard refused is answered with why.
     fn write_all<'a>(
         jobs: &'a [&'a Self],
         db: &'a mut AnyConnection,
-    ) -> BoxFuture<'a, Result<Vec<Result<AutomationState>>>> {
+    ) -> BoxFuture<'a, Result<Vec<Result<AfterRun>>>> {
         Box::pin(async move {
             let ends: Vec<EndRow> = jobs
                 .iter()
@@ -233,28 +268,51 @@ impl crate::writer::Job for Finish {
                 })
                 .collect();
             let ended = END.all(&mut *db, &ends, |r| {
-                let seq = col::<i64>(r, "last_event_seq")?;
-                let automation = col::<AutomationState>(r, "automation_state")?;
-                Ok((col::<String>(r, "id")?, (seq, automation)))
+                let ended = Ended {
+                    seq: col(r, "last_event_seq")?,
+                    automation_id: col(r, "automation_id")?,
+                    state: col(r, "automation_state")?,
+                    streak: col(r, "failure_streak")?,
+                };
+                Ok((col::<String>(r, "id")?, ended))
             });
-            let ended: HashMap<String, (i64, AutomationState)> = ended.await?.into_iter().collect();
+            let ended: HashMap<String, Ended> = ended.await?.into_iter().collect();
             let (mut receipts, mut events, mut refused) = (vec![], vec![], vec![]);
             for job in jobs {
                 let r = &job.receipt;
-                match ended.get(&r.run_id) {
-                    Some((seq, _)) => {
+                match ended.get(&r.run_id).map(|e| e.seq) {
+                    Some(seq) => {
                         receipts.push(ReceiptRow::of(r));
                         // The run's end, in its event log, commits with its
                         // receipt.
                         let event =
                             status_event(r.outcome, r.error_code, r.error_message.as_deref());
-                        events.push(crate::events::row(&r.run_id, *seq, &event, r.created_at)?);
+                        events.push(crate::events::row(&r.run_id, seq, &event, r.created_at)?);
                     }
                     None => refused.push(r.run_id.as_str()),
                 }
             }
             INSERT.execute(&mut *db, &receipts).await?;
             crate::events::INSERT.execute(&mut *db, &events).await?;
+            // The ends that move their automations, in the order the runs
+            // ended.
+            let mut moving: Vec<(&Receipt, &Ended)> = jobs
+                .iter()
+                .filter_map(|j| Some((&j.receipt, ended.get(&j.receipt.run_id)?)))
+                .filter(|(r, e)| may_move(r.outcome, e.state, e.streak))
+                .collect();
+            moving.sort_by_key(|(r, _)| r.created_at);
+            let moves: Vec<RunEnd<'_>> = moving
+                .iter()
+                .map(|(r, e)| RunEnd {
+                    automation_id: &e.automation_id,
+                    outcome: r.outcome,
+                    code: r.error_code,
+                    message: r.error_message.as_deref(),
+                })
+                .collect();
+            let now = jobs.iter().map(|j| j.now).max().unwrap_or_else(Utc::now);
+            let standing = crate::automations::after_runs(&mut *db, &moves, now).await?;
             let outcome = |id: &str| {
                 let job = jobs.iter().find(|j| j.receipt.run_id == id);
                 job.map(|j| j.receipt.outcome.to_string())
@@ -264,7 +322,24 @@ impl crate::writer::Job for Finish {
             Ok(jobs
                 .iter()
                 .map(|job| match ended.get(&job.receipt.run_id) {
-                    Some((_, automation)) => Ok(*automation),
+                    Some(e) => Ok(match standing.get(&e.automation_id) {
+                        Some((a, changed)) => AfterRun {
+                            state: a.state,
+                            paused: (*changed && a.state != e.state)
+                                .then(|| a.attention.as_ref().map(|x| x.reason))
+                                .flatten(),
+                            resumed: *changed
+                                && a.state == AutomationState::Active
+                                && e.state == AutomationState::NeedsAttention,
+                            failure_streak: a.failure_streak.runs,
+                        },
+                        None => AfterRun {
+                            state: e.state,
+                            paused: None,
+                            resumed: false,
+                            failure_streak: e.streak,
+                        },
+                    }),
                     None => Err(refusals
                         .remove(&job.receipt.run_id)
                         .unwrap_or(StoreError::NotFound)),

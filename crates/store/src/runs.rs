@@ -147,14 +147,17 @@ const GET: &str = concatcp!(
     " FROM runs WHERE id = $1 AND org_id = $2 AND owner_id = $3"
 );
 
-/// A page of an owner's runs, narrowed (`$1`..`$8`, see
-/// [`Store::list_runs`]), `$9` rows at most.
+/// A page of an owner's runs, narrowed (`$1`..`$9`, see
+/// [`Store::list_runs`]), `$10` rows at most. The states (`$6`) and error
+/// codes (`$9`) are comma-separated names of closed sets, so a `LIKE` on
+/// them matches whole names.
 const RUN_PAGE: &str = "FROM runs \
      WHERE org_id = $1 AND owner_id = $2 AND ($3 = '' OR automation_id = $3) \
        AND (created_at < $4 OR (created_at = $4 AND id < $5)) \
        AND ($6 = '' OR (',' || $6 || ',') LIKE ('%,' || state || ',%')) \
        AND created_at >= $7 AND created_at < $8 \
-     ORDER BY created_at DESC, id DESC LIMIT $9";
+       AND ($9 = '' OR (',' || $9 || ',') LIKE ('%,' || COALESCE(error_code, '-') || ',%')) \
+     ORDER BY created_at DESC, id DESC LIMIT $10";
 
 const LIST: &str = concatcp!("SELECT ", RUN_COLUMNS, " ", RUN_PAGE);
 
@@ -290,8 +293,8 @@ impl Store {
         after: &Cursor,
         limit: u32,
     ) -> Result<Page<Run>> {
-        let states = filter.state_names();
-        let params = page_params(owner, filter, &states, after);
+        let (states, codes) = filter.names();
+        let params = page_params(owner, filter, (&states, &codes), after);
         rows::page(self.db(), LIST, params, limit, decode).await
     }
 
@@ -305,10 +308,10 @@ impl Store {
         after: &Cursor,
         limit: u32,
     ) -> Result<std::collections::HashMap<String, automesh_domain::Receipt>> {
-        let states = filter.state_names();
-        let params = page_params(owner, filter, &states, after);
-        let (a, b, c, d, e, f, g, h) = params;
-        let params = (a, b, c, d, e, f, g, h, i64::from(limit) + 1);
+        let (states, codes) = filter.names();
+        let params = page_params(owner, filter, (&states, &codes), after);
+        let (a, b, c, d, e, f, g, h, i) = params;
+        let params = (a, b, c, d, e, f, g, h, i, i64::from(limit) + 1);
         let receipts = rows::all(self.db(), LIST_RECEIPTS, params, crate::receipts::decode);
         Ok(receipts
             .await?
@@ -367,15 +370,28 @@ pub struct RunFilter<'a> {
     pub created_after: Option<DateTime<Utc>>,
     /// Only runs created before this instant.
     pub created_before: Option<DateTime<Utc>>,
+    /// Only runs that carry one of these error codes (all when empty):
+    /// why a run failed, or why an occurrence was skipped or missed.
+    pub error_codes: Vec<ErrorCode>,
 }
 
-/// `$1`..`$8` of a page of `owner`'s runs ([`LIST`], [`LIST_RECEIPTS`]).
+/// `$1`..`$9` of a page of `owner`'s runs ([`LIST`], [`LIST_RECEIPTS`]).
 fn page_params<'p>(
     owner: &'p Principal,
     filter: &RunFilter<'p>,
-    states: &'p str,
+    (states, codes): (&'p str, &'p str),
     after: &'p Cursor,
-) -> (&'p str, &'p str, &'p str, i64, &'p str, &'p str, i64, i64) {
+) -> (
+    &'p str,
+    &'p str,
+    &'p str,
+    i64,
+    &'p str,
+    &'p str,
+    i64,
+    i64,
+    &'p str,
+) {
     (
         &owner.org_id,
         &owner.user_id,
@@ -385,14 +401,17 @@ fn page_params<'p>(
         states,
         filter.created_after.map_or(i64::MIN, micros),
         filter.created_before.map_or(i64::MAX, micros),
+        codes,
     )
 }
 
 impl<'a> RunFilter<'a> {
-    /// The states, as the page queries take them (comma-separated).
-    fn state_names(&self) -> String {
-        let names: Vec<&str> = self.states.iter().map(|s| s.as_str()).collect();
-        names.join(",")
+    /// The states and the error codes, as the page queries take them
+    /// (comma-separated).
+    fn names(&self) -> (String, String) {
+        let states: Vec<&str> = self.states.iter().map(|s| s.as_str()).collect();
+        let codes: Vec<&str> = self.error_codes.iter().map(|c| c.as_str()).collect();
+        (states.join(","), codes.join(","))
     }
 
     /// Every run of one automation.

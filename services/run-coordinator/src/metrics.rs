@@ -1,5 +1,6 @@
-//! The coordinator's metrics (see docs/operations.md): runs ended, the
-//! latency from due to dispatch and to first event, takeovers, executor
+//! The coordinator's metrics (see docs/operations.md): runs ended,
+//! automations their ends moved, the latency from due to dispatch and to
+//! first event, takeovers, executor
 //! calls, tokens and cost, and the queue (depth and lag).
 
 use std::sync::OnceLock;
@@ -18,6 +19,7 @@ pub(crate) struct Metrics {
     dispatch: Histogram<f64>,
     first_event: Histogram<f64>,
     takeovers: Counter<u64>,
+    attention: Counter<u64>,
     calls: Histogram<f64>,
     call_errors: Counter<u64>,
     tokens: Counter<u64>,
@@ -45,6 +47,10 @@ pub(crate) fn metrics() -> &'static Metrics {
             takeovers: counter(
                 "automesh.run.lease.takeovers",
                 "Runs claimed again after another coordinator's lease lapsed",
+            ),
+            attention: counter(
+                "automesh.automation.attention",
+                "Automations a run's end moved: to needs-attention (reason = its code, such as failing_repeatedly) or back to active (reason = cleared)",
             ),
             calls: seconds(
                 "automesh.executor.call.duration",
@@ -117,6 +123,13 @@ impl Metrics {
             &[p.clone(), KeyValue::new("type", "output")],
         );
         self.cost.add(tokens(usage.cost_micros), &[p]);
+    }
+
+    /// A run's end moved its automation: to needs-attention for `reason`,
+    /// or (`None`) back to active.
+    pub(crate) fn attention(&self, reason: Option<ErrorCode>) {
+        let reason = reason.map_or("cleared", ErrorCode::as_str);
+        self.attention.add(1, &[KeyValue::new("reason", reason)]);
     }
 
     pub(crate) fn dispatched(&self, run: &Run) {

@@ -171,6 +171,7 @@ impl Coordinator {
             states: narrowed.states,
             created_after: narrowed.created_after,
             created_before: narrowed.created_before,
+            error_codes: narrowed.error_codes,
         };
         let size = convert::page_size(list.page_size, 50, "page_size")?;
         let cursor = Cursor::decode(&list.page_token)?;

@@ -60,6 +60,7 @@ impl Scheduler {
             model: input.model,
             surface: input.surface,
             schedule: input.schedule,
+            pause_after_failures: input.pause_after_failures,
         };
         let created = self.store.create_automation(&new, next, now).await?;
         self.wake.notify_waiters();
@@ -103,6 +104,9 @@ impl Scheduler {
             if let Some(model) = &patch.model {
                 next.model = model.clone();
             }
+            if let Some(n) = patch.pause_after_failures {
+                next.pause_after_failures = n;
+            }
             if let Some(schedule) = &patch.schedule {
                 next.schedule = schedule.clone();
                 next.next_run_at = next
@@ -140,6 +144,8 @@ impl Scheduler {
                 _ => None,
             };
             if state == AutomationState::Active {
+                // Activation ends a failure streak: the owner has looked.
+                next.failure_streak = Default::default();
                 next.attention = None;
                 next.next_run_at = next.schedule.next_after(now);
             } else {

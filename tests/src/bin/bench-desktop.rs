@@ -364,6 +364,7 @@ async fn due_latency(
         store
             .create_automation(
                 &NewAutomation {
+                    pause_after_failures: automesh_domain::automation::DEFAULT_PAUSE_AFTER_FAILURES,
                     id: id.clone(),
                     owner: owner.clone(),
                     name: format!("desk {i}"),

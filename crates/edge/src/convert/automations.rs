@@ -1,7 +1,8 @@
 //! Automations, and the validation of the requests that carry them.
 
 use automesh_domain::automation::{
-    AutomationPatch, IDEMPOTENCY_KEY_LIMIT, check_fields, parse_etag,
+    AutomationPatch, DEFAULT_PAUSE_AFTER_FAILURES, IDEMPOTENCY_KEY_LIMIT, check_fields,
+    check_pause_after_failures, parse_etag,
 };
 use automesh_domain::{Automation, Placement, Schedule, Surface, Violations};
 use automesh_proto::v1 as pb;
@@ -34,6 +35,9 @@ pub fn automation_to_pb(a: &Automation) -> pb::Automation {
         surface: surface_to_pb(a.surface) as i32,
         pause_reason: a.pause_reason.clone().unwrap_or_default(),
         last_run: None,
+        pause_after_failures: Some(a.pause_after_failures as i32),
+        failure_streak: a.failure_streak.runs,
+        failure_streak_codes: a.failure_streak.codes.clone(),
     }
 }
 
@@ -46,6 +50,7 @@ pub struct CreateInput {
     pub model: String,
     pub surface: Surface,
     pub schedule: Schedule,
+    pub pause_after_failures: u32,
 }
 
 impl CreateInput {
@@ -92,19 +97,28 @@ pub fn parse_create(
         );
     }
     let schedule = schedule_from_pb(a.schedule.as_ref(), "automation.schedule", now, &mut v);
-    match (surface, schedule) {
-        (Some(surface), Some(schedule)) if v.is_empty() => Ok(CreateInput {
-            name: a.name.trim().to_owned(),
-            prompt: a.prompt.clone(),
-            model: a.model.trim().to_owned(),
-            surface,
-            schedule,
-        }),
+    let pause_after_failures = match a.pause_after_failures {
+        None => Some(DEFAULT_PAUSE_AFTER_FAILURES),
+        Some(n) => {
+            check_pause_after_failures(&mut v, "automation.pause_after_failures", i64::from(n))
+        }
+    };
+    match (surface, schedule, pause_after_failures) {
+        (Some(surface), Some(schedule), Some(pause_after_failures)) if v.is_empty() => {
+            Ok(CreateInput {
+                name: a.name.trim().to_owned(),
+                prompt: a.prompt.clone(),
+                model: a.model.trim().to_owned(),
+                surface,
+                schedule,
+                pause_after_failures,
+            })
+        }
         _ => Err(v),
     }
 }
 
-/// The fields `UpdateAutomation` may change.
+/// The fields `UpdateAutomation` changes when its mask is empty.
 pub const UPDATABLE_PATHS: &[&str] = &["name", "prompt", "model", "schedule"];
 
 /// A validated update: the automation id, the patch, and a placement the
@@ -144,6 +158,22 @@ pub fn parse_update(
                 patch.schedule =
                     schedule_from_pb(a.schedule.as_ref(), "automation.schedule", now, &mut v)
             }
+            "pause_after_failures" => {
+                patch.pause_after_failures = match a.pause_after_failures {
+                    Some(n) => check_pause_after_failures(
+                        &mut v,
+                        "automation.pause_after_failures",
+                        i64::from(n),
+                    ),
+                    None => {
+                        v.field(
+                            "automation.pause_after_failures",
+                            "required when update_mask names it: 0 (never pause) or more",
+                        );
+                        None
+                    }
+                }
+            }
             "placement" => v.field(
                 "update_mask",
                 "placement cannot be changed: create a new automation from the other surface",
@@ -151,7 +181,7 @@ pub fn parse_update(
             other => v.field(
                 "update_mask",
                 format!(
-                    "unknown or read-only field {other:?}; updatable: name, prompt, model, schedule"
+                    "unknown or read-only field {other:?}; updatable: name, prompt, model, schedule, pause_after_failures"
                 ),
             ),
         }

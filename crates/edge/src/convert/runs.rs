@@ -184,6 +184,7 @@ pub fn event_payload_from_pb(e: &pb::RunEvent) -> Option<RunEventPayload> {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RunListFilter {
     pub states: Vec<RunState>,
+    pub error_codes: Vec<automesh_domain::ErrorCode>,
     pub created_after: Option<chrono::DateTime<chrono::Utc>>,
     pub created_before: Option<chrono::DateTime<chrono::Utc>>,
 }
@@ -199,6 +200,16 @@ pub fn run_list_filter(
         match run_state_from_pb(*s) {
             Some(state) => states.push(state),
             None => v.field(format!("states[{i}]"), format!("unknown run state {s}")),
+        }
+    }
+    let mut error_codes = Vec::with_capacity(r.error_codes.len());
+    for (i, c) in r.error_codes.iter().enumerate() {
+        match c.parse::<automesh_domain::ErrorCode>() {
+            Ok(code) => error_codes.push(code),
+            Err(_) => v.field(
+                format!("error_codes[{i}]"),
+                format!("unknown error code {c:?}: see docs/error-codes.md"),
+            ),
         }
     }
     let mut instant = |field: &str, t: &Option<prost_types::Timestamp>| {
@@ -218,6 +229,7 @@ pub fn run_list_filter(
     }
     v.into_result(RunListFilter {
         states,
+        error_codes,
         created_after,
         created_before,
     })

@@ -29,6 +29,7 @@ fn mallory() -> Principal {
 
 fn new_automation(owner: &Principal, id: &str, surface: Surface) -> NewAutomation {
     NewAutomation {
+        pause_after_failures: automesh_domain::automation::DEFAULT_PAUSE_AFTER_FAILURES,
         id: id.to_owned(),
         owner: owner.clone(),
         name: format!("automation {id}"),
@@ -115,6 +116,7 @@ pub async fn migrations_are_idempotent(store: &Store) {
 
 pub async fn automation_round_trips(store: &Store) {
     let new = NewAutomation {
+        pause_after_failures: 7,
         schedule: Schedule::Weekly {
             days: automesh_domain::WeekdaySet::new([chrono::Weekday::Tue, chrono::Weekday::Sat])
                 .expect("days"),
@@ -134,8 +136,25 @@ pub async fn automation_round_trips(store: &Store) {
     assert_eq!(created.schedule, new.schedule);
     assert_eq!(created.next_run_at, Some(t(60)));
     assert_eq!(created.created_at, t(0));
+    assert_eq!(created.pause_after_failures, 7);
+    assert_eq!(created.failure_streak, Default::default());
     let got = store.get_automation(&alice(), "a1").await.expect("get");
     assert_eq!(got, created);
+    // The owner's setting and a streak are written as they are given.
+    let edited = Automation {
+        pause_after_failures: 0,
+        failure_streak: automesh_domain::FailureStreak {
+            runs: 2,
+            codes: vec!["provider_error".into(), "timed_out".into()],
+        },
+        ..created
+    };
+    let stored = store
+        .update_automation_if_version(&edited, 1, t(1))
+        .await
+        .expect("update");
+    assert_eq!(stored.pause_after_failures, 0);
+    assert_eq!(stored.failure_streak, edited.failure_streak);
 }
 
 pub async fn automations_are_scoped_to_their_owner(store: &Store) {
@@ -699,13 +718,14 @@ pub async fn runs_are_filtered_by_state_and_creation_time(store: &Store) {
         .create_run(&new_run(&a, "r1"), t(1))
         .await
         .expect("create");
-    for (id, at, state) in [
-        ("r2", 2, RunState::Missed),
-        ("r3", 3, RunState::Skipped),
-        ("r4", 4, RunState::TimedOut),
+    for (id, at, state, code) in [
+        ("r2", 2, RunState::Missed, ErrorCode::MissedDuringDowntime),
+        ("r3", 3, RunState::Skipped, ErrorCode::PreviousRunLive),
+        ("r4", 4, RunState::TimedOut, ErrorCode::DeadlineExceeded),
     ] {
         let mut run = new_run(&a, id);
         run.state = state;
+        run.error = Some((code, "why".into()));
         store.create_run(&run, t(at)).await.expect("create");
     }
     let ids = |filter: RunFilter<'static>| async move {
@@ -736,6 +756,27 @@ pub async fn runs_are_filtered_by_state_and_creation_time(store: &Store) {
         ..RunFilter::default()
     };
     assert!(ids(nothing).await.is_empty());
+    // By the reason a run carries: skipped and missed occurrences are
+    // listed with it, never silence.
+    let by_reason = RunFilter {
+        error_codes: vec![ErrorCode::PreviousRunLive, ErrorCode::DeadlineExceeded],
+        ..RunFilter::default()
+    };
+    assert_eq!(ids(by_reason).await, ["r4", "r3"]);
+    let reason_and_state = RunFilter {
+        states: vec![RunState::Missed],
+        error_codes: vec![ErrorCode::MissedDuringDowntime],
+        ..RunFilter::automation("a1")
+    };
+    assert_eq!(ids(reason_and_state).await, ["r2"]);
+    let no_code = RunFilter {
+        error_codes: vec![ErrorCode::Internal],
+        ..RunFilter::default()
+    };
+    assert!(
+        ids(no_code).await.is_empty(),
+        "a run without a code matches none"
+    );
 }
 
 pub async fn workers_register_once_per_owner(store: &Store) {
@@ -1868,8 +1909,8 @@ pub async fn many_runs_ended_at_once_each_by_its_own_guard(store: &Store) {
             }
             _ => {
                 assert_eq!(
-                    answers[i].as_ref().ok(),
-                    Some(&automesh_domain::AutomationState::Active),
+                    answers[i].as_ref().ok().map(|after| after.state),
+                    Some(automesh_domain::AutomationState::Active),
                     "{id}"
                 );
                 assert_eq!(run.state, RunState::Succeeded, "{id}");
@@ -2514,4 +2555,160 @@ pub async fn executor_seqs_lease_releases_and_terminal_receipts_are_written_once
             "{id}: one terminal event"
         );
     }
+}
+
+/// Failure streaks (issue 32): each failed or timed-out run's end extends
+/// its automation's streak in the transaction that ends the run; at
+/// `pause_after_failures` the automation needs attention
+/// (`failing_repeatedly`) and its schedule pauses; a success ends the
+/// streak and makes it active again; 0 never pauses; and runs of one
+/// automation ended at once, in one batch or in crossing ones, each count.
+pub async fn failure_streaks_pause_an_automation_and_a_success_ends_them(store: &Store) {
+    use automesh_domain::AutomationState::{Active, NeedsAttention};
+    let a = create(store, &alice(), "a1", t(0)).await;
+    for id in ["f1", "f2", "f3", "c1", "s1"] {
+        store
+            .create_run(&new_run(&a, id), t(1))
+            .await
+            .expect("create");
+    }
+    let failed = |id: &str, outcome: RunState, code: Option<ErrorCode>| {
+        let mut r = receipt(id, outcome);
+        r.error_code = code;
+        r
+    };
+    let after = store
+        .finish_run(
+            &failed("f1", RunState::Failed, Some(ErrorCode::ProviderError)),
+            t(2),
+        )
+        .await
+        .expect("finish f1");
+    assert_eq!(
+        (after.state, after.paused, after.failure_streak),
+        (Active, None, 1)
+    );
+    // A cancelled run neither extends nor ends it.
+    store
+        .finish_run(&failed("c1", RunState::Cancelled, None), t(3))
+        .await
+        .expect("finish c1");
+    store
+        .finish_run(
+            &failed("f2", RunState::TimedOut, Some(ErrorCode::DeadlineExceeded)),
+            t(4),
+        )
+        .await
+        .expect("finish f2");
+    let got = store.get_automation(&alice(), "a1").await.expect("get");
+    assert_eq!(got.state, Active);
+    assert_eq!(got.failure_streak.runs, 2);
+    assert_eq!(
+        got.failure_streak.codes,
+        ["provider_error", "deadline_exceeded"]
+    );
+    assert!(got.next_run_at.is_some());
+    let after = store
+        .finish_run(&failed("f3", RunState::Failed, None), t(5))
+        .await
+        .expect("finish f3");
+    assert_eq!(after.state, NeedsAttention);
+    assert_eq!(after.paused, Some(ErrorCode::FailingRepeatedly));
+    let paused = store.get_automation(&alice(), "a1").await.expect("get");
+    assert_eq!(paused.state, NeedsAttention);
+    assert_eq!(paused.next_run_at, None, "its schedule pauses");
+    let attention = paused.attention.clone().expect("attention");
+    assert_eq!(attention.reason, ErrorCode::FailingRepeatedly);
+    assert!(
+        attention
+            .message
+            .contains("provider_error, deadline_exceeded, failed"),
+        "{attention:?}"
+    );
+    assert_eq!(paused.failure_streak.runs, 3);
+    assert!(paused.version > got.version, "a move is a new version");
+    // A success (a Run now) ends the streak and resumes the schedule.
+    let after = store
+        .finish_run(&receipt("s1", RunState::Succeeded), t(6))
+        .await
+        .expect("finish s1");
+    assert_eq!(
+        (after.state, after.resumed, after.failure_streak),
+        (Active, true, 0)
+    );
+    let resumed = store.get_automation(&alice(), "a1").await.expect("get");
+    assert_eq!(resumed.state, Active);
+    assert_eq!(resumed.attention, None);
+    assert_eq!(resumed.failure_streak, Default::default());
+    assert!(resumed.next_run_at.is_some_and(|at| at > t(6)));
+
+    // 0 never pauses; many runs of one automation ended at once each count
+    // (the automation's row is locked, read and written once per batch).
+    let never = NewAutomation {
+        pause_after_failures: 0,
+        ..new_automation(&alice(), "a2", Surface::Web)
+    };
+    let never = store
+        .create_automation(&never, Some(t(3600)), t(0))
+        .await
+        .expect("create a2");
+    let ids: Vec<String> = (0..12).map(|i| format!("n{i:02}")).collect();
+    for id in &ids {
+        store
+            .create_run(&new_run(&never, id), t(1))
+            .await
+            .expect("create");
+    }
+    let ends = ids.iter().map(|id| {
+        let (store, r) = (
+            store.clone(),
+            failed(id, RunState::Failed, Some(ErrorCode::ToolError)),
+        );
+        tokio::spawn(async move { store.finish_run(&r, t(2)).await })
+    });
+    for ended in futures_util::future::join_all(ends).await {
+        ended.expect("task").expect("finish");
+    }
+    let got = store.get_automation(&alice(), "a2").await.expect("get a2");
+    assert_eq!(got.state, Active, "0 never pauses");
+    assert_eq!(got.failure_streak.runs, 12, "no end is lost to another");
+    assert_eq!(got.failure_streak.codes, vec!["tool_error"; 12]);
+
+    // Crossing batches ending runs of two automations each in opposite
+    // orders queue on their first common row instead of deadlocking.
+    let b = create(store, &alice(), "a3", t(0)).await;
+    let c = create(store, &alice(), "a4", t(0)).await;
+    let mut runs = vec![];
+    for (i, a) in [&b, &c].iter().enumerate() {
+        for j in 0..8 {
+            let id = format!("x{i}{j}");
+            store
+                .create_run(&new_run(a, &id), t(1))
+                .await
+                .expect("create");
+            runs.push(id);
+        }
+    }
+    let replayed = store.writes_replayed();
+    let ends = runs.iter().enumerate().map(|(k, id)| {
+        let store = store.clone();
+        let r = failed(id, RunState::TimedOut, None);
+        tokio::spawn(async move {
+            if k % 2 == 1 {
+                tokio::task::yield_now().await;
+            }
+            store.finish_run(&r, t(2)).await
+        })
+    });
+    for ended in futures_util::future::join_all(ends).await {
+        ended.expect("task").expect("finish");
+    }
+    for id in ["a3", "a4"] {
+        let got = store.get_automation(&alice(), id).await.expect("get");
+        assert_eq!(got.failure_streak.runs, 8, "{id}");
+        assert_eq!(got.state, NeedsAttention, "{id}");
+        let reason = got.attention.map(|x| x.reason);
+        assert_eq!(reason, Some(ErrorCode::FailingRepeatedly), "{id}");
+    }
+    assert_eq!(store.writes_replayed(), replayed, "no batch was replayed");
 }

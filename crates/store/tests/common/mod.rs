@@ -44,6 +44,7 @@ macro_rules! conformance_suite {
             crossing_batches_commit_without_deadlock_or_replay,
             cloud_dispatch_is_driven_by_one_replica_and_finished_once,
             executor_seqs_lease_releases_and_terminal_receipts_are_written_once,
+            failure_streaks_pause_an_automation_and_a_success_ends_them,
         );
     };
     ($backend:expr; $($case:ident),* $(,)?) => {

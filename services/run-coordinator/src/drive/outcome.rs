@@ -1,10 +1,9 @@
 //! Recording the end: the terminal state, the receipt (charged at the
-//! run's price) and the terminal event in one transaction, then what the
-//! outcome means for the automation (needs attention, or healthy again).
+//! run's price), the terminal event and what the outcome means for the
+//! automation (its failure streak, needs attention, or healthy again) in
+//! one transaction.
 
-use automesh_domain::{
-    Attention, AutomationState, ErrorCode, Price, Receipt, Run, RunState, Usage,
-};
+use automesh_domain::{Price, Receipt, Run, RunState, Usage};
 use automesh_store::StoreError;
 use chrono::{DateTime, Utc};
 
@@ -27,8 +26,8 @@ pub(super) fn micros_between(from: Option<DateTime<Utc>>, to: DateTime<Utc>) -> 
     from.map_or(0, |f| (to - f).num_microseconds().unwrap_or(0).max(0))
 }
 
-/// Records the end: the terminal state, the receipt and the terminal status
-/// event in one transaction, then what the outcome means for the automation.
+/// Records the end: the terminal state, the receipt, the terminal status
+/// event and what the outcome means for the automation, in one transaction.
 pub(super) async fn finish(
     ctx: &Context,
     run: &Run,
@@ -70,11 +69,11 @@ pub(super) async fn finish(
         provider_model: ctx.model(run).map(|m| m.provider_model().to_owned()),
         price,
     };
-    let automation = match ctx.store.finish_run_as(&receipt, &ctx.owner, now).await {
-        Ok(automation) => {
+    let after = match ctx.store.finish_run_as(&receipt, &ctx.owner, now).await {
+        Ok(after) => {
             automesh_rpc::process::failpoint("coordinator.after_finish");
             crate::metrics::metrics().ended(run, ending.state, ending.code, &ending.usage);
-            automation
+            after
         }
         // Already terminal (another path ended it): nothing more to do.
         Err(StoreError::IllegalTransition { .. }) => return Ok(()),
@@ -99,62 +98,24 @@ pub(super) async fn finish(
             span.record("otel.status_description", message);
         }
     }
-    tracing::info!(state = %ending.state, error_code = code, "run ended");
-    update_attention(ctx, run, &ending, automation, now).await
-}
-
-/// A durable failure the user must fix pauses the automation
-/// (needs-attention); a successful run clears it. `state` is the
-/// automation's as the run ended: most endings change nothing, and read
-/// nothing more.
-pub(super) async fn update_attention(
-    ctx: &Context,
-    run: &Run,
-    ending: &Ending,
-    state: AutomationState,
-    now: DateTime<Utc>,
-) -> Result<(), StoreError> {
-    let needs_attention =
-        ending.code.is_some_and(ErrorCode::needs_attention) && ending.state == RunState::Failed;
-    let succeeded = ending.state == RunState::Succeeded;
-    let pausing = needs_attention && state == AutomationState::Active;
-    let clearing = succeeded && state == AutomationState::NeedsAttention;
-    if !pausing && !clearing {
-        return Ok(());
-    }
-    for _ in 0..5 {
-        let mut a = ctx
-            .store
-            .internal()
-            .get_automation(&run.automation_id)
-            .await?;
-        let version = a.version;
-        if needs_attention && a.state == AutomationState::Active {
-            a.state = AutomationState::NeedsAttention;
-            a.attention = ending.code.map(|reason| Attention {
-                reason,
-                message: ending.message.clone().unwrap_or_default(),
-            });
-            a.next_run_at = None;
-        } else if succeeded && a.state == AutomationState::NeedsAttention {
-            a.state = AutomationState::Active;
-            a.attention = None;
-            a.next_run_at = a.schedule.next_after(now);
-        } else {
-            return Ok(());
-        }
-        match ctx
-            .store
-            .update_automation_if_version(&a, version, now)
-            .await
-        {
-            Ok(_) => {
-                tracing::info!(automation_id = %a.id, state = %a.state, "automation attention updated");
-                return Ok(());
-            }
-            Err(StoreError::VersionConflict { .. }) => continue,
-            Err(e) => return Err(e),
-        }
+    tracing::info!(
+        state = %ending.state,
+        error_code = code,
+        failure_streak = after.failure_streak,
+        "run ended"
+    );
+    // What the end did to the automation, committed with it.
+    if let Some(reason) = after.paused {
+        crate::metrics::metrics().attention(Some(reason));
+        tracing::warn!(
+            automation_id = %run.automation_id,
+            reason = %reason,
+            failure_streak = after.failure_streak,
+            "automation needs attention: its schedule is paused"
+        );
+    } else if after.resumed {
+        crate::metrics::metrics().attention(None);
+        tracing::info!(automation_id = %run.automation_id, "automation active again after a successful run");
     }
     Ok(())
 }
