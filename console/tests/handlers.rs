@@ -414,9 +414,9 @@ async fn the_api_s_field_errors_appear_next_to_their_fields() {
     mesh.stop().await.expect("stop");
 }
 
-/// The failure streak that pauses an automation (issue 32) is set on the
-/// form (a bad value named beside its field), kept by an edit, and shown
-/// on the automation's page with the streak itself.
+/// The failure streak that pauses an automation and its budget per run
+/// (issue 32) are set on the form (a bad value named beside its field),
+/// kept or cleared by an edit, and shown on the automation's page.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_failure_streak_that_pauses_an_automation_is_set_and_shown() {
     let mesh = Mesh::start(Backend::Sqlite).await.expect("mesh");
@@ -450,6 +450,8 @@ async fn the_failure_streak_that_pauses_an_automation_is_set_and_shown() {
     let mut request = daily("streaky");
     if let Some(a) = request.automation.as_mut() {
         a.pause_after_failures = Some(5);
+        a.max_tokens = Some(777);
+        a.monthly_budget_micros = Some(9_000);
     }
     let created = mesh.automations(Some(&token)).create(request).await;
     let at = format!("/automations/{}", created.id);
@@ -460,6 +462,15 @@ async fn the_failure_streak_that_pauses_an_automation_is_set_and_shown() {
         page.body
     );
     assert!(page.body.contains("pauses after 5"), "{}", page.body);
+    assert!(
+        page.body.contains("777 tokens"),
+        "the budget per run is shown"
+    );
+    assert!(
+        page.body.contains("9000 µ, 0 µ spent this month"),
+        "{}",
+        page.body
+    );
     // The edit form shows it, and saving it again keeps it.
     let id = at.trim_start_matches("/automations/");
     let edit = browser.get(&format!("{at}/edit")).await;
@@ -474,9 +485,17 @@ async fn the_failure_streak_that_pauses_an_automation_is_set_and_shown() {
         .automation
         .expect("automation")
         .etag;
+    // A cap the console cannot read is named beside its field.
     let mut fields = form("0");
     fields.push(("csrf", &csrf));
     fields.push(("etag", &etag));
+    fields.push(("max_cost_micros", "lots"));
+    let refused = browser.post(&format!("{at}/edit"), &fields).await;
+    assert!(refused.body.contains(r#"id="max_cost_micros-error""#));
+    // Saved with a cost cap and the token cap's field left blank: set and
+    // removed.
+    fields.pop();
+    fields.push(("max_cost_micros", "1500"));
     let saved = browser.post(&format!("{at}/edit"), &fields).await;
     assert_eq!(saved.status, StatusCode::SEE_OTHER, "{}", saved.body);
     let page = browser.get(&at).await;
@@ -484,6 +503,11 @@ async fn the_failure_streak_that_pauses_an_automation_is_set_and_shown() {
         page.body.contains("never pauses by itself"),
         "{}",
         page.body
+    );
+    assert!(page.body.contains("1500 µ"), "{}", page.body);
+    assert!(
+        !page.body.contains("777 tokens"),
+        "the token cap was removed"
     );
     mesh.stop().await.expect("stop");
 }

@@ -38,6 +38,7 @@ pub(crate) async fn execute(
             &a.provider_model,
             a.deadline_time.as_ref(),
         )
+        .within(a.budget.as_ref())
     };
     let stop = cancel.clone();
     let outcome = run_forwarding(engine.as_ref(), request, &run_id, stop, |event| {

@@ -556,6 +556,8 @@ pub async fn insert_due(
         let at = far;
         let new = automesh_domain::automation::NewAutomation {
             pause_after_failures: automesh_domain::automation::DEFAULT_PAUSE_AFTER_FAILURES,
+            budget: Default::default(),
+            monthly_budget_micros: None,
             id: format!("{prefix}-{i:05}"),
             owner: owner(i),
             name: format!("bench {i}"),

@@ -717,6 +717,70 @@ async fn a_desktop_run_executes_through_the_opencode_adapter_under_the_runners_p
     desk.stop().await;
 }
 
+/// A budget per run (issue 32) set through the public API reaches the
+/// runner's engine: the run stops at the step boundary where its cost went
+/// over `max_cost_micros` (the provider's call count proves the next call
+/// was never made) and ends `budget_exceeded`, its receipt showing what it
+/// spent and the cap it ran under.
+async fn a_desktop_run_over_its_budget_stops_at_that_step(backend: Backend) {
+    use automesh_e2e_tests::Api;
+    // Every step asks for a tool: 100 input and 20 output tokens.
+    let desk = desk_on(backend, Duration::from_secs(60), streams(), |n, _| {
+        Reply::Json(automesh_testkit::tool_call_completion(
+            &format!("c{n}"),
+            "search_capabilities",
+            "{}",
+        ))
+    })
+    .await;
+    let runner = desk.start_runner(&[&desk.mesh.runner_gateways[0]]);
+    let token = desk.mesh.token("acme", "alice");
+    let mut api = desk.mesh.automations(Some(&token));
+    let step = automesh_e2e_tests::expected_cost(automesh_e2e_tests::PRICE, 100, 20);
+    let mut request =
+        automesh_e2e_tests::daily_automation("capped", "tidy my downloads", pb::Surface::Desktop);
+    if let Some(a) = request.automation.as_mut() {
+        a.model = automesh_e2e_tests::PRICED_MODEL.into();
+        // Over it in the second step.
+        a.max_cost_micros = Some(step + step / 2);
+    }
+    let a = api.create(request).await;
+    assert_eq!(a.max_cost_micros, Some(step + step / 2));
+    assert_eq!(a.max_tokens, None);
+    let run = api.run_now(&a.id, "capped").await;
+    let ended = desk.terminal(&run.id).await;
+    assert_eq!(
+        (ended.state, ended.error_code),
+        (RunState::Failed, Some(ErrorCode::BudgetExceeded)),
+        "{ended:?}"
+    );
+    assert_eq!(desk.provider.calls(), 2, "the provider was called again");
+    let receipt = desk.mesh.receipt(&run.id).await;
+    assert_eq!(receipt.budget.max_cost_micros, Some(step + step / 2));
+    assert_eq!(receipt.usage.input_tokens, 200);
+    assert_eq!(
+        receipt.usage.cost_micros,
+        automesh_e2e_tests::expected_cost(automesh_e2e_tests::PRICE, 200, 40)
+    );
+    // And through the public API.
+    let got = desk
+        .mesh
+        .runs(Some(&token))
+        .get_run(pb::GetRunRequest { id: run.id.clone() })
+        .await
+        .expect("get run")
+        .into_inner()
+        .run
+        .and_then(|r| r.receipt)
+        .expect("receipt");
+    assert_eq!(got.error_code, "budget_exceeded");
+    assert_eq!(got.max_cost_micros, Some(step + step / 2));
+    runner.task.abort();
+    desk.stop().await;
+}
+
+automesh_e2e_tests::on_both_backends!(a_desktop_run_over_its_budget_stops_at_that_step);
+
 /// On the desktop a run's model need only be in the catalogue the
 /// coordinator holds: a desktop automation whose model was removed from it
 /// ends its next run `model_not_authorized` before anything is offered to a

@@ -406,6 +406,7 @@ on_both_backends!(
     an_occurrence_while_the_previous_run_is_live_is_skipped,
     durable_failures_need_attention_until_a_run_succeeds,
     a_failure_streak_pauses_its_automation_until_activated,
+    a_spent_monthly_budget_skips_runs_until_the_month_ends_or_it_is_raised,
 );
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -575,6 +576,8 @@ async fn five_hundred_due_at_once_on_two_schedulers_and_two_coordinators() {
         let owner = Principal::new("acme", format!("user-{}", i % 7));
         let new = NewAutomation {
             pause_after_failures: automesh_domain::automation::DEFAULT_PAUSE_AFTER_FAILURES,
+            budget: Default::default(),
+            monthly_budget_micros: None,
             id: format!("bulk-{i:03}"),
             owner: owner.clone(),
             name: format!("bulk {i}"),
@@ -645,6 +648,8 @@ async fn a_run_created_ahead_of_its_instant_starts_at_it_never_before() {
     let owner = Principal::new("acme", "alice");
     let new = NewAutomation {
         pause_after_failures: automesh_domain::automation::DEFAULT_PAUSE_AFTER_FAILURES,
+        budget: Default::default(),
+        monthly_budget_micros: None,
         id: "ahead".into(),
         owner: owner.clone(),
         name: "ahead".into(),
@@ -879,5 +884,199 @@ async fn a_failure_streak_pauses_its_automation_until_activated(backend: Backend
         assert_eq!(status.code(), tonic::Code::InvalidArgument);
         assert!(status.message().contains(why), "{}", status.message());
     }
+    mesh.stop().await.expect("stop");
+}
+
+/// Monthly budgets (issue 32): once the runs created this month (in the
+/// schedule's zone) cost the budget, a run-now and a due occurrence do not
+/// start — each is recorded as a run skipped with `budget_exhausted` on its
+/// receipt, listed by that reason — and the automation needs attention,
+/// its schedule paused, until the month ends (the scheduler's month sweep)
+/// or its owner raises the budget.
+async fn a_spent_monthly_budget_skips_runs_until_the_month_ends_or_it_is_raised(backend: Backend) {
+    let (mesh, _executor) = mesh_with(
+        backend,
+        Behavior::Complete {
+            after: Duration::from_millis(50),
+            events: 1,
+        },
+        MeshOptions::default(),
+    )
+    .await;
+    let token = mesh.token("acme", "alice");
+    let owner = Principal::new("acme", "alice");
+    let mut api = mesh.automations(Some(&token));
+    let with_budget = |schedule: pb::Schedule, budget: i64| {
+        let mut request = daily_automation("budgeted", "do the thing", pb::Surface::Desktop);
+        if let Some(a) = request.automation.as_mut() {
+            a.schedule = Some(schedule);
+            a.monthly_budget_micros = Some(budget);
+        }
+        request
+    };
+    let a = api
+        .create_automation(with_budget(daily(5, 0), 50))
+        .await
+        .expect("create")
+        .into_inner()
+        .automation
+        .expect("automation");
+    // A run of this month, and another that cost 60 micro-units, recorded
+    // as a coordinator would.
+    let first = run_now(&mesh, &token, &a.id, "spend").await;
+    let ended = terminal(mesh.store(), &first.id, Duration::from_secs(20)).await;
+    assert_eq!(ended.state, RunState::Succeeded);
+    let stored = mesh.store().get_automation(&owner, &a.id).await.expect("a");
+    let extra = automesh_domain::run::NewRun {
+        id: "spent-elsewhere".into(),
+        automation: &stored,
+        trigger: automesh_domain::RunTrigger::Manual,
+        scheduled_for: None,
+        idempotency_key: Some("spent-elsewhere".into()),
+        state: RunState::Pending,
+        error: None,
+        deadline_at: Utc::now() + chrono::Duration::hours(1),
+        traceparent: None,
+    };
+    mesh.store()
+        .create_run(&extra, Utc::now())
+        .await
+        .expect("create");
+    let mut receipt = automesh_domain::Receipt::bare(
+        "spent-elsewhere",
+        RunState::Succeeded,
+        automesh_domain::Placement::Desktop,
+        Utc::now(),
+    );
+    receipt.usage.cost_micros = 60;
+    mesh.store()
+        .finish_run(&receipt, Utc::now())
+        .await
+        .expect("finish");
+
+    // A run-now does not start: skipped, with the reason on its receipt.
+    let skipped = run_now(&mesh, &token, &a.id, "over").await;
+    assert_eq!(skipped.state, pb::RunState::Skipped as i32);
+    assert_eq!(skipped.error_code, "budget_exhausted");
+    let receipt = mesh.receipt(&skipped.id).await;
+    assert_eq!(receipt.error_code, Some(ErrorCode::BudgetExhausted));
+    // The same key answers the same run.
+    assert_eq!(run_now(&mesh, &token, &a.id, "over").await.id, skipped.id);
+    let reader = api.clone();
+    let get = |id: String| {
+        let mut api = reader.clone();
+        async move {
+            api.get_automation(pb::GetAutomationRequest { id })
+                .await
+                .expect("get")
+                .into_inner()
+                .automation
+                .expect("automation")
+        }
+    };
+    let paused = get(a.id.clone()).await;
+    assert_eq!(paused.state, pb::AutomationState::NeedsAttention as i32);
+    assert_eq!(paused.attention_reason, "budget_exhausted");
+    assert_eq!(paused.next_run_time, None, "its schedule is paused");
+    assert!(
+        paused.month_spend_micros.is_some_and(|s| s >= 60),
+        "{paused:?}"
+    );
+    let listed = mesh
+        .runs(Some(&token))
+        .list_runs(pb::ListRunsRequest {
+            error_codes: vec!["budget_exhausted".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("list")
+        .into_inner()
+        .runs;
+    assert_eq!(
+        listed.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+        [skipped.id.as_str()]
+    );
+
+    // The month ends: the sweep makes it active from the new month's first
+    // occurrence (nothing is spent in that month yet).
+    let (_, next_month) = automesh_domain::automation::month_of(Utc::now(), stored.schedule.zone());
+    let resumed = automesh_scheduler::budget::resume_spent_months(
+        mesh.store(),
+        next_month + chrono::Duration::minutes(1),
+    )
+    .await
+    .expect("sweep");
+    assert_eq!(resumed, 1);
+    let active = get(a.id.clone()).await;
+    assert_eq!(active.state, pb::AutomationState::Active as i32);
+    let next = active
+        .next_run_time
+        .as_ref()
+        .and_then(automesh_edge::convert::from_timestamp);
+    assert!(
+        next.is_some_and(|t| t >= next_month),
+        "{next:?} before {next_month}"
+    );
+
+    // Spent again this month; raising the budget above the spend resumes it.
+    run_now(&mesh, &token, &a.id, "again").await;
+    assert_eq!(
+        get(a.id.clone()).await.state,
+        pb::AutomationState::NeedsAttention as i32
+    );
+    let raised = api
+        .update_automation(pb::UpdateAutomationRequest {
+            automation: Some(pb::Automation {
+                id: a.id.clone(),
+                monthly_budget_micros: Some(10_000),
+                ..Default::default()
+            }),
+            update_mask: Some(prost_types::FieldMask {
+                paths: vec!["monthly_budget_micros".into()],
+            }),
+        })
+        .await
+        .expect("raise")
+        .into_inner()
+        .automation
+        .expect("automation");
+    assert_eq!(raised.state, pb::AutomationState::Active as i32);
+    assert_eq!(raised.attention_reason, "");
+    assert!(raised.next_run_time.is_some());
+    let runs = run_now(&mesh, &token, &a.id, "within").await;
+    assert_eq!(runs.state, pb::RunState::Pending as i32);
+
+    // A due occurrence finds the budget spent (0 is spent at once).
+    let soon = Utc::now() + chrono::Duration::seconds(2);
+    let once = pb::Schedule {
+        kind: Some(pb::schedule::Kind::Once(pb::OnceSchedule {
+            at: Some(automesh_edge::convert::timestamp(soon)),
+        })),
+    };
+    let b = api
+        .create_automation(with_budget(once, 0))
+        .await
+        .expect("create")
+        .into_inner()
+        .automation
+        .expect("automation");
+    let skipped = wait_for(
+        Duration::from_secs(20),
+        "the occurrence to be skipped",
+        || async {
+            all_runs(mesh.store(), &owner)
+                .await
+                .into_iter()
+                .find(|r| r.automation_id == b.id)
+        },
+    )
+    .await;
+    assert_eq!(
+        (skipped.state, skipped.error_code),
+        (RunState::Skipped, Some(ErrorCode::BudgetExhausted))
+    );
+    let b = get(b.id.clone()).await;
+    assert_eq!(b.state, pb::AutomationState::NeedsAttention as i32);
+    assert_eq!(b.attention_reason, "budget_exhausted");
     mesh.stop().await.expect("stop");
 }

@@ -1030,6 +1030,90 @@ async fn nul_and_out_of_range_input_is_invalid_on_both_backends(backend: Backend
         Code::InvalidArgument,
         "automation.schedule.once.at",
     );
+    // Budgets per run: 0..=10^12, each named when out of range.
+    for (field, bad) in [
+        ("automation.max_cost_micros", -1),
+        ("automation.max_tokens", 1_000_000_000_001),
+    ] {
+        expect_field(
+            api.create_automation(with(&|a| {
+                if field.ends_with("max_cost_micros") {
+                    a.max_cost_micros = Some(bad);
+                } else {
+                    a.max_tokens = Some(bad);
+                }
+            }))
+            .await,
+            Code::InvalidArgument,
+            field,
+        );
+    }
+    let capped = api
+        .create_automation(with(&|a| a.max_cost_micros = Some(2_000)))
+        .await
+        .expect("a budget")
+        .into_inner()
+        .automation
+        .expect("automation");
+    assert_eq!(
+        (capped.max_cost_micros, capped.max_tokens),
+        (Some(2_000), None)
+    );
+    // An update naming a cap with no value removes it; unnamed, it stays.
+    let update = |paths: &[&str], a: pb::Automation| pb::UpdateAutomationRequest {
+        automation: Some(a),
+        update_mask: Some(prost_types::FieldMask {
+            paths: paths.iter().map(|p| (*p).to_owned()).collect(),
+        }),
+    };
+    let kept = api
+        .update_automation(update(
+            &["max_tokens"],
+            pb::Automation {
+                id: capped.id.clone(),
+                max_tokens: Some(10),
+                ..Default::default()
+            },
+        ))
+        .await
+        .expect("set the token cap")
+        .into_inner()
+        .automation
+        .expect("automation");
+    assert_eq!(
+        (kept.max_cost_micros, kept.max_tokens),
+        (Some(2_000), Some(10))
+    );
+    let cleared = api
+        .update_automation(update(
+            &["max_cost_micros"],
+            pb::Automation {
+                id: capped.id.clone(),
+                ..Default::default()
+            },
+        ))
+        .await
+        .expect("remove the cost cap")
+        .into_inner()
+        .automation
+        .expect("automation");
+    assert_eq!(
+        (cleared.max_cost_micros, cleared.max_tokens),
+        (None, Some(10))
+    );
+    expect_field(
+        api.update_automation(update(
+            &["max_tokens"],
+            pb::Automation {
+                id: capped.id.clone(),
+                max_tokens: Some(-5),
+                ..Default::default()
+            },
+        ))
+        .await,
+        Code::InvalidArgument,
+        "automation.max_tokens",
+    );
     // 200 Greek characters (400 bytes) are a valid name; 201 are not.
     let greek = api
         .create_automation(with(&|a| a.name = "λ".repeat(200)))
@@ -1118,13 +1202,14 @@ async fn nul_and_out_of_range_input_is_invalid_on_both_backends(backend: Backend
         .await
         .expect_err("refused");
     assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
-    // Every listing still decodes: nothing out of range was stored.
+    // Every listing still decodes: nothing out of range was stored (the
+    // Greek-named one and the capped one).
     let listed = api
         .list_automations(pb::ListAutomationsRequest::default())
         .await
         .expect("list")
         .into_inner();
-    assert_eq!(listed.automations.len(), 1);
+    assert_eq!(listed.automations.len(), 2);
     mesh.stop().await.expect("stop");
 }
 
@@ -1264,6 +1349,8 @@ async fn activation_needs_a_model_the_catalogue_admits(backend: Backend) {
     for (id, model, surface, admitted) in cases {
         let new = NewAutomation {
             pause_after_failures: automesh_domain::automation::DEFAULT_PAUSE_AFTER_FAILURES,
+            budget: Default::default(),
+            monthly_budget_micros: None,
             id: id.into(),
             owner: owner.clone(),
             name: id.into(),

@@ -271,6 +271,7 @@ impl WorkerAgentService for Agent {
         let engine_request = EngineRequest {
             guidance: (!req.guidance.is_empty()).then(|| req.guidance.clone()),
             ..EngineRequest::due(&req.prompt, &req.model, &req.provider_model, due)
+                .within(req.budget.as_ref())
         };
         let span = tracing::info_span!("automesh.agent.thread", thread_id = %req.thread_id);
         automesh_telemetry::propagation::continue_trace(&span, Some(req.traceparent.as_str()));

@@ -129,6 +129,7 @@ fn submit(message_id: &str) -> apb::SubmitMessageRequest {
         connect_token: MCP_TOKEN.into(),
         guidance: String::new(),
         provider_model: String::new(),
+        budget: None,
     }
 }
 

@@ -126,6 +126,8 @@ impl Env {
             .create_automation(
                 &NewAutomation {
                     pause_after_failures: automesh_domain::automation::DEFAULT_PAUSE_AFTER_FAILURES,
+                    budget: Default::default(),
+                    monthly_budget_micros: None,
                     id: id.into(),
                     owner: o.clone(),
                     name: "cloud".into(),

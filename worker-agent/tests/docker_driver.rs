@@ -248,6 +248,8 @@ async fn a_cloud_run_wakes_a_container_worker_and_idle_stop_stops_it() {
         .create_automation(
             &NewAutomation {
                 pause_after_failures: automesh_domain::automation::DEFAULT_PAUSE_AFTER_FAILURES,
+                budget: Default::default(),
+                monthly_budget_micros: None,
                 id: "in-docker".into(),
                 owner: owner.clone(),
                 name: "docker".into(),

@@ -1,7 +1,7 @@
 //! `automesh ctl`: the public API for people.
 
 mod args;
-use args::{parse_instant, parse_run_state};
+use args::{CtlCommand, SurfaceArg};
 mod owners;
 mod print;
 
@@ -12,7 +12,7 @@ use automesh_edge::convert;
 use automesh_proto::v1 as pb;
 use automesh_proto::v1::automations_client::AutomationsClient;
 use automesh_proto::v1::runs_client::RunsClient;
-use clap::{Args, Subcommand, ValueEnum};
+use clap::Args;
 use tokio_stream::StreamExt;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::interceptor::InterceptedService;
@@ -40,185 +40,6 @@ pub struct CtlArgs {
     data_dir: crate::dev::DataDir,
     #[command(subcommand)]
     command: CtlCommand,
-}
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum SurfaceArg {
-    Desktop,
-    Web,
-    CloudChat,
-}
-
-/// A schedule given on the command line.
-#[derive(Debug, Args, Default)]
-struct ScheduleArgs {
-    /// Fire once at an RFC 3339 instant, such as 2026-12-24T09:00:00Z.
-    #[arg(long, conflicts_with_all = ["daily", "weekly"])]
-    once: Option<String>,
-    /// Fire every day at HH:MM local time.
-    #[arg(long, conflicts_with = "weekly")]
-    daily: Option<String>,
-    /// Fire on these weekdays (mon,tue,…) at --at local time.
-    #[arg(long, value_delimiter = ',')]
-    weekly: Option<Vec<String>>,
-    /// Time of day for --weekly, HH:MM.
-    #[arg(long)]
-    at: Option<String>,
-    /// IANA time zone of --daily / --weekly.
-    #[arg(long, default_value = "UTC")]
-    tz: String,
-}
-
-#[derive(Debug, Subcommand)]
-enum CtlCommand {
-    /// Create an automation.
-    Create {
-        #[arg(long)]
-        name: String,
-        #[arg(long)]
-        prompt: String,
-        #[arg(long, default_value = "openai/gpt-4.1-mini")]
-        model: String,
-        /// The creating surface, which decides placement (desktop → desktop; web, cloud-chat → cloud).
-        #[arg(long, value_enum, default_value = "desktop")]
-        surface: SurfaceArg,
-        #[command(flatten)]
-        schedule: ScheduleArgs,
-        /// Pause the automation (needs attention, `failing_repeatedly`) after
-        /// this many runs in a row end failed or timed out; 0 never pauses.
-        /// 3 unless given.
-        #[arg(long, value_name = "RUNS")]
-        pause_after_failures: Option<i32>,
-    },
-    /// List your automations.
-    List {
-        /// Include archived automations.
-        #[arg(long)]
-        all: bool,
-    },
-    /// Show one automation.
-    Get { id: String },
-    /// Change name, prompt, model, schedule or the failure streak that
-    /// pauses it (placement never changes).
-    Update {
-        id: String,
-        #[arg(long)]
-        name: Option<String>,
-        #[arg(long)]
-        prompt: Option<String>,
-        #[arg(long)]
-        model: Option<String>,
-        #[command(flatten)]
-        schedule: ScheduleArgs,
-        /// Pause it after this many runs in a row end failed or timed out;
-        /// 0 never pauses.
-        #[arg(long, value_name = "RUNS")]
-        pause_after_failures: Option<i32>,
-        /// Only update if the automation is still at this etag.
-        #[arg(long)]
-        etag: Option<String>,
-    },
-    /// Resume scheduling (also clears needs-attention). Several ids are
-    /// resumed in one batch call, each with its own answer.
-    Activate {
-        #[arg(required = true)]
-        ids: Vec<String>,
-    },
-    /// Pause scheduling. Several ids are paused in one batch call, each with
-    /// its own answer.
-    Deactivate {
-        #[arg(required = true)]
-        ids: Vec<String>,
-        /// Why (shown with the automation until it is activated again).
-        #[arg(long)]
-        reason: Option<String>,
-    },
-    /// Archive: keep history, no more occurrences.
-    Archive { id: String },
-    /// Start a manual run.
-    RunNow {
-        id: String,
-        /// Idempotency key; the same key returns the same run (default: random).
-        #[arg(long)]
-        key: Option<String>,
-    },
-    /// List runs, newest first.
-    Runs {
-        /// Only runs of this automation.
-        #[arg(long)]
-        automation: Option<String>,
-        #[arg(long, default_value_t = 20)]
-        limit: i32,
-        /// Only runs in this state (repeatable): pending, waking, admitted,
-        /// running, succeeded, failed, timed_out, cancelled, skipped, missed.
-        #[arg(long = "state", value_parser = parse_run_state)]
-        states: Vec<i32>,
-        /// Only runs created at or after this instant (RFC 3339).
-        #[arg(long, value_parser = parse_instant)]
-        since: Option<prost_types::Timestamp>,
-        /// Only runs that carry this error code (repeatable), such as
-        /// missed_during_downtime or previous_run_live: the occurrences that
-        /// did not run, and why (docs/error-codes.md).
-        #[arg(long = "reason", value_name = "CODE")]
-        reasons: Vec<String>,
-        /// Only runs created before this instant (RFC 3339).
-        #[arg(long, value_parser = parse_instant)]
-        until: Option<prost_types::Timestamp>,
-    },
-    /// Show one run and its receipt.
-    Run { id: String },
-    /// Cancel a run.
-    Cancel { id: String },
-    /// Print a run's events after a sequence number.
-    Events {
-        id: String,
-        #[arg(long, default_value_t = 0)]
-        after: i64,
-    },
-    /// Follow a run's events live until it ends.
-    Watch {
-        id: String,
-        #[arg(long, default_value_t = 0)]
-        after: i64,
-    },
-    /// Mint a desktop runner token (shown once).
-    RunnerToken {
-        #[arg(long)]
-        name: String,
-    },
-    /// List your desktop runners: connected or not, and when last seen.
-    Runners,
-    /// Sum the usage of your runs (or one automation's) over a period, per
-    /// day of a zone.
-    Usage {
-        /// Only this automation's runs.
-        #[arg(long)]
-        automation: Option<String>,
-        /// Runs created at or after this instant (RFC 3339; default: 30 days ago).
-        #[arg(long, value_parser = parse_instant)]
-        since: Option<prost_types::Timestamp>,
-        /// Runs created before this instant (RFC 3339; default: now).
-        #[arg(long, value_parser = parse_instant)]
-        until: Option<prost_types::Timestamp>,
-        /// The IANA zone whose days are shown (default: UTC).
-        #[arg(long, default_value = "")]
-        tz: String,
-    },
-    /// Revoke a desktop runner: its token stops working and its stream ends.
-    RevokeRunner {
-        /// The runner id `runner-token` printed.
-        runner_id: String,
-    },
-    /// Mint a development token for another user (dev mode: signs with <data-dir>/jwt-secret).
-    Token {
-        #[arg(long)]
-        user: String,
-        #[arg(long)]
-        org: String,
-        /// Validity in hours.
-        #[arg(long, default_value_t = 24 * 30)]
-        hours: i64,
-    },
 }
 
 type Authed = InterceptedService<Channel, automesh_rpc::client::Bearer>;
@@ -302,6 +123,9 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
             surface,
             schedule,
             pause_after_failures,
+            max_cost_micros,
+            max_tokens,
+            monthly_budget_micros,
         } => {
             let surface = match surface {
                 SurfaceArg::Desktop => pb::Surface::Desktop,
@@ -319,6 +143,9 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
                         model,
                         schedule: Some(schedule),
                         pause_after_failures,
+                        max_cost_micros,
+                        max_tokens,
+                        monthly_budget_micros,
                         ..Default::default()
                     }),
                     surface: surface as i32,
@@ -370,6 +197,9 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
             model,
             schedule,
             pause_after_failures,
+            max_cost_micros,
+            max_tokens,
+            monthly_budget_micros,
             etag,
         } => {
             let mut paths = vec![];
@@ -389,9 +219,18 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
             if pause_after_failures.is_some() {
                 paths.push("pause_after_failures".to_owned());
             }
+            if max_cost_micros.is_some() {
+                paths.push("max_cost_micros".to_owned());
+            }
+            if max_tokens.is_some() {
+                paths.push("max_tokens".to_owned());
+            }
+            if monthly_budget_micros.is_some() {
+                paths.push("monthly_budget_micros".to_owned());
+            }
             anyhow::ensure!(
                 !paths.is_empty(),
-                "nothing to update: pass --name, --prompt, --model, a schedule or --pause-after-failures"
+                "nothing to update: pass --name, --prompt, --model, a schedule, --pause-after-failures, --max-cost-micros, --max-tokens or --monthly-budget-micros"
             );
             let updated = automations
                 .update_automation(pb::UpdateAutomationRequest {
@@ -402,6 +241,9 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
                         model: model.unwrap_or_default(),
                         schedule,
                         pause_after_failures,
+                        max_cost_micros: max_cost_micros.and_then(|c| c.0),
+                        max_tokens: max_tokens.and_then(|c| c.0),
+                        monthly_budget_micros: monthly_budget_micros.and_then(|c| c.0),
                         etag: etag.unwrap_or_default(),
                         ..Default::default()
                     }),

@@ -54,6 +54,18 @@ short_names! {
     run_state: RunState without "RUN_STATE_";
 }
 
+/// A budget per run in words, or `None` when it caps nothing.
+pub(super) fn budget(max_cost_micros: Option<i64>, max_tokens: Option<i64>) -> Option<String> {
+    let caps: Vec<String> = [
+        max_cost_micros.map(|c| format!("{c} µ")),
+        max_tokens.map(|t| format!("{t} tokens")),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    (!caps.is_empty()).then(|| caps.join(", "))
+}
+
 /// An automation, as an answer carries it (or nothing, as an empty one).
 pub(super) fn print_automation(a: Option<pb::Automation>) {
     let a = a.unwrap_or_default();
@@ -78,6 +90,15 @@ pub(super) fn print_automation(a: Option<pb::Automation>) {
     }
     if !a.failure_streak_codes.is_empty() {
         println!("streak:     {}", a.failure_streak_codes.join(", "));
+    }
+    if let Some(budget) = budget(a.max_cost_micros, a.max_tokens) {
+        println!("budget:     {budget} per run");
+    }
+    if let Some(monthly) = a.monthly_budget_micros {
+        let spent = a
+            .month_spend_micros
+            .map_or(String::new(), |s| format!(", {s} µ spent this month"));
+        println!("monthly:    {monthly} µ{spent}");
     }
     if let Some(r) = &a.last_run {
         let cost = r.receipt.as_ref().and_then(|x| x.usage.as_ref());
@@ -153,6 +174,9 @@ pub(super) fn print_receipt(receipt: &pb::Receipt) {
         "            tokens in/out {}/{}  cost {} µ{price}",
         usage.input_tokens, usage.output_tokens, usage.cost_micros
     );
+    if let Some(budget) = budget(receipt.max_cost_micros, receipt.max_tokens) {
+        println!("            budget {budget} per run");
+    }
 }
 
 pub(super) fn print_event(e: &pb::RunEvent) {

@@ -118,6 +118,15 @@ async fn render(
                     None => {}
                 }
             }
+            dt { "Budget per run" } dd #budget {
+                (crate::pages::budget(a.max_cost_micros, a.max_tokens))
+            }
+            dt { "Monthly budget" } dd #monthly-budget {
+                @match a.monthly_budget_micros {
+                    Some(m) => { (m) " µ" @if let Some(s) = a.month_spend_micros { ", " (s) " µ spent this month" } }
+                    None => { "none" }
+                }
+            }
             dt { "Model" } dd { (a.model) }
             dt { "Prompt" } dd { pre.prompt { (a.prompt) } }
             dt { "Created" } dd { (viewer.ts(&a.create_time)) }

@@ -36,6 +36,9 @@ const UPDATED: &[&str] = &[
     "model",
     "schedule",
     "pause_after_failures",
+    "max_cost_micros",
+    "max_tokens",
+    "monthly_budget_micros",
 ];
 
 /// What the form holds, as typed.
@@ -51,6 +54,10 @@ pub(crate) struct Draft {
     once_at: String,
     /// Runs in a row that may end failed before it pauses itself, as typed.
     pause_after_failures: String,
+    /// The budget per run, as typed (blank: no cap).
+    max_cost_micros: String,
+    max_tokens: String,
+    monthly_budget_micros: String,
     etag: String,
 }
 
@@ -73,6 +80,9 @@ impl Draft {
             zone: form.text("zone"),
             once_at: form.text("once_at"),
             pause_after_failures: form.text("pause_after_failures"),
+            max_cost_micros: form.text("max_cost_micros"),
+            max_tokens: form.text("max_tokens"),
+            monthly_budget_micros: form.text("monthly_budget_micros"),
             etag: form.text("etag"),
         }
     }
@@ -88,6 +98,12 @@ impl Draft {
                 .pause_after_failures
                 .unwrap_or(DEFAULT_PAUSE_AFTER_FAILURES as i32)
                 .to_string(),
+            max_cost_micros: a.max_cost_micros.map(|c| c.to_string()).unwrap_or_default(),
+            max_tokens: a.max_tokens.map(|t| t.to_string()).unwrap_or_default(),
+            monthly_budget_micros: a
+                .monthly_budget_micros
+                .map(|m| m.to_string())
+                .unwrap_or_default(),
             ..Draft::default()
         };
         let tod = |t: &Option<pb::TimeOfDay>| {
@@ -201,34 +217,47 @@ impl Draft {
         }
     }
 
-    /// The failure streak that pauses it, as typed: blank is the default
-    /// (3); the API checks the range and names the field.
-    fn pause_after_failures(&self) -> Result<i32, Errors> {
-        let typed = self.pause_after_failures.trim();
+    /// A whole number as typed: blank is `None`; the API checks the range
+    /// and names the field.
+    fn number<T: std::str::FromStr>(
+        typed: &str,
+        field: &'static str,
+        hint: &str,
+    ) -> Result<Option<T>, Errors> {
+        let typed = typed.trim();
         if typed.is_empty() {
-            return Ok(DEFAULT_PAUSE_AFTER_FAILURES as i32);
+            return Ok(None);
         }
-        typed.parse().map_err(|_| {
-            let mut errors = Errors::new();
-            errors
-                .entry("pause_after_failures")
-                .or_default()
-                .push("enter a whole number of runs (0 never pauses)".into());
-            errors
+        typed.parse().map(Some).map_err(|_| {
+            let text = format!("enter a whole number ({hint})");
+            Errors::from([(field, vec![text])])
         })
     }
 
     fn automation(&self, id: &str) -> Result<pb::Automation, Errors> {
         let schedule = self.schedule();
-        let pause_after_failures = self.pause_after_failures();
-        let (schedule, pause_after_failures) = match (schedule, pause_after_failures) {
-            (Ok(s), Ok(p)) => (s, p),
-            (s, p) => {
-                let mut errors = s.err().unwrap_or_default();
-                errors.extend(p.err().unwrap_or_default());
-                return Err(errors);
-            }
-        };
+        let pause_after_failures = Self::number(
+            &self.pause_after_failures,
+            "pause_after_failures",
+            "0 never pauses",
+        )
+        .map(|n| n.unwrap_or(DEFAULT_PAUSE_AFTER_FAILURES as i32));
+        let no_cap = "or leave it blank for none";
+        let cost = Self::number(&self.max_cost_micros, "max_cost_micros", no_cap);
+        let tokens = Self::number(&self.max_tokens, "max_tokens", no_cap);
+        let monthly = Self::number(&self.monthly_budget_micros, "monthly_budget_micros", no_cap);
+        let (schedule, pause_after_failures, max_cost_micros, max_tokens, monthly_budget_micros) =
+            match (schedule, pause_after_failures, cost, tokens, monthly) {
+                (Ok(s), Ok(p), Ok(c), Ok(t), Ok(m)) => (s, p, c, t, m),
+                (s, p, c, t, m) => {
+                    let mut errors = s.err().unwrap_or_default();
+                    errors.extend(p.err().unwrap_or_default());
+                    errors.extend(c.err().unwrap_or_default());
+                    errors.extend(t.err().unwrap_or_default());
+                    errors.extend(m.err().unwrap_or_default());
+                    return Err(errors);
+                }
+            };
         Ok(pb::Automation {
             id: id.to_owned(),
             name: self.name.clone(),
@@ -237,6 +266,9 @@ impl Draft {
             etag: self.etag.clone(),
             schedule: Some(schedule),
             pause_after_failures: Some(pause_after_failures),
+            max_cost_micros,
+            max_tokens,
+            monthly_budget_micros,
             ..Default::default()
         })
     }
@@ -251,6 +283,9 @@ fn field_of(path: &str) -> &'static str {
         "prompt" => "prompt",
         "model" => "model",
         "pause_after_failures" => "pause_after_failures",
+        "max_cost_micros" => "max_cost_micros",
+        "max_tokens" => "max_tokens",
+        "monthly_budget_micros" => "monthly_budget_micros",
         p if p.ends_with("time_zone") => "zone",
         p if p.ends_with("days") => "days",
         p if p.contains("time_of_day") => "time",
@@ -374,6 +409,21 @@ fn form(session: &Session, id: Option<&str>, d: &Draft, errors: &Errors) -> Mark
                 value=(if d.pause_after_failures.is_empty() { DEFAULT_PAUSE_AFTER_FAILURES.to_string() } else { d.pause_after_failures.clone() })
                 aria-describedby=[described(errors, "pause_after_failures")];
             (field_errors(errors, "pause_after_failures"))
+            fieldset #budget {
+                legend { "Budgets (blank: none)" }
+                label for="max_cost_micros" { "Most one run may cost (micro-units of the currency)" }
+                input #max_cost_micros type="number" name="max_cost_micros" min="0" value=(d.max_cost_micros)
+                    aria-describedby=[described(errors, "max_cost_micros")];
+                (field_errors(errors, "max_cost_micros"))
+                label for="max_tokens" { "Most tokens one run may use (input and output)" }
+                input #max_tokens type="number" name="max_tokens" min="0" value=(d.max_tokens)
+                    aria-describedby=[described(errors, "max_tokens")];
+                (field_errors(errors, "max_tokens"))
+                label for="monthly_budget_micros" { "Most its runs may cost in a calendar month (micro-units)" }
+                input #monthly_budget_micros type="number" name="monthly_budget_micros" min="0" value=(d.monthly_budget_micros)
+                    aria-describedby=[described(errors, "monthly_budget_micros")];
+                (field_errors(errors, "monthly_budget_micros"))
+            }
             p.placement-note { "Runs in your cloud worker (created from the web)." }
             button type="submit" { @if id.is_some() { "Save changes" } @else { "Create automation" } }
         }

@@ -128,6 +128,7 @@ fn receipt_section(r: &pb::Receipt) -> Markup {
                         None => "unpriced (cost 0 means not priced, not free)",
                     }
                 }
+                dt { "Budget per run" } dd #receipt-budget { (crate::pages::budget(r.max_cost_micros, r.max_tokens)) }
                 dt { "Waiting" } dd { (duration(&r.queued_duration)) }
                 dt { "Wake-up" } dd { (duration(&r.wake_duration)) }
                 dt { "Admission" } dd { (duration(&r.admission_duration)) }

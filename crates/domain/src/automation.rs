@@ -3,8 +3,9 @@
 
 use chrono::{DateTime, Utc};
 
+pub use crate::budget::{check_budget, month_of};
 use crate::error_code::ErrorCode;
-use crate::run::RunState;
+use crate::run::{RunBudget, RunState};
 use crate::schedule::Schedule;
 use crate::validation::{Limit, Violations, check_text};
 
@@ -153,6 +154,11 @@ pub struct Automation {
     /// Its consecutive failed or timed-out runs since its last success
     /// (or activation).
     pub failure_streak: FailureStreak,
+    /// The most each of its runs may spend.
+    pub budget: RunBudget,
+    /// The most its runs may cost together in a calendar month of its
+    /// schedule's zone (micro-units); `None` is no budget.
+    pub monthly_budget_micros: Option<i64>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
     /// Bumped on every write; the public etag.
@@ -237,7 +243,12 @@ impl Automation {
             }
             RunState::Succeeded => {
                 self.failure_streak = FailureStreak::default();
-                if self.state == AutomationState::NeedsAttention {
+                // A spent month is not mended by a run that succeeded.
+                let spent = self
+                    .attention
+                    .as_ref()
+                    .is_some_and(|x| x.reason == ErrorCode::BudgetExhausted);
+                if self.state == AutomationState::NeedsAttention && !spent {
                     self.state = AutomationState::Active;
                     self.attention = None;
                     self.next_run_at = self.schedule.next_after(now);
@@ -271,6 +282,8 @@ pub struct NewAutomation {
     pub schedule: Schedule,
     /// See [`Automation::pause_after_failures`].
     pub pause_after_failures: u32,
+    pub budget: RunBudget,
+    pub monthly_budget_micros: Option<i64>,
 }
 
 impl NewAutomation {
@@ -287,6 +300,10 @@ pub struct AutomationPatch {
     pub model: Option<String>,
     pub schedule: Option<Schedule>,
     pub pause_after_failures: Option<u32>,
+    /// Each `Some` replaces the cap (`Some(None)` removes it).
+    pub max_cost_micros: Option<Option<i64>>,
+    pub max_tokens: Option<Option<i64>>,
+    pub monthly_budget_micros: Option<Option<i64>>,
     /// When set, the write happens only if the stored version still matches.
     pub expected_version: Option<i64>,
 }
@@ -329,7 +346,7 @@ pub fn check_pause_after_failures(v: &mut Violations, field: &str, value: i64) -
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -356,7 +373,7 @@ mod tests {
         assert_eq!(parse_etag("vx"), None);
     }
 
-    fn automation(pause_after_failures: u32) -> Automation {
+    pub(crate) fn automation(pause_after_failures: u32) -> Automation {
         let at = DateTime::<Utc>::from_timestamp(1_800_000_000, 0).unwrap_or_default();
         Automation {
             id: "a".into(),
@@ -377,6 +394,8 @@ mod tests {
             pause_reason: None,
             pause_after_failures,
             failure_streak: FailureStreak::default(),
+            budget: RunBudget::default(),
+            monthly_budget_micros: None,
             created_at: at,
             updated_at: at,
             version: 1,

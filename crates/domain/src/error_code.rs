@@ -64,6 +64,8 @@ error_codes! {
     StepLimitExceeded => "step_limit_exceeded": "The agent loop reached its step limit.",
     ProviderError => "provider_error": "The model provider returned a malformed or truncated answer.",
     ToolError => "tool_error": "A Connect tool call failed in a way the run cannot continue from.",
+    BudgetExceeded => "budget_exceeded": "The run spent more than its automation's budget per run (max_cost_micros or max_tokens); it stopped at that step boundary and the provider was not called again.",
+    BudgetExhausted => "budget_exhausted": "Skipped: the automation's runs this month (in its schedule's zone) cost its monthly budget or more; the automation needs attention until the month ends or the budget is raised.",
     PreviousRunLive => "previous_run_live": "Skipped: the previous run of the automation was still live at the due instant.",
     MissedDuringDowntime => "missed_during_downtime": "Missed: the occurrence fell due while the mesh was down, outside the catch-up window.",
     Internal => "internal": "An internal error; see the logs by trace id.",
@@ -94,6 +96,7 @@ impl ErrorCode {
                 | ErrorCode::ReadinessTimeout
                 | ErrorCode::McpConfigMissing
                 | ErrorCode::ModelNotAuthorized
+                | ErrorCode::BudgetExhausted
         )
     }
 }

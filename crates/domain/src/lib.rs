@@ -10,6 +10,7 @@ mod secret;
 pub use flags::parse_duration;
 pub use secret::Secret;
 pub mod automation;
+pub mod budget;
 pub mod error_code;
 pub mod failure;
 pub mod ids;
@@ -29,7 +30,8 @@ pub use failure::{Failure, FailureKind};
 pub use models::{ModelCatalog, ModelRefusal, ModelSpec, Price};
 pub use principal::Principal;
 pub use run::{
-    NewRun, QuarterUsage, Receipt, Run, RunEvent, RunEventPayload, RunState, RunTrigger, Usage,
+    NewRun, QuarterUsage, Receipt, Run, RunBudget, RunEvent, RunEventPayload, RunState, RunTrigger,
+    Usage,
 };
 pub use schedule::{Schedule, TimeOfDay, WeekdaySet};
 pub use validation::{FieldViolation, Violations};

@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use crate::automation::Placement;
-use crate::error_code::ErrorCode;
+use crate::error_code::{CodedError, ErrorCode};
 use crate::string_enum;
 
 string_enum! {
@@ -77,6 +77,52 @@ pub struct Usage {
     pub cost_micros: i64,
 }
 
+/// The most one run of an automation may spend: cost (at the run's price)
+/// and tokens (input and output together), each optional. A run that
+/// exceeds either stops at the step boundary where it did: the provider
+/// is not called again, and it ends `budget_exceeded`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunBudget {
+    pub max_cost_micros: Option<i64>,
+    pub max_tokens: Option<i64>,
+}
+
+/// The largest cap either field of a [`RunBudget`] may be (a million units
+/// of the currency; 10^12 tokens).
+pub const MAX_BUDGET: i64 = 1_000_000_000_000;
+
+impl RunBudget {
+    /// Whether it caps anything.
+    pub fn is_set(&self) -> bool {
+        self.max_cost_micros.is_some() || self.max_tokens.is_some()
+    }
+
+    /// Why `usage`, so far, exceeds the budget, counting cost at `price`
+    /// (an unpriced run costs nothing, so only its tokens are capped);
+    /// `None` while within it.
+    pub fn exceeded(&self, usage: &Usage, price: Option<crate::Price>) -> Option<CodedError> {
+        let tokens = usage.input_tokens.saturating_add(usage.output_tokens);
+        if let Some(max) = self.max_tokens
+            && tokens > max
+        {
+            return Some(CodedError::new(
+                ErrorCode::BudgetExceeded,
+                format!("the run used {tokens} tokens, over its cap of {max}"),
+            ));
+        }
+        let cost = price.map_or(0, |p| {
+            p.cost_micros(usage.input_tokens, usage.output_tokens)
+        });
+        match self.max_cost_micros {
+            Some(max) if cost > max => Some(CodedError::new(
+                ErrorCode::BudgetExceeded,
+                format!("the run cost {cost} micro-units, over its cap of {max}"),
+            )),
+            _ => None,
+        }
+    }
+}
+
 /// The summed usage on the receipts of the runs created in one quarter hour
 /// (every zone's day starts on one): what a period's totals and its days in
 /// any zone are summed from.
@@ -123,6 +169,8 @@ pub struct Run {
     /// The deterministic identity of the user message, persisted before the
     /// prompt is first submitted.
     pub message_id: Option<String>,
+    /// Snapshot of the automation's budget per run when it was created.
+    pub budget: RunBudget,
 }
 
 impl Run {
@@ -184,6 +232,8 @@ pub struct Receipt {
     /// The price `usage.cost_micros` was computed at; `None` for an
     /// unpriced model (cost 0).
     pub price: Option<crate::Price>,
+    /// The budget the run ran under.
+    pub budget: RunBudget,
 }
 
 impl Receipt {
@@ -211,6 +261,7 @@ impl Receipt {
             model: None,
             provider_model: None,
             price: None,
+            budget: RunBudget::default(),
         }
     }
 }
@@ -310,5 +361,37 @@ mod tests {
         ] {
             assert_eq!(trace_id_of(traceparent), want, "{traceparent:?}");
         }
+    }
+}
+
+#[cfg(test)]
+mod budget_tests {
+    use super::*;
+
+    #[test]
+    fn a_budget_is_exceeded_only_past_its_cap() {
+        let price = crate::Price {
+            input_micros_per_million_tokens: 1_000_000,
+            output_micros_per_million_tokens: 2_000_000,
+        };
+        let usage = Usage {
+            input_tokens: 100,
+            output_tokens: 50,
+            cost_micros: 0,
+        };
+        // 100 × 1 + 50 × 2 = 200 micro-units; 150 tokens.
+        let at = |max_cost_micros, max_tokens| RunBudget {
+            max_cost_micros,
+            max_tokens,
+        };
+        assert!(at(Some(200), None).exceeded(&usage, Some(price)).is_none());
+        let over = at(Some(199), None).exceeded(&usage, Some(price));
+        assert_eq!(over.map(|e| e.code), Some(ErrorCode::BudgetExceeded));
+        assert!(at(None, Some(150)).exceeded(&usage, None).is_none());
+        assert!(at(None, Some(149)).exceeded(&usage, None).is_some());
+        // Unpriced: cost is 0, only tokens are capped.
+        assert!(at(Some(0), None).exceeded(&usage, None).is_none());
+        assert!(!RunBudget::default().is_set());
+        assert!(RunBudget::default().exceeded(&usage, Some(price)).is_none());
     }
 }

@@ -115,6 +115,8 @@ async fn main() {
             max_steps: steps + 1,
             deadline: tokio::time::Instant::now() + Duration::from_secs(60),
             resume_from: None,
+            budget: Default::default(),
+            price: None,
         };
         let (tx, mut rx) = tokio::sync::mpsc::channel(1024);
         let drain = tokio::spawn(async move { while rx.recv().await.is_some() {} });

@@ -144,6 +144,12 @@ pub struct EngineRequest {
     pub deadline: Instant,
     /// Resume from a checkpoint instead of starting from the prompt.
     pub resume_from: Option<Checkpoint>,
+    /// What the run may spend, checked after every step: a run that
+    /// exceeds it stops at that step boundary (`budget_exceeded`).
+    pub budget: automesh_domain::RunBudget,
+    /// The price its cost is counted at (`None`: unpriced, so only its
+    /// tokens are capped).
+    pub price: Option<automesh_domain::Price>,
 }
 
 /// How long a run that came without a deadline may take.
@@ -172,6 +178,18 @@ impl EngineRequest {
             guidance: None,
             deadline: Instant::now() + left,
             resume_from: None,
+            budget: automesh_domain::RunBudget::default(),
+            price: None,
+        }
+    }
+
+    /// This request under the budget the mesh sent (none when unset).
+    pub fn within(self, budget: Option<&automesh_proto::v1::RunBudget>) -> Self {
+        let (budget, price) = automesh_edge::convert::run_budget_from_pb(budget);
+        EngineRequest {
+            budget,
+            price,
+            ..self
         }
     }
 
@@ -269,6 +287,8 @@ impl NativeEngine {
                 max_steps: settings.max_steps,
                 deadline: Instant::now(),
                 resume_from: None,
+                budget: Default::default(),
+                price: None,
             },
         }
     }
@@ -311,6 +331,8 @@ impl EngineAdapter for NativeEngine {
             guidance: request.guidance,
             deadline: request.deadline,
             resume_from: request.resume_from,
+            budget: request.budget,
+            price: request.price,
             ..self.template.clone()
         };
         Box::pin(native::run(run, events, stop))

@@ -42,6 +42,10 @@ pub struct NativeRun {
     pub deadline: Instant,
     /// Resume from here instead of from the prompt.
     pub resume_from: Option<Checkpoint>,
+    /// What the run may spend, checked after every step.
+    pub budget: automesh_domain::RunBudget,
+    /// The price its cost is counted at.
+    pub price: Option<automesh_domain::Price>,
 }
 
 fn token_expired(at: Option<DateTime<Utc>>) -> bool {
@@ -271,6 +275,16 @@ async fn steps_loop(
                 },
             )
             .await;
+        }
+        // The step boundary: a run over its budget stops here, before any
+        // tool acts on this step's calls and before the provider is asked
+        // again.
+        if let Some(over) = run.budget.exceeded(usage, run.price) {
+            tracing::warn!(step, error_code = over.code.as_str(), "{}", over.message);
+            return Ending::Failed(CodedError::new(
+                over.code,
+                format!("{} after step {step}", over.message),
+            ));
         }
         messages.push(Message {
             role: "assistant".into(),

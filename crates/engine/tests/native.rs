@@ -68,6 +68,8 @@ fn run_config(provider_url: &str, mcp_url: &str, stream: bool) -> NativeRun {
         max_steps: native::DEFAULT_MAX_STEPS,
         deadline: Instant::now() + Duration::from_secs(30),
         resume_from: None,
+        budget: Default::default(),
+        price: None,
     }
 }
 
@@ -252,6 +254,90 @@ async fn the_step_limit_ends_the_loop() {
     let (outcome, _) = go(run).await;
     assert_eq!(failed(&outcome), ErrorCode::StepLimitExceeded);
     assert_eq!(p.calls(), 3);
+}
+
+/// A budget per run (issue 32): after every step the run's usage is
+/// checked; the step that takes it over a cap is its last — the provider is
+/// not called again and that step's tool calls are not made — and it ends
+/// `budget_exceeded`, its outcome showing what was spent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_over_its_budget_stops_at_that_step_boundary() {
+    // Every step asks for a tool: 100 input and 20 output tokens each.
+    let endless = |n: usize, _: &serde_json::Value| {
+        Reply::Json(tool_call_completion(
+            &format!("c{n}"),
+            "search_capabilities",
+            "{}",
+        ))
+    };
+    // 1 micro-unit per input token, 2 per output token: 140 per step.
+    let price = automesh_domain::Price {
+        input_micros_per_million_tokens: 1_000_000,
+        output_micros_per_million_tokens: 2_000_000,
+    };
+    for (budget, price, steps) in [
+        // 140, 280 > 150: two steps.
+        (
+            automesh_domain::RunBudget {
+                max_cost_micros: Some(150),
+                max_tokens: None,
+            },
+            Some(price),
+            2,
+        ),
+        // 120, 240, 360 > 250 tokens: three steps.
+        (
+            automesh_domain::RunBudget {
+                max_cost_micros: None,
+                max_tokens: Some(250),
+            },
+            None,
+            3,
+        ),
+        // Unpriced: the cost cap cannot be reached; the token cap is.
+        (
+            automesh_domain::RunBudget {
+                max_cost_micros: Some(1),
+                max_tokens: Some(130),
+            },
+            None,
+            2,
+        ),
+    ] {
+        let (purl, p) = provider(endless).await;
+        let fake = FakeMcp::with_tools(&PAIR);
+        let (murl, _stop) = mcp(fake.clone(), TOKEN).await;
+        let mut run = run_config(&purl, &murl, false);
+        run.budget = budget;
+        run.price = price;
+        let (outcome, events) = go(run).await;
+        assert_eq!(failed(&outcome), ErrorCode::BudgetExceeded, "{budget:?}");
+        assert_eq!(
+            p.calls(),
+            steps,
+            "{budget:?}: the provider was called again"
+        );
+        assert_eq!(outcome.steps, steps as u32);
+        assert_eq!(
+            outcome.usage.input_tokens,
+            100 * steps as i64,
+            "what was spent"
+        );
+        // The last step's tool call was not made.
+        assert_eq!(fake.calls.lock().len(), steps - 1, "{budget:?}");
+        let results = events
+            .iter()
+            .filter(|e| matches!(e, EngineEvent::ToolResult { .. }))
+            .count();
+        assert_eq!(results, steps - 1);
+        if let Ending::Failed(e) = &outcome.ending {
+            assert!(
+                e.message.contains(&format!("after step {steps}")),
+                "{}",
+                e.message
+            );
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -453,6 +539,8 @@ async fn the_native_engine_runs_behind_the_adapter_contract() {
                     guidance: None,
                     deadline: Instant::now() + Duration::from_secs(30),
                     resume_from: None,
+                    budget: Default::default(),
+                    price: None,
                 },
                 tx,
                 CancellationToken::new(),

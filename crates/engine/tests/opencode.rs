@@ -135,6 +135,8 @@ fn request(deadline: Duration) -> EngineRequest {
         guidance: None,
         deadline: Instant::now() + deadline,
         resume_from: None,
+        budget: Default::default(),
+        price: None,
     }
 }
 
@@ -143,6 +145,15 @@ async fn run(
     cfg: &OpenCodeConfig,
     policy: &PermissionPolicy,
     cancel: CancellationToken,
+) -> (Outcome, Vec<EngineEvent>) {
+    run_request(cfg, policy, cancel, request(Duration::from_secs(80))).await
+}
+
+async fn run_request(
+    cfg: &OpenCodeConfig,
+    policy: &PermissionPolicy,
+    cancel: CancellationToken,
+    request: EngineRequest,
 ) -> (Outcome, Vec<EngineEvent>) {
     let (tx, mut rx) = mpsc::channel(64);
     let collect = tokio::spawn(async move {
@@ -154,7 +165,7 @@ async fn run(
     });
     let outcome = tokio::time::timeout(
         Duration::from_secs(90),
-        opencode::run(cfg, policy, request(Duration::from_secs(80)), tx, cancel),
+        opencode::run(cfg, policy, request, tx, cancel),
     )
     .await
     .expect("the adapter never hangs");
@@ -225,6 +236,54 @@ async fn a_permission_the_allow_list_covers_is_approved_once_and_the_run_succeed
     assert!(fake.calls() >= 2);
     // The server's password appears in no event.
     assert!(!format!("{events:?}").contains(PASSWORD));
+}
+
+/// A budget per run (issue 32) on the OpenCode adapter: the step whose
+/// usage takes the run over its cap is its last. OpenCode reports a step's
+/// tokens when the step ends, after it ran the step's tools; the session is
+/// aborted there and the run ends `budget_exceeded` with what it spent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_over_its_budget_is_aborted_at_that_step_boundary() {
+    let (url, fake) = provider(model("echo hi")).await;
+    let s = start(&url).await;
+    let over = EngineRequest {
+        // The first step alone is 100 input and 20 output tokens.
+        budget: automesh_domain::RunBudget {
+            max_cost_micros: None,
+            max_tokens: Some(50),
+        },
+        ..request(Duration::from_secs(80))
+    };
+    let (outcome, events) = run_request(
+        &config(&s.server.base_url),
+        &allow_echo(),
+        CancellationToken::new(),
+        over,
+    )
+    .await;
+    let (code, message) = failed_with(&outcome).unwrap_or_else(|| panic!("{outcome:?}"));
+    assert_eq!(code, ErrorCode::BudgetExceeded, "{message}");
+    assert!(message.contains("after step 1"), "{message}");
+    assert!(
+        outcome.usage.input_tokens > 0,
+        "what was spent: {:?}",
+        outcome.usage
+    );
+    // The agent's steps the provider saw (title requests carry no tools):
+    // OpenCode starts its next step as soon as one ends, so the abort sent
+    // at that boundary can meet a request already on its way — one, never
+    // more (the native engine's check sits before its call, so there it is
+    // none).
+    let steps = fake
+        .bodies
+        .lock()
+        .iter()
+        .filter(|b| !b["tools"].is_null())
+        .count();
+    assert!(
+        (1..=2).contains(&steps),
+        "the provider was asked {steps} times: {events:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

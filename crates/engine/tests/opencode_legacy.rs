@@ -192,6 +192,8 @@ async fn run(
         guidance: None,
         deadline: Instant::now() + Duration::from_secs(30),
         resume_from: None,
+        budget: Default::default(),
+        price: None,
     };
     let outcome = tokio::time::timeout(
         Duration::from_secs(40),

@@ -20,12 +20,15 @@ use crate::{Result, Store, StoreError};
 /// The columns every automation query reads, in `decode`'s terms.
 pub(crate) const AUTOMATION_COLUMNS: &str = "id, org_id, owner_id, name, prompt, model, placement, \
      surface, schedule, state, attention_reason, attention_message, pause_reason, version, \
-     next_run_at, created_at, updated_at, pause_after_failures, failure_streak, streak_codes";
+     next_run_at, created_at, updated_at, pause_after_failures, failure_streak, streak_codes, \
+     max_cost_micros, max_tokens, monthly_budget_micros";
 
 const INSERT: &str = "INSERT INTO automations (id, org_id, owner_id, name, prompt, model, placement, \
      surface, schedule, state, attention_reason, attention_message, version, next_run_at, \
-     created_at, updated_at, pause_after_failures) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'active', NULL, NULL, 1, $10, $11, $11, $12)";
+     created_at, updated_at, pause_after_failures, max_cost_micros, max_tokens, \
+     monthly_budget_micros) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'active', NULL, NULL, 1, $10, $11, $11, $12, $13, \
+     $14, $15)";
 
 const GET: &str = concatcp!(
     "SELECT ",
@@ -75,7 +78,8 @@ const LAST_RECEIPTS: &str = concatcp!(
 const UPDATE_IF_VERSION: &str = "UPDATE automations SET name = $4, prompt = $5, model = $6, \
      schedule = $7, state = $8, attention_reason = $9, attention_message = $10, \
      next_run_at = $11, updated_at = $12, pause_reason = $14, pause_after_failures = $15, \
-     failure_streak = $16, streak_codes = $17, version = version + 1 \
+     failure_streak = $16, streak_codes = $17, max_cost_micros = $18, max_tokens = $19, \
+     monthly_budget_micros = $20, version = version + 1 \
      WHERE id = $1 AND org_id = $2 AND owner_id = $3 AND version = $13";
 
 /// PostgreSQL: the automations a batch's ended runs move, locked in one
@@ -136,10 +140,11 @@ pub(crate) fn decode(row: &AnyRow) -> Result<Automation> {
         codes: serde_json::from_str(&codes)
             .map_err(|e| StoreError::Corrupt(format!("streak_codes: {e}")))?,
     };
+    let budget = rows::budget(row)?;
     rows::columns! { row => Automation {
         id, org_id, owner_id, name, prompt, model, placement, surface, schedule, state, version,
-        next_run_at, created_at, updated_at, pause_reason;
-        attention, pause_after_failures, failure_streak
+        next_run_at, created_at, updated_at, pause_reason, monthly_budget_micros;
+        attention, pause_after_failures, failure_streak, budget
     } }
 }
 
@@ -193,7 +198,28 @@ pub(crate) async fn after_runs(
     let moved: Vec<StandingRow> = standing
         .values()
         .filter(|(_, changed)| *changed)
-        .map(|(a, _)| StandingRow {
+        .map(|(a, _)| StandingRow::of(a, now))
+        .collect();
+    STAND.execute(&mut *db, &moved).await?;
+    Ok(standing)
+}
+
+/// Writes what `moved` automations now are (state, attention, next
+/// occurrence, failure streak), each a new version; the caller holds
+/// their rows (a scheduling transaction's claim).
+pub(crate) async fn stand(
+    db: &mut AnyConnection,
+    moved: &[&Automation],
+    now: DateTime<Utc>,
+) -> Result<()> {
+    let rows: Vec<StandingRow> = moved.iter().map(|a| StandingRow::of(a, now)).collect();
+    STAND.execute(db, &rows).await?;
+    Ok(())
+}
+
+impl StandingRow {
+    fn of(a: &Automation, now: DateTime<Utc>) -> StandingRow {
+        StandingRow {
             id: a.id.clone(),
             state: a.state.as_str(),
             attention_reason: a.attention.as_ref().map(|x| x.reason.as_str()),
@@ -202,11 +228,38 @@ pub(crate) async fn after_runs(
             failure_streak: a.failure_streak.runs,
             streak_codes: codes_json(&a.failure_streak),
             at: micros(now),
-        })
-        .collect();
-    STAND.execute(&mut *db, &moved).await?;
-    Ok(standing)
+        }
+    }
 }
+
+/// What the runs of an automation created in `[$2, $3)` cost together:
+/// the sum of their receipts (a run without one yet adds nothing). The
+/// index `runs_by_automation` bounds it to those runs, however many the
+/// automation has.
+const MONTH_SPEND: &str = "SELECT CAST(COALESCE(SUM(rc.cost_micros), 0) AS BIGINT) AS spent \
+     FROM runs r JOIN receipts rc ON rc.run_id = r.id \
+     WHERE r.automation_id = $1 AND r.created_at >= $2 AND r.created_at < $3";
+
+/// [`MONTH_SPEND`] on `db`.
+pub(crate) async fn month_spend(
+    db: &mut AnyConnection,
+    automation_id: &str,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+) -> Result<i64> {
+    let params = (automation_id, micros(from), micros(to));
+    let spent = rows::optional(db, MONTH_SPEND, params, |r| col::<i64>(r, "spent"));
+    Ok(spent.await?.unwrap_or(0))
+}
+
+/// Automations paused because their monthly budget is spent (the
+/// scheduler's month sweep), `$1` at most.
+const BUDGET_SPENT: &str = concatcp!(
+    "SELECT ",
+    AUTOMATION_COLUMNS,
+    " FROM automations WHERE attention_reason = 'budget_exhausted' \
+     AND state = 'needs_attention' ORDER BY id LIMIT $1"
+);
 
 fn schedule_json(s: &Schedule) -> String {
     // Serialising a plain enum of strings and integers cannot fail.
@@ -240,6 +293,9 @@ impl Store {
             opt_micros(next_run_at),
             micros(now),
             i64::from(new.pause_after_failures),
+            new.budget.max_cost_micros,
+            new.budget.max_tokens,
+            new.monthly_budget_micros,
         );
         rows::execute(self.db(), INSERT, params).await?;
         self.internal().get_automation(&new.id).await
@@ -340,6 +396,9 @@ impl Store {
             i64::from(updated.pause_after_failures),
             updated.failure_streak.runs,
             codes_json(&updated.failure_streak),
+            updated.budget.max_cost_micros,
+            updated.budget.max_tokens,
+            updated.monthly_budget_micros,
         );
         let written = rows::changed_one(self.db(), UPDATE_IF_VERSION, params).await?;
         let owner = Principal::new(&updated.org_id, &updated.owner_id);
@@ -358,5 +417,23 @@ impl crate::Internal<'_> {
     /// One automation by id, for internal callers that act for no user.
     pub async fn get_automation(self, id: &str) -> Result<Automation> {
         rows::by_id(self.db(), GET_UNSCOPED, id, decode).await
+    }
+
+    /// What the runs of `automation_id` created in `[from, to)` cost
+    /// together, by their receipts (micro-units).
+    pub async fn month_spend(
+        self,
+        automation_id: &str,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+    ) -> Result<i64> {
+        let mut db = self.db().acquire().await?;
+        month_spend(&mut db, automation_id, from, to).await
+    }
+
+    /// Up to `limit` automations paused because their monthly budget is
+    /// spent, in id order.
+    pub async fn budget_spent(self, limit: u32) -> Result<Vec<Automation>> {
+        rows::all(self.db(), BUDGET_SPENT, (i64::from(limit),), decode).await
     }
 }

@@ -63,6 +63,12 @@ const MIGRATIONS: &[(i64, &str, &str, &str)] = &[
         include_str!("../../../migrations/postgres/0009_failure_streaks.sql"),
         include_str!("../../../migrations/sqlite/0009_failure_streaks.sql"),
     ),
+    (
+        10,
+        "budgets",
+        include_str!("../../../migrations/postgres/0010_budgets.sql"),
+        include_str!("../../../migrations/sqlite/0010_budgets.sql"),
+    ),
 ];
 
 pub(crate) fn migrator(backend: Backend) -> Migrator {

@@ -44,6 +44,8 @@ bulk! {
         provider_model: Option<String> => TEXT,
         price_input_micros_per_mtok: Option<i64> => BIGINT,
         price_output_micros_per_mtok: Option<i64> => BIGINT,
+        max_cost_micros: Option<i64> => BIGINT,
+        max_tokens: Option<i64> => BIGINT,
     }
 }
 
@@ -72,6 +74,8 @@ impl ReceiptRow {
             provider_model: r.provider_model.clone(),
             price_input_micros_per_mtok: r.price.map(|p| p.input_micros_per_million_tokens),
             price_output_micros_per_mtok: r.price.map(|p| p.output_micros_per_million_tokens),
+            max_cost_micros: r.budget.max_cost_micros,
+            max_tokens: r.budget.max_tokens,
         }
     }
 }
@@ -143,12 +147,13 @@ pub(crate) fn decode(row: &AnyRow) -> Result<Receipt> {
         input_micros_per_million_tokens: input,
         output_micros_per_million_tokens: output,
     });
+    let budget = rows::budget(row)?;
     rows::columns! { row => Receipt {
         run_id, outcome, error_code, error_message, placement, engine,
         queued_micros = "queued_us", wake_micros = "wake_us", admission_micros = "admission_us",
         execution_micros = "execution_us", worker_id, workspace_id, thread_id, message_id,
         created_at, model, provider_model;
-        usage, price,
+        usage, price, budget,
     } }
 }
 

@@ -319,6 +319,14 @@ named!(
     crate::desktop::DesktopPhase
 );
 
+/// A budget per run, as its row keeps it (`max_cost_micros`, `max_tokens`).
+pub(crate) fn budget(row: &AnyRow) -> Result<automesh_domain::RunBudget> {
+    Ok(automesh_domain::RunBudget {
+        max_cost_micros: col(row, "max_cost_micros")?,
+        max_tokens: col(row, "max_tokens")?,
+    })
+}
+
 /// An instant as stored: microseconds since the Unix epoch.
 pub(crate) fn micros(t: DateTime<Utc>) -> i64 {
     t.timestamp_micros()

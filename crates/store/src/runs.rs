@@ -18,7 +18,8 @@ use crate::{Result, Store, StoreError};
 /// The columns every run query reads, in `decode`'s terms.
 pub(crate) const RUN_COLUMNS: &str = "id, automation_id, org_id, owner_id, placement, trigger, \
      scheduled_for, idempotency_key, prompt, model, state, error_code, error_message, deadline_at, \
-     traceparent, message_id, cancel_requested_at, admitted_at, started_at, created_at, updated_at";
+     traceparent, message_id, cancel_requested_at, admitted_at, started_at, created_at, updated_at, \
+     max_cost_micros, max_tokens";
 
 /// The states of a live run, as an SQL list: named once, for every query
 /// that must only touch live runs (a unit test keeps it equal to the
@@ -44,6 +45,8 @@ bulk! {
         deadline_at: i64 => BIGINT,
         traceparent: Option<String> => TEXT,
         created_at: i64 => BIGINT,
+        max_cost_micros: Option<i64> => BIGINT,
+        max_tokens: Option<i64> => BIGINT,
     }
 }
 
@@ -75,6 +78,8 @@ impl RunRow {
             deadline_at: micros(new.deadline_at),
             traceparent: new.traceparent.clone(),
             created_at: micros(now),
+            max_cost_micros: a.budget.max_cost_micros,
+            max_tokens: a.budget.max_tokens,
         }
     }
 }
@@ -222,10 +227,11 @@ const ADVANCE: Bulk<MoveRow> = bulk!(MoveRow => [
 ]);
 
 pub(crate) fn decode(row: &AnyRow) -> Result<Run> {
+    let budget = crate::rows::budget(row)?;
     rows::columns! { row => Run {
         id, automation_id, org_id, owner_id, placement, trigger, scheduled_for, idempotency_key,
         prompt, model, state, error_code, error_message, deadline_at, traceparent, message_id,
-        cancel_requested_at, admitted_at, started_at, created_at, updated_at,
+        cancel_requested_at, admitted_at, started_at, created_at, updated_at; budget
     } }
 }
 

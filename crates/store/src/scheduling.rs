@@ -231,6 +231,23 @@ impl SchedulingTx {
         crate::receipts::created_terminal(&mut self.tx, std::slice::from_ref(receipt)).await
     }
 
+    /// What the runs of `automation_id` created in `[from, to)` cost
+    /// together, by their receipts, read in the transaction.
+    pub async fn month_spend(
+        &mut self,
+        automation_id: &str,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+    ) -> Result<i64> {
+        crate::automations::month_spend(&mut self.tx, automation_id, from, to).await
+    }
+
+    /// Writes what claimed automations now are (their state, attention and
+    /// next occurrence: paused for a spent monthly budget, say).
+    pub async fn stand(&mut self, moved: &[&Automation], now: DateTime<Utc>) -> Result<()> {
+        crate::automations::stand(&mut self.tx, moved, now).await
+    }
+
     /// Moves an automation's next occurrence (and its version: the
     /// automation's etag changes as its next run time does).
     pub async fn advance(

@@ -87,6 +87,7 @@ pub(crate) fn assignment(spec: &epb::RunSpec) -> rpb::ConnectResponse {
                 deadline_time: spec.deadline_time,
                 traceparent: spec.traceparent.clone(),
                 provider_model: spec.provider_model.clone(),
+                budget: spec.budget,
             },
         )),
     }

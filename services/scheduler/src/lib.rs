@@ -6,6 +6,7 @@
 //! `automesh_edge::convert`, call [`Scheduler`], and map its [`Error`] into a
 //! `Status` in one place.
 
+pub mod budget;
 mod error;
 mod metrics;
 pub mod occurrences;

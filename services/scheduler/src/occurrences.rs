@@ -122,7 +122,15 @@ pub async fn run_loop(
 ) {
     // The due instant the loop woke (a little) ahead of, if it did.
     let mut ahead_of = None;
+    let mut swept: Option<std::time::Instant> = None;
     loop {
+        if swept.is_none_or(|at| at.elapsed() >= crate::budget::MONTH_SWEEP) {
+            swept = Some(std::time::Instant::now());
+            // What it resumes is due now or later: the pass below sees it.
+            if let Err(error) = crate::budget::resume_spent_months(&store, Utc::now()).await {
+                tracing::warn!(%error, "the month sweep failed; the next one retries");
+            }
+        }
         let notified = wake.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
@@ -212,7 +220,11 @@ async fn fire_ahead(
         return Ok(None);
     }
     let due = store.due_by(at, AHEAD_LIMIT as u32 + 1).await?;
-    if due.is_empty() || due.len() > AHEAD_LIMIT || due.iter().any(|d| d.live_run) {
+    // A monthly budget is checked by the pass, in its transaction.
+    let budgeted = due
+        .iter()
+        .any(|d| d.automation.monthly_budget_micros.is_some());
+    if due.is_empty() || due.len() > AHEAD_LIMIT || due.iter().any(|d| d.live_run) || budgeted {
         return Ok(None);
     }
     let mut fires = vec![];
@@ -389,6 +401,12 @@ async fn materialize<'a>(
     if !plan.missed.is_empty() {
         tracing::warn!(automation_id = %a.id, missed = plan.missed.len(), "occurrences missed");
     }
+    if let Some(at) = plan.fire
+        && !due.live_run
+        && crate::budget::skipped_for_budget(tx, a, at, now, created).await?
+    {
+        return Ok(None);
+    }
     if let Some(at) = plan.fire {
         if due.live_run {
             record_terminal(
@@ -458,7 +476,7 @@ fn new_run<'a>(
     }
 }
 
-async fn record_terminal(
+pub(crate) async fn record_terminal(
     tx: &mut SchedulingTx,
     a: &Automation,
     at: DateTime<Utc>,

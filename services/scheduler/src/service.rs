@@ -6,11 +6,12 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use automesh_domain::automation::{Automation, NewAutomation, StateChange};
+use automesh_domain::automation::{Automation, NewAutomation, StateChange, month_of};
 use automesh_domain::ids::{manual_run_id, new_automation_id};
 use automesh_domain::run::NewRun;
 use automesh_domain::{
-    AutomationPatch, AutomationState, Placement, Principal, Receipt, Run, RunState, RunTrigger,
+    AutomationPatch, AutomationState, ErrorCode, Placement, Principal, Receipt, Run, RunState,
+    RunTrigger,
 };
 use automesh_edge::convert::{self, CreateInput};
 use automesh_proto::scheduler::v1 as spb;
@@ -61,14 +62,25 @@ impl Scheduler {
             surface: input.surface,
             schedule: input.schedule,
             pause_after_failures: input.pause_after_failures,
+            budget: input.budget,
+            monthly_budget_micros: input.monthly_budget_micros,
         };
         let created = self.store.create_automation(&new, next, now).await?;
         self.wake.notify_waiters();
         Ok(created)
     }
 
+    /// What the runs of `a` created in the calendar month of `at` (in its
+    /// schedule's zone) cost so far, by their receipts.
+    pub async fn month_spend(&self, a: &Automation, at: DateTime<Utc>) -> Result<i64, Error> {
+        let (from, to) = month_of(at, a.schedule.zone());
+        Ok(self.store.internal().month_spend(&a.id, from, to).await?)
+    }
+
     /// Applies an edit. A claimed placement must equal the stored one; a
-    /// given etag must match; archived automations do not change.
+    /// given etag must match; archived automations do not change. A
+    /// monthly budget raised above (or removed from) what the month spent
+    /// resumes an automation paused for it.
     pub async fn update(
         &self,
         owner: &Principal,
@@ -77,6 +89,13 @@ impl Scheduler {
         claimed_placement: Option<Placement>,
         now: DateTime<Utc>,
     ) -> Result<Automation, Error> {
+        let spent = match patch.monthly_budget_micros {
+            Some(_) => {
+                let current = self.store.get_automation(owner, id).await?;
+                Some(self.month_spend(&current, now).await?)
+            }
+            None => None,
+        };
         self.write(owner, id, patch.expected_version, now, |current| {
             if let Some(claimed) = claimed_placement
                 && claimed != current.placement
@@ -106,6 +125,18 @@ impl Scheduler {
             }
             if let Some(n) = patch.pause_after_failures {
                 next.pause_after_failures = n;
+            }
+            if let Some(cap) = patch.max_cost_micros {
+                next.budget.max_cost_micros = cap;
+            }
+            if let Some(cap) = patch.max_tokens {
+                next.budget.max_tokens = cap;
+            }
+            if let Some(budget) = patch.monthly_budget_micros {
+                next.monthly_budget_micros = budget;
+                if spent.is_some_and(|spent| !next.month_spent(spent)) && next.resume_budget(now) {
+                    tracing::info!(automation_id = %next.id, "monthly budget raised above this month's spend: active again");
+                }
             }
             if let Some(schedule) = &patch.schedule {
                 next.schedule = schedule.clone();
@@ -213,6 +244,17 @@ impl Scheduler {
         }
         // A run this key made already is returned as it is: the insert
         // does nothing when the run's (derived) id exists.
+        if let Ok(existing) = self.store.get_run(owner, &id).await {
+            return Ok(existing);
+        }
+        if automation.monthly_budget_micros.is_some() {
+            let spent = self.month_spend(&automation, now).await?;
+            if automation.month_spent(spent) {
+                return self
+                    .skip_for_budget(owner, &automation, id, key, spent, now)
+                    .await;
+            }
+        }
         let deadline = now + chrono::Duration::from_std(self.run_deadline).unwrap_or_default();
         let run = NewRun {
             id,
@@ -237,6 +279,64 @@ impl Scheduler {
             }]);
         }
         Ok(run)
+    }
+}
+
+impl Scheduler {
+    /// A run-now that finds the month's budget spent: recorded as a run
+    /// skipped with `budget_exhausted` on its receipt (one transaction),
+    /// and the automation, if active, needs attention for it.
+    async fn skip_for_budget(
+        &self,
+        owner: &Principal,
+        automation: &Automation,
+        id: String,
+        key: &str,
+        spent: i64,
+        now: DateTime<Utc>,
+    ) -> Result<Run, Error> {
+        let why = format!(
+            "this month's runs cost {spent} micro-units, the monthly budget is {}",
+            automation.monthly_budget_micros.unwrap_or_default()
+        );
+        let run = NewRun {
+            id: id.clone(),
+            automation,
+            trigger: RunTrigger::Manual,
+            scheduled_for: None,
+            idempotency_key: Some(key.to_owned()),
+            state: RunState::Skipped,
+            error: Some((ErrorCode::BudgetExhausted, why.clone())),
+            deadline_at: now,
+            traceparent: propagation::current_traceparent(),
+        };
+        let mut tx = self.store.begin_scheduling().await?;
+        if tx.create_run(&run, now).await? {
+            tx.insert_receipt(&Receipt {
+                error_code: Some(ErrorCode::BudgetExhausted),
+                error_message: Some(why),
+                ..Receipt::bare(&id, RunState::Skipped, automation.placement, now)
+            })
+            .await?;
+            tx.commit().await?;
+            tracing::warn!(run_id = %id, automation_id = %automation.id, spent, "run-now skipped: the monthly budget is spent");
+            crate::metrics::count(&[crate::metrics::Created {
+                placement: automation.placement,
+                trigger: RunTrigger::Manual,
+                state: RunState::Skipped,
+                code: Some(ErrorCode::BudgetExhausted),
+                fired: None,
+            }]);
+        } else {
+            tx.commit().await?;
+        }
+        self.write(owner, &automation.id, None, now, |current| {
+            let mut next = current.clone();
+            next.exhaust_budget(spent, now);
+            Ok(next)
+        })
+        .await?;
+        Ok(self.store.get_run(owner, &id).await?)
     }
 }
 
@@ -357,8 +457,13 @@ impl Scheduler {
 
     async fn serve_get(&self, owner: Principal, id: String) -> Reply<spb::GetAutomationResponse> {
         let automation = self.store.get_automation(&owner, &id).await?;
-        let automation = Some(self.with_last_run(&owner, &automation).await?);
-        Ok(spb::GetAutomationResponse { automation })
+        let mut shown = self.with_last_run(&owner, &automation).await?;
+        if automation.monthly_budget_micros.is_some() {
+            shown.month_spend_micros = Some(self.month_spend(&automation, Utc::now()).await?);
+        }
+        Ok(spb::GetAutomationResponse {
+            automation: Some(shown),
+        })
     }
 
     /// `automation` as the API shows it, with its newest run (and that

@@ -365,6 +365,8 @@ async fn due_latency(
             .create_automation(
                 &NewAutomation {
                     pause_after_failures: automesh_domain::automation::DEFAULT_PAUSE_AFTER_FAILURES,
+                    budget: Default::default(),
+                    monthly_budget_micros: None,
                     id: id.clone(),
                     owner: owner.clone(),
                     name: format!("desk {i}"),

@@ -1,8 +1,9 @@
 //! Automations, and the validation of the requests that carry them.
 
+use automesh_domain::RunBudget;
 use automesh_domain::automation::{
-    AutomationPatch, DEFAULT_PAUSE_AFTER_FAILURES, IDEMPOTENCY_KEY_LIMIT, check_fields,
-    check_pause_after_failures, parse_etag,
+    AutomationPatch, DEFAULT_PAUSE_AFTER_FAILURES, IDEMPOTENCY_KEY_LIMIT, check_budget,
+    check_fields, check_pause_after_failures, parse_etag,
 };
 use automesh_domain::{Automation, Placement, Schedule, Surface, Violations};
 use automesh_proto::v1 as pb;
@@ -38,6 +39,10 @@ pub fn automation_to_pb(a: &Automation) -> pb::Automation {
         pause_after_failures: Some(a.pause_after_failures as i32),
         failure_streak: a.failure_streak.runs,
         failure_streak_codes: a.failure_streak.codes.clone(),
+        max_cost_micros: a.budget.max_cost_micros,
+        max_tokens: a.budget.max_tokens,
+        monthly_budget_micros: a.monthly_budget_micros,
+        month_spend_micros: None,
     }
 }
 
@@ -51,6 +56,8 @@ pub struct CreateInput {
     pub surface: Surface,
     pub schedule: Schedule,
     pub pause_after_failures: u32,
+    pub budget: RunBudget,
+    pub monthly_budget_micros: Option<i64>,
 }
 
 impl CreateInput {
@@ -103,6 +110,15 @@ pub fn parse_create(
             check_pause_after_failures(&mut v, "automation.pause_after_failures", i64::from(n))
         }
     };
+    let budget = RunBudget {
+        max_cost_micros: check_budget(&mut v, "automation.max_cost_micros", a.max_cost_micros),
+        max_tokens: check_budget(&mut v, "automation.max_tokens", a.max_tokens),
+    };
+    let monthly_budget_micros = check_budget(
+        &mut v,
+        "automation.monthly_budget_micros",
+        a.monthly_budget_micros,
+    );
     match (surface, schedule, pause_after_failures) {
         (Some(surface), Some(schedule), Some(pause_after_failures)) if v.is_empty() => {
             Ok(CreateInput {
@@ -112,6 +128,8 @@ pub fn parse_create(
                 surface,
                 schedule,
                 pause_after_failures,
+                budget,
+                monthly_budget_micros,
             })
         }
         _ => Err(v),
@@ -174,6 +192,23 @@ pub fn parse_update(
                     }
                 }
             }
+            "max_cost_micros" => {
+                patch.max_cost_micros = Some(check_budget(
+                    &mut v,
+                    "automation.max_cost_micros",
+                    a.max_cost_micros,
+                ))
+            }
+            "max_tokens" => {
+                patch.max_tokens = Some(check_budget(&mut v, "automation.max_tokens", a.max_tokens))
+            }
+            "monthly_budget_micros" => {
+                patch.monthly_budget_micros = Some(check_budget(
+                    &mut v,
+                    "automation.monthly_budget_micros",
+                    a.monthly_budget_micros,
+                ))
+            }
             "placement" => v.field(
                 "update_mask",
                 "placement cannot be changed: create a new automation from the other surface",
@@ -181,7 +216,7 @@ pub fn parse_update(
             other => v.field(
                 "update_mask",
                 format!(
-                    "unknown or read-only field {other:?}; updatable: name, prompt, model, schedule, pause_after_failures"
+                    "unknown or read-only field {other:?}; updatable: name, prompt, model, schedule, pause_after_failures, max_cost_micros, max_tokens, monthly_budget_micros"
                 ),
             ),
         }

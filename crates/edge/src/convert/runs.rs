@@ -72,11 +72,48 @@ pub fn receipt_to_pb(r: &Receipt) -> pb::Receipt {
         create_time: Some(timestamp(r.created_at)),
         model: r.model.clone().unwrap_or_default(),
         provider_model: r.provider_model.clone().unwrap_or_default(),
-        price: r.price.map(|p| pb::Price {
-            input_micros_per_million_tokens: p.input_micros_per_million_tokens,
-            output_micros_per_million_tokens: p.output_micros_per_million_tokens,
-        }),
+        price: r.price.map(price_to_pb),
+        max_cost_micros: r.budget.max_cost_micros,
+        max_tokens: r.budget.max_tokens,
     }
+}
+
+pub fn price_to_pb(p: automesh_domain::Price) -> pb::Price {
+    pb::Price {
+        input_micros_per_million_tokens: p.input_micros_per_million_tokens,
+        output_micros_per_million_tokens: p.output_micros_per_million_tokens,
+    }
+}
+
+/// A budget per run and the price it is counted at, as executors and
+/// engines take them (`None` when it caps nothing).
+pub fn run_budget_to_pb(
+    budget: automesh_domain::RunBudget,
+    price: Option<automesh_domain::Price>,
+) -> Option<pb::RunBudget> {
+    budget.is_set().then(|| pb::RunBudget {
+        max_cost_micros: budget.max_cost_micros,
+        max_tokens: budget.max_tokens,
+        price: price.map(price_to_pb),
+    })
+}
+
+/// A budget per run as an executor received it, and its price.
+pub fn run_budget_from_pb(
+    budget: Option<&pb::RunBudget>,
+) -> (automesh_domain::RunBudget, Option<automesh_domain::Price>) {
+    let Some(b) = budget else {
+        return Default::default();
+    };
+    let price = b.price.as_ref().map(|p| automesh_domain::Price {
+        input_micros_per_million_tokens: p.input_micros_per_million_tokens,
+        output_micros_per_million_tokens: p.output_micros_per_million_tokens,
+    });
+    let budget = automesh_domain::RunBudget {
+        max_cost_micros: b.max_cost_micros,
+        max_tokens: b.max_tokens,
+    };
+    (budget, price)
 }
 
 /// An event's payload in its protobuf form.

@@ -114,6 +114,8 @@ pub async fn run(
         root_idle: false,
         busy_seen: false,
         last_answer: String::new(),
+        budget: request.budget,
+        price: request.price,
     };
     let ending = drive::drive(&mut d, &request, &cancel).await;
     Outcome {

@@ -44,6 +44,10 @@ pub(super) struct Drive<'a> {
     pub(super) model_error: Option<CodedError>,
     pub(super) aborted: Option<Instant>,
     pub(super) last_answer: String,
+    /// What the run may spend, checked as each step (assistant message)
+    /// completes, and the price its cost is counted at.
+    pub(super) budget: automesh_domain::RunBudget,
+    pub(super) price: Option<automesh_domain::Price>,
 }
 
 fn session_of(v: &Value) -> Option<&str> {
@@ -173,11 +177,18 @@ impl Drive<'_> {
         self.usage.insert(id.to_owned(), usage);
         let completed = info["time"]["completed"].is_number() || info["error"].is_object();
         if completed && self.usage_sent.insert(id.to_owned()) {
-            self.emit(EngineEvent::Usage {
-                step: self.usage_sent.len() as u32,
-                usage,
-            })
-            .await;
+            let step = self.usage_sent.len() as u32;
+            self.emit(EngineEvent::Usage { step, usage }).await;
+            // The step boundary: a run over its budget is aborted here,
+            // before it asks the provider again (a tool this step asked
+            // for is stopped by the abort, and its permission never
+            // granted).
+            if let Some(over) = self.budget.exceeded(&self.usage_total(), self.price) {
+                tracing::warn!(step, error_code = over.code.as_str(), "{}", over.message);
+                let message = format!("{} after step {step}", over.message);
+                self.decide(Ending::Failed(CodedError::new(over.code, message)))
+                    .await;
+            }
         }
     }
 
@@ -240,6 +251,11 @@ impl Drive<'_> {
         };
         let sid = p["sessionID"].as_str().unwrap_or(&self.root).to_owned();
         if !self.permissions.insert(id.clone()) {
+            return;
+        }
+        if self.ending.is_some() {
+            // The run's end is decided (its budget, say) and the session
+            // aborted: nothing more is granted.
             return;
         }
         let kind = p["permission"]

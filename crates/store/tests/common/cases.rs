@@ -30,6 +30,8 @@ fn mallory() -> Principal {
 fn new_automation(owner: &Principal, id: &str, surface: Surface) -> NewAutomation {
     NewAutomation {
         pause_after_failures: automesh_domain::automation::DEFAULT_PAUSE_AFTER_FAILURES,
+        budget: Default::default(),
+        monthly_budget_micros: None,
         id: id.to_owned(),
         owner: owner.clone(),
         name: format!("automation {id}"),
@@ -96,6 +98,10 @@ fn receipt(run_id: &str, outcome: RunState) -> Receipt {
             input_micros_per_million_tokens: 400_000,
             output_micros_per_million_tokens: 1_600_000,
         }),
+        budget: automesh_domain::RunBudget {
+            max_cost_micros: Some(5_000),
+            max_tokens: None,
+        },
     }
 }
 
@@ -117,6 +123,10 @@ pub async fn migrations_are_idempotent(store: &Store) {
 pub async fn automation_round_trips(store: &Store) {
     let new = NewAutomation {
         pause_after_failures: 7,
+        budget: automesh_domain::RunBudget {
+            max_cost_micros: Some(1_234),
+            max_tokens: None,
+        },
         schedule: Schedule::Weekly {
             days: automesh_domain::WeekdaySet::new([chrono::Weekday::Tue, chrono::Weekday::Sat])
                 .expect("days"),
@@ -137,12 +147,17 @@ pub async fn automation_round_trips(store: &Store) {
     assert_eq!(created.next_run_at, Some(t(60)));
     assert_eq!(created.created_at, t(0));
     assert_eq!(created.pause_after_failures, 7);
+    assert_eq!(created.budget, new.budget);
     assert_eq!(created.failure_streak, Default::default());
     let got = store.get_automation(&alice(), "a1").await.expect("get");
     assert_eq!(got, created);
     // The owner's setting and a streak are written as they are given.
     let edited = Automation {
         pause_after_failures: 0,
+        budget: automesh_domain::RunBudget {
+            max_cost_micros: None,
+            max_tokens: Some(50_000),
+        },
         failure_streak: automesh_domain::FailureStreak {
             runs: 2,
             codes: vec!["provider_error".into(), "timed_out".into()],
@@ -155,6 +170,7 @@ pub async fn automation_round_trips(store: &Store) {
         .expect("update");
     assert_eq!(stored.pause_after_failures, 0);
     assert_eq!(stored.failure_streak, edited.failure_streak);
+    assert_eq!(stored.budget, edited.budget);
 }
 
 pub async fn automations_are_scoped_to_their_owner(store: &Store) {
@@ -274,12 +290,18 @@ pub async fn placement_is_immutable_in_the_schema(store: &Store) {
 }
 
 pub async fn run_creation_is_idempotent_by_id(store: &Store) {
-    let a = create(store, &alice(), "a1", t(0)).await;
+    let mut a = create(store, &alice(), "a1", t(0)).await;
+    // A run keeps the budget its automation had when it was created.
+    a.budget = automesh_domain::RunBudget {
+        max_cost_micros: Some(77),
+        max_tokens: Some(88),
+    };
     let (first, created) = store
         .create_run(&new_run(&a, "r1"), t(1))
         .await
         .expect("create");
     assert!(created);
+    assert_eq!(first.budget, a.budget);
     let edited = Automation {
         prompt: "a different prompt must not overwrite".into(),
         ..a.clone()
@@ -2711,4 +2733,99 @@ pub async fn failure_streaks_pause_an_automation_and_a_success_ends_them(store: 
         assert_eq!(reason, Some(ErrorCode::FailingRepeatedly), "{id}");
     }
     assert_eq!(store.writes_replayed(), replayed, "no batch was replayed");
+}
+
+/// Monthly budgets (issue 32): a month's spend is the sum of the receipts of
+/// the automation's runs created in it (read alike through the store and in
+/// a scheduling transaction); an automation paused for a spent budget is
+/// written by the scheduling transaction and listed for the month sweep.
+pub async fn monthly_budgets_are_read_from_receipts_and_spent_months_listed(store: &Store) {
+    use automesh_domain::AutomationState::NeedsAttention;
+    let new = NewAutomation {
+        monthly_budget_micros: Some(100),
+        ..new_automation(&alice(), "a1", Surface::Web)
+    };
+    let a = store
+        .create_automation(&new, Some(t(3600)), t(0))
+        .await
+        .expect("create");
+    assert_eq!(a.monthly_budget_micros, Some(100));
+    let other = create(store, &alice(), "a2", t(0)).await;
+    // Runs created at t(10), t(20) (in the window) and t(100) (outside);
+    // one in the window has no receipt yet; another automation's run.
+    for (run, at, cost) in [
+        ("r1", 10, Some(30)),
+        ("r2", 20, Some(45)),
+        ("r3", 25, None),
+        ("r4", 100, Some(1_000)),
+    ] {
+        store
+            .create_run(&new_run(&a, run), t(at))
+            .await
+            .expect("create run");
+        if let Some(cost) = cost {
+            let mut r = receipt(run, RunState::Succeeded);
+            r.usage.cost_micros = cost;
+            store.finish_run(&r, t(at + 1)).await.expect("finish");
+        }
+    }
+    store
+        .create_run(&new_run(&other, "o1"), t(10))
+        .await
+        .expect("create");
+    let mut r = receipt("o1", RunState::Succeeded);
+    r.usage.cost_micros = 7_000;
+    store.finish_run(&r, t(11)).await.expect("finish");
+    let spent = store
+        .internal()
+        .month_spend("a1", t(0), t(50))
+        .await
+        .expect("spend");
+    assert_eq!(spent, 75);
+    let mut tx = store.begin_scheduling().await.expect("begin");
+    assert_eq!(tx.month_spend("a1", t(0), t(50)).await.expect("spend"), 75);
+    assert_eq!(
+        tx.month_spend("a1", t(50), t(200)).await.expect("spend"),
+        1_000
+    );
+    assert_eq!(
+        tx.month_spend("nope", t(0), t(200)).await.expect("spend"),
+        0
+    );
+    // Paused in the transaction: written as a new version, and listed.
+    let mut paused = store.get_automation(&alice(), "a1").await.expect("get");
+    assert!(paused.exhaust_budget(spent, t(60)));
+    tx.stand(&[&paused], t(60)).await.expect("stand");
+    tx.commit().await.expect("commit");
+    let stored = store.get_automation(&alice(), "a1").await.expect("get");
+    assert_eq!(stored.state, NeedsAttention);
+    assert_eq!(stored.next_run_at, None);
+    assert_eq!(
+        stored.attention.as_ref().map(|x| x.reason),
+        Some(ErrorCode::BudgetExhausted)
+    );
+    assert!(stored.version > a.version);
+    let listed = store.internal().budget_spent(10).await.expect("list");
+    assert_eq!(
+        listed.iter().map(|a| a.id.as_str()).collect::<Vec<_>>(),
+        ["a1"]
+    );
+    // Raised (an update), it is no longer listed once resumed.
+    let mut raised = stored.clone();
+    raised.monthly_budget_micros = Some(1_000_000);
+    assert!(raised.resume_budget(t(70)));
+    store
+        .update_automation_if_version(&raised, stored.version, t(70))
+        .await
+        .expect("update");
+    assert!(
+        store
+            .internal()
+            .budget_spent(10)
+            .await
+            .expect("list")
+            .is_empty()
+    );
+    let got = store.get_automation(&alice(), "a1").await.expect("get");
+    assert_eq!(got.monthly_budget_micros, Some(1_000_000));
 }

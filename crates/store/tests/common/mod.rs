@@ -45,6 +45,7 @@ macro_rules! conformance_suite {
             cloud_dispatch_is_driven_by_one_replica_and_finished_once,
             executor_seqs_lease_releases_and_terminal_receipts_are_written_once,
             failure_streaks_pause_an_automation_and_a_success_ends_them,
+            monthly_budgets_are_read_from_receipts_and_spent_months_listed,
         );
     };
     ($backend:expr; $($case:ident),* $(,)?) => {

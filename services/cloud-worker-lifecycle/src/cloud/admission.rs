@@ -285,6 +285,7 @@ impl Cloud {
                 connect_token: connect.token.expose().to_owned(),
                 guidance: guidance(),
                 provider_model: spec.provider_model.clone(),
+                budget: spec.budget,
             })
             .instrument(tracing::info_span!("automesh.cloud.submit", message_id = %d.message_id))
             .await;

@@ -36,6 +36,7 @@ pub(super) fn spec(ctx: &Context, run: &Run, message_id: &str) -> epb::RunSpec {
             .model(run)
             .map(|m| m.provider_model().to_owned())
             .unwrap_or_default(),
+        budget: convert::run_budget_to_pb(run.budget, ctx.price(run)),
     }
 }
 

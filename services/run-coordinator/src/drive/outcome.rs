@@ -68,6 +68,7 @@ pub(super) async fn finish(
         model: some(run.model.clone()),
         provider_model: ctx.model(run).map(|m| m.provider_model().to_owned()),
         price,
+        budget: run.budget,
     };
     let after = match ctx.store.finish_run_as(&receipt, &ctx.owner, now).await {
         Ok(after) => {
