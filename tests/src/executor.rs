@@ -25,6 +25,13 @@ pub enum Behavior {
     IgnoreCancel,
     /// Fails at once with this error code.
     Fail(&'static str),
+    /// Reports a step's usage (`input` and `output` tokens) every `every`
+    /// and never stops by itself: an engine that ignores the run's budget.
+    Spend {
+        input: i64,
+        output: i64,
+        every: Duration,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -199,8 +206,39 @@ impl TestExecutor {
                     ..Default::default()
                 });
             }),
+            Behavior::Spend {
+                input,
+                output,
+                every,
+            } => loop {
+                tokio::time::sleep(every).await;
+                let mut state = self.state.lock();
+                let Some(e) = state.runs.get_mut(&run_id) else {
+                    return;
+                };
+                if e.cancelled {
+                    return;
+                }
+                let seq = e.events.len() as i64 + 1;
+                let mut event = Self::event(&run_id, seq, String::new());
+                event.payload = Some(pb::run_event::Payload::Usage(pb::Usage {
+                    input_tokens: input,
+                    output_tokens: output,
+                    cost_micros: 0,
+                }));
+                e.events.push(event);
+            },
             Behavior::Forever | Behavior::IgnoreCancel => {}
         }
+    }
+
+    /// The events the executor reported for `run_id`.
+    pub fn events(&self, run_id: &str) -> usize {
+        self.state
+            .lock()
+            .runs
+            .get(run_id)
+            .map_or(0, |e| e.events.len())
     }
 }
 

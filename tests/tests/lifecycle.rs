@@ -407,6 +407,7 @@ on_both_backends!(
     durable_failures_need_attention_until_a_run_succeeds,
     a_failure_streak_pauses_its_automation_until_activated,
     a_spent_monthly_budget_skips_runs_until_the_month_ends_or_it_is_raised,
+    an_executor_that_ignores_the_budget_is_stopped_by_the_coordinator,
 );
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1078,5 +1079,50 @@ async fn a_spent_monthly_budget_skips_runs_until_the_month_ends_or_it_is_raised(
     let b = get(b.id.clone()).await;
     assert_eq!(b.state, pb::AutomationState::NeedsAttention as i32);
     assert_eq!(b.attention_reason, "budget_exhausted");
+    mesh.stop().await.expect("stop");
+}
+
+/// The budget per run is the coordinator's to enforce as well (issue 32):
+/// an executor whose engine ignores it (a third-party runner, say) keeps
+/// reporting usage; once the reported tokens go over `max_tokens`, the
+/// coordinator cancels the run on its executor and the run ends failed,
+/// `budget_exceeded`.
+async fn an_executor_that_ignores_the_budget_is_stopped_by_the_coordinator(backend: Backend) {
+    let (mesh, executor) = mesh_with(
+        backend,
+        Behavior::Spend {
+            input: 100,
+            output: 20,
+            every: Duration::from_millis(100),
+        },
+        MeshOptions::default(),
+    )
+    .await;
+    let token = mesh.token("acme", "alice");
+    let mut request = daily_automation("capped", "do the thing", pb::Surface::Desktop);
+    if let Some(a) = request.automation.as_mut() {
+        // Over it at the third step (360 tokens).
+        a.max_tokens = Some(300);
+    }
+    let a = mesh.automations(Some(&token)).create(request).await;
+    let run = run_now(&mesh, &token, &a.id, "capped").await;
+    let ended = terminal(mesh.store(), &run.id, Duration::from_secs(20)).await;
+    assert_eq!(
+        (ended.state, ended.error_code),
+        (RunState::Failed, Some(ErrorCode::BudgetExceeded)),
+        "{ended:?}"
+    );
+    assert!(
+        executor.was_cancelled(&run.id),
+        "the executor was not told to stop"
+    );
+    // Stopped within a batch or two of going over, not at its deadline.
+    let steps = executor.events(&run.id);
+    assert!((3..=6).contains(&steps), "{steps} steps reported");
+    let receipt = mesh.receipt(&run.id).await;
+    assert_eq!(receipt.budget.max_tokens, Some(300));
+    // What it spent, as its events reported it (its cancelled outcome
+    // reported none).
+    assert!(receipt.usage.input_tokens >= 300, "{:?}", receipt.usage);
     mesh.stop().await.expect("stop");
 }

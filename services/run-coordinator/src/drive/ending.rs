@@ -43,6 +43,9 @@ impl Ending {
 pub(super) enum CancelCause {
     User,
     Deadline,
+    /// The run's usage, as its executor reported it, went over its budget
+    /// per run (an executor that does not stop it itself).
+    Budget,
 }
 
 pub(super) fn ran_on_executor(status: Option<&epb::ExecutionStatus>) -> bool {
@@ -104,6 +107,16 @@ pub(super) fn cancelled(cause: CancelCause, idle_observed: bool) -> Ending {
             Some(ErrorCode::CancelUnobserved),
             "cancelled by the user; the executor was not observed idle within the cancellation bound",
         ),
+        (CancelCause::Budget, true) => Ending::new(
+            RunState::Failed,
+            Some(ErrorCode::BudgetExceeded),
+            "the run's reported usage went over its budget per run; the coordinator cancelled it on its executor",
+        ),
+        (CancelCause::Budget, false) => Ending::new(
+            RunState::Failed,
+            Some(ErrorCode::BudgetExceeded),
+            "the run's reported usage went over its budget per run; its executor was not observed idle after cancellation",
+        ),
     }
 }
 
@@ -123,6 +136,9 @@ pub(super) fn finished(
         (RunState::Cancelled | RunState::TimedOut, Some(CancelCause::Deadline))
         | (RunState::TimedOut, _) => (RunState::TimedOut, Some(ErrorCode::DeadlineExceeded)),
         (RunState::Succeeded, _) => (RunState::Succeeded, None),
+        (RunState::Cancelled, Some(CancelCause::Budget)) => {
+            (RunState::Failed, Some(ErrorCode::BudgetExceeded))
+        }
         (RunState::Cancelled, _) => (RunState::Cancelled, None),
         (_, _) => (RunState::Failed, code.or(Some(ErrorCode::Internal))),
     };
@@ -168,6 +184,7 @@ mod tests {
         use epb::ExecutionPhase::{Admitted, Finished, Running};
         let deadline = Some(CancelCause::Deadline);
         let user = Some(CancelCause::User);
+        let budget = Some(CancelCause::Budget);
         #[rustfmt::skip]
         let table: &[(&str, epb::ExecutionStatus, Option<CancelCause>, Option<Want>)] = &[
             ("still running", status(Running, None), None, None),
@@ -179,6 +196,8 @@ mod tests {
             ("failed, unknown code", status(Finished, Some(outcome(Pb::Failed, "no_such_code"))), None, Some((RunState::Failed, Some(ErrorCode::Internal)))),
             ("cancelled by the user", status(Finished, Some(outcome(Pb::Cancelled, ""))), user, Some((RunState::Cancelled, None))),
             ("cancelled at the deadline", status(Finished, Some(outcome(Pb::Cancelled, ""))), deadline, Some((RunState::TimedOut, Some(ErrorCode::DeadlineExceeded)))),
+            ("cancelled over its budget", status(Finished, Some(outcome(Pb::Cancelled, ""))), budget, Some((RunState::Failed, Some(ErrorCode::BudgetExceeded)))),
+            ("stopped by its engine's budget", status(Finished, Some(outcome(Pb::Failed, "budget_exceeded"))), None, Some((RunState::Failed, Some(ErrorCode::BudgetExceeded)))),
             ("timed out on the executor", status(Finished, Some(outcome(Pb::TimedOut, "idle_timeout"))), None, Some((RunState::TimedOut, Some(ErrorCode::DeadlineExceeded)))),
             ("a non-terminal outcome", status(Finished, Some(outcome(Pb::Running, ""))), None, Some((RunState::Failed, Some(ErrorCode::Internal)))),
             ("no outcome at all", status(Finished, None), None, Some((RunState::Failed, Some(ErrorCode::Internal)))),
@@ -197,6 +216,8 @@ mod tests {
             (CancelCause::User, true, RunState::Cancelled, None),
             (CancelCause::User, false, RunState::Cancelled, Some(ErrorCode::CancelUnobserved)),
             (CancelCause::Deadline, true, RunState::TimedOut, Some(ErrorCode::DeadlineExceeded)),
+            (CancelCause::Budget, true, RunState::Failed, Some(ErrorCode::BudgetExceeded)),
+            (CancelCause::Budget, false, RunState::Failed, Some(ErrorCode::BudgetExceeded)),
             (CancelCause::Deadline, false, RunState::TimedOut, Some(ErrorCode::DeadlineExceeded)),
         ];
         for (cause, idle, state, code) in table {

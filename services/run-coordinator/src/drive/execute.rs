@@ -159,6 +159,8 @@ pub(super) async fn execute(
 
     let mut after = claimed.executor_seq;
     let mut cancel: Option<(CancelCause, tokio::time::Instant)> = None;
+    // The usage the executor reported while this drive read its events.
+    let mut spent = automesh_domain::Usage::default();
     // Whether the executor ever ran it: a desktop run no runner accepted
     // before its deadline is `runner_offline`, not a cancelled execution.
     let mut ran = ran_on_executor(started.status.as_ref()) || run.started_at.is_some();
@@ -217,6 +219,18 @@ pub(super) async fn execute(
                                         }
                                     }
                                     record_events(ctx, run, &events).await?;
+                                    // The budget per run, checked here too: an
+                                    // executor whose engine ignores it (a
+                                    // third-party runner) is stopped by the
+                                    // coordinator, one event batch later.
+                                    spent = spent_after(spent, &events);
+                                    if cancel.is_none()
+                                        && let Some(over) = run.budget.exceeded(&spent, ctx.price(run))
+                                    {
+                                        tracing::warn!(error_code = over.code.as_str(), "{}; cancelling the run on its executor", over.message);
+                                        send_cancel(ctx, &mut executor, run, "over its budget per run").await;
+                                        cancel = Some((CancelCause::Budget, tokio::time::Instant::now()));
+                                    }
                                     after = events.iter().fold(after, |a, e| a.max(e.sequence));
                                     if !first_event {
                                         first_event = true;
@@ -228,10 +242,10 @@ pub(super) async fn execute(
                                     unaccepted |= s.unaccepted;
                                     apply_status(ctx, run, progress, Some(&s)).await?;
                                     if let Some(ending) = finished(Some(&s), cancel.map(|c| c.0).or(inferred)) {
-                                        return Ok(ending);
+                                        return Ok(at_least(ending, spent));
                                     }
                                     if s.idle && let Some((cause, _)) = cancel {
-                                        return Ok(offline_unless(ran, unaccepted, run.placement, cause, cancelled(cause, true)));
+                                        return Ok(at_least(offline_unless(ran, unaccepted, run.placement, cause, cancelled(cause, true)), spent));
                                     }
                                 }
                                 None => {}
@@ -252,7 +266,7 @@ pub(super) async fn execute(
                     // Last look before giving up on seeing it idle.
                     if let Some((cause, _)) = cancel {
                         let idle = status_of(ctx, &mut executor, run).await.is_some_and(|s| s.idle);
-                        return Ok(offline_unless(ran, unaccepted, run.placement, cause, cancelled(cause, idle)));
+                        return Ok(at_least(offline_unless(ran, unaccepted, run.placement, cause, cancelled(cause, idle)), spent));
                     }
                 }
                 () = lost.cancelled() => return Err(Stop::LeaseLost),
@@ -335,6 +349,7 @@ pub(super) async fn cancel_and_wait(
     let reason = match cause {
         CancelCause::Deadline => "deadline reached",
         CancelCause::User => "cancelled by the user",
+        CancelCause::Budget => "over its budget per run",
     };
     send_cancel(ctx, executor, run, reason).await;
     let give_up = tokio::time::Instant::now() + ctx.settings.cancel_bound;
@@ -485,6 +500,29 @@ pub(super) async fn record_events(
         ctx.store.append_events(&run.id, &new, Utc::now()).await?;
     }
     Ok(())
+}
+
+/// `ending`, charged at least the usage its events reported (`spent`): an
+/// executor cancelled mid-run may report no usage in its outcome.
+fn at_least(mut ending: Ending, spent: automesh_domain::Usage) -> Ending {
+    ending.usage.input_tokens = ending.usage.input_tokens.max(spent.input_tokens);
+    ending.usage.output_tokens = ending.usage.output_tokens.max(spent.output_tokens);
+    ending
+}
+
+/// `spent` plus the usage `events` report.
+fn spent_after(
+    spent: automesh_domain::Usage,
+    events: &[automesh_proto::v1::RunEvent],
+) -> automesh_domain::Usage {
+    events.iter().fold(spent, |total, e| match &e.payload {
+        Some(automesh_proto::v1::run_event::Payload::Usage(u)) => automesh_domain::Usage {
+            input_tokens: total.input_tokens.saturating_add(u.input_tokens.max(0)),
+            output_tokens: total.output_tokens.saturating_add(u.output_tokens.max(0)),
+            cost_micros: total.cost_micros,
+        },
+        _ => total,
+    })
 }
 
 /// The most ready events recorded in one write.
