@@ -221,9 +221,9 @@ struct Finish {
     now: DateTime<Utc>,
 }
 
-/// What the run's end (`ended`: its automation, whose state and failure
-/// streak were as read) may do to its automation: a failure always counts;
-/// a success only ends a streak or a needs-attention; nothing else moves it.
+/// Whether a run's end (`outcome`) may move its automation, whose `state`
+/// and failure `streak` END read: a failure always counts; a success only
+/// ends a streak or a needs-attention; nothing else moves it.
 fn may_move(outcome: RunState, state: AutomationState, streak: i64) -> bool {
     match outcome {
         RunState::Failed | RunState::TimedOut => true,

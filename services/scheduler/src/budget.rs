@@ -40,8 +40,14 @@ pub(crate) async fn skipped_for_budget(
     let skipped = (RunState::Skipped, ErrorCode::BudgetExhausted, why.as_str());
     record_terminal(tx, a, at, now, skipped, created).await?;
     let mut paused = a.clone();
-    paused.exhaust_budget(spent, now);
-    tx.stand(&[&paused], now).await?;
+    if paused.exhaust_budget(spent, now) {
+        tx.stand(&[&paused], now).await?;
+    } else {
+        // Not active (never so for a due automation): it moves on to its
+        // next occurrence rather than staying due.
+        let next = a.schedule.next_after(at);
+        tx.advance(&a.id, next, now).await?;
+    }
     tracing::warn!(automation_id = %a.id, scheduled_for = %at, spent, "occurrence skipped: the monthly budget is spent; the automation needs attention");
     Ok(true)
 }

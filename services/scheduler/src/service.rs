@@ -244,8 +244,10 @@ impl Scheduler {
         }
         // A run this key made already is returned as it is: the insert
         // does nothing when the run's (derived) id exists.
-        if let Ok(existing) = self.store.get_run(owner, &id).await {
-            return Ok(existing);
+        match self.store.get_run(owner, &id).await {
+            Ok(existing) => return Ok(existing),
+            Err(StoreError::NotFound) => {}
+            Err(e) => return Err(e.into()),
         }
         if automation.monthly_budget_micros.is_some() {
             let spent = self.month_spend(&automation, now).await?;
