@@ -328,6 +328,16 @@ async fn a_desktop_and_a_cloud_run_each_give_one_trace_across_every_process() {
         run_span.attributes.get("error.type").map(String::as_str),
         Some("provider_unavailable")
     );
+    // What the end did to its automation, on the run's span: its first
+    // failure in a row.
+    assert_eq!(
+        run_span
+            .attributes
+            .get("automation.failure_streak")
+            .map(String::as_str),
+        Some("1"),
+        "{run_span:?}"
+    );
     let chat = spans
         .iter()
         .find(|s| s.name.starts_with("chat "))

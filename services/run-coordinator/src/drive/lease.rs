@@ -30,6 +30,10 @@ pub(super) async fn drive(ctx: Arc<Context>, claimed: ClaimedRun) {
         error.type = tracing::field::Empty,
         otel.status_code = tracing::field::Empty,
         otel.status_description = tracing::field::Empty,
+        budget.max_cost_micros = run.budget.max_cost_micros,
+        budget.max_tokens = run.budget.max_tokens,
+        automation.failure_streak = tracing::field::Empty,
+        automation.attention = tracing::field::Empty,
     );
     propagation::continue_trace(&span, run.traceparent.as_deref());
     if claimed.claims > 1 {

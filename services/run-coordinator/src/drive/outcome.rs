@@ -106,7 +106,9 @@ pub(super) async fn finish(
         "run ended"
     );
     // What the end did to the automation, committed with it.
+    span.record("automation.failure_streak", after.failure_streak);
     if let Some(reason) = after.paused {
+        span.record("automation.attention", reason.as_str());
         crate::metrics::metrics().attention(Some(reason));
         tracing::warn!(
             automation_id = %run.automation_id,
