@@ -56,14 +56,11 @@ short_names! {
 
 /// A budget per run in words, or `None` when it caps nothing.
 pub(super) fn budget(max_cost_micros: Option<i64>, max_tokens: Option<i64>) -> Option<String> {
-    let caps: Vec<String> = [
-        max_cost_micros.map(|c| format!("{c} µ")),
-        max_tokens.map(|t| format!("{t} tokens")),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
-    (!caps.is_empty()).then(|| caps.join(", "))
+    let budget = automesh_domain::RunBudget {
+        max_cost_micros,
+        max_tokens,
+    };
+    budget.describe()
 }
 
 /// An automation, as an answer carries it (or nothing, as an empty one).

@@ -191,18 +191,11 @@ pub fn schedule(s: &Option<pb::Schedule>, viewer: &crate::time::Viewer) -> Marku
 
 /// A budget per run in words.
 pub fn budget(max_cost_micros: Option<i64>, max_tokens: Option<i64>) -> String {
-    let caps: Vec<String> = [
-        max_cost_micros.map(|c| format!("{c} µ")),
-        max_tokens.map(|t| format!("{t} tokens")),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
-    if caps.is_empty() {
-        "no cap".into()
-    } else {
-        caps.join(" and at most ")
-    }
+    let budget = automesh_domain::RunBudget {
+        max_cost_micros,
+        max_tokens,
+    };
+    budget.describe().unwrap_or_else(|| "no cap".into())
 }
 
 #[cfg(test)]

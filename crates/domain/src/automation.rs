@@ -244,11 +244,7 @@ impl Automation {
             RunState::Succeeded => {
                 self.failure_streak = FailureStreak::default();
                 // A spent month is not mended by a run that succeeded.
-                let spent = self
-                    .attention
-                    .as_ref()
-                    .is_some_and(|x| x.reason == ErrorCode::BudgetExhausted);
-                if self.state == AutomationState::NeedsAttention && !spent {
+                if self.state == AutomationState::NeedsAttention && !self.paused_for_budget() {
                     self.state = AutomationState::Active;
                     self.attention = None;
                     self.next_run_at = self.schedule.next_after(now);

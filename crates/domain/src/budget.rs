@@ -10,6 +10,15 @@ use crate::run::MAX_BUDGET;
 use crate::validation::Violations;
 
 impl Automation {
+    /// Whether it needs attention because its monthly budget is spent.
+    pub fn paused_for_budget(&self) -> bool {
+        self.state == AutomationState::NeedsAttention
+            && self
+                .attention
+                .as_ref()
+                .is_some_and(|x| x.reason == ErrorCode::BudgetExhausted)
+    }
+
     /// Whether its month's `spent` (micro-units) leaves nothing of its
     /// monthly budget: an occurrence or a run-now then does not start.
     pub fn month_spent(&self, spent: i64) -> bool {
@@ -44,12 +53,7 @@ impl Automation {
     /// attention for its spent budget is active again, from its first
     /// occurrence at or after `from`. `true` when that changed it.
     pub fn resume_budget(&mut self, from: DateTime<Utc>) -> bool {
-        let spent = self.state == AutomationState::NeedsAttention
-            && self
-                .attention
-                .as_ref()
-                .is_some_and(|x| x.reason == ErrorCode::BudgetExhausted);
-        if !spent {
+        if !self.paused_for_budget() {
             return false;
         }
         self.state = AutomationState::Active;

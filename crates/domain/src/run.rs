@@ -92,6 +92,19 @@ pub struct RunBudget {
 pub const MAX_BUDGET: i64 = 1_000_000_000_000;
 
 impl RunBudget {
+    /// Its caps in words (`1500 µ, 777 tokens`), or `None` when it caps
+    /// nothing.
+    pub fn describe(&self) -> Option<String> {
+        let caps: Vec<String> = [
+            self.max_cost_micros.map(|c| format!("{c} µ")),
+            self.max_tokens.map(|t| format!("{t} tokens")),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        (!caps.is_empty()).then(|| caps.join(", "))
+    }
+
     /// Whether it caps anything.
     pub fn is_set(&self) -> bool {
         self.max_cost_micros.is_some() || self.max_tokens.is_some()
