@@ -11,6 +11,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "automesh/v1/placement.proto",
         "automesh/v1/automations.proto",
         "automesh/v1/runs.proto",
+        "automesh/v1/notifications.proto",
         "automesh/internal/v1/caller.proto",
         "automesh/scheduler/v1/scheduler.proto",
         "automesh/coordinator/v1/coordinator.proto",

@@ -6,6 +6,7 @@
 
 pub mod auth;
 mod automations;
+mod notifications;
 mod pass;
 mod preview;
 mod runs;
@@ -18,6 +19,7 @@ use automesh_domain::{ModelCatalog, ModelRefusal, Placement, Principal};
 use automesh_edge::convert;
 use automesh_edge::status;
 use automesh_proto::v1::automations_server::AutomationsServer;
+use automesh_proto::v1::notifications_server::NotificationsServer;
 use automesh_proto::v1::runs_server::RunsServer;
 use automesh_proto::worker::v1 as wpb;
 use automesh_rpc::{GrpcServer, InternalCredential, ServerSettings};
@@ -176,6 +178,7 @@ impl Service {
         let mut server = GrpcServer::new(self.server.clone())?;
         server.add_service(AutomationsServer::new(gateway.clone()));
         server.add_service(RunsServer::new(gateway.clone()));
+        server.add_service(NotificationsServer::new(gateway.clone()));
         let upstreams = gateway.upstreams.clone();
         server
             .serve(

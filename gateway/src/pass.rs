@@ -196,6 +196,11 @@ upstream!(
     cpb::ListRunEventsRequest => cpb::ListRunEventsResponse,
     cpb::SummarizeUsageRequest => cpb::SummarizeUsageResponse,
     spb::ListAutomationsRequest => spb::ListAutomationsResponse,
+    spb::CreateWebhookEndpointRequest => spb::CreateWebhookEndpointResponse,
+    spb::ListWebhookEndpointsRequest => spb::ListWebhookEndpointsResponse,
+    spb::DeleteWebhookEndpointRequest => spb::DeleteWebhookEndpointResponse,
+    spb::TestWebhookEndpointRequest => spb::TestWebhookEndpointResponse,
+    spb::ListWebhookMessagesRequest => spb::ListWebhookMessagesResponse,
 );
 
 wraps!(
@@ -203,6 +208,11 @@ wraps!(
     cpb::ListRunEventsResponse => pb::ListRunEventsResponse,
     cpb::SummarizeUsageResponse => pb::SummarizeUsageResponse,
     spb::ListAutomationsResponse => pb::ListAutomationsResponse,
+    spb::CreateWebhookEndpointResponse => pb::CreateWebhookEndpointResponse,
+    spb::ListWebhookEndpointsResponse => pb::ListWebhookEndpointsResponse,
+    spb::DeleteWebhookEndpointResponse => pb::DeleteWebhookEndpointResponse,
+    spb::TestWebhookEndpointResponse => pb::TestWebhookEndpointResponse,
+    spb::ListWebhookMessagesResponse => pb::ListWebhookMessagesResponse,
 );
 
 by_id! {
@@ -213,6 +223,10 @@ by_id! {
 }
 
 use cpb::{ListRunEventsRequest, ListRunsRequest, SummarizeUsageRequest};
+use spb::{
+    CreateWebhookEndpointRequest, DeleteWebhookEndpointRequest, ListWebhookEndpointsRequest,
+    ListWebhookMessagesRequest, TestWebhookEndpointRequest,
+};
 use spb::{ListAutomationsRequest, RunAutomationNowRequest, UpdateAutomationRequest};
 
 whole! {
@@ -227,6 +241,16 @@ whole! {
         => scheduler.run_automation_now(RunAutomationNowRequest);
     pb::UpdateAutomationRequest, checks::update, admit crate::automations::admit_update
         => scheduler.update_automation(UpdateAutomationRequest);
+    pb::CreateWebhookEndpointRequest, checks::create_endpoint
+        => scheduler.create_webhook_endpoint(CreateWebhookEndpointRequest);
+    pb::ListWebhookEndpointsRequest, checks::none
+        => scheduler.list_webhook_endpoints(ListWebhookEndpointsRequest);
+    pb::DeleteWebhookEndpointRequest, checks::endpoint_id
+        => scheduler.delete_webhook_endpoint(DeleteWebhookEndpointRequest);
+    pb::TestWebhookEndpointRequest, checks::endpoint_id
+        => scheduler.test_webhook_endpoint(TestWebhookEndpointRequest);
+    pb::ListWebhookMessagesRequest, checks::messages
+        => scheduler.list_webhook_messages(ListWebhookMessagesRequest);
 }
 
 /// What the listings check before they go on.
@@ -252,6 +276,47 @@ mod checks {
 
     pub(super) fn update(r: &pb::UpdateAutomationRequest) -> Result<(), Violations> {
         convert::parse_update(r, chrono::Utc::now()).map(drop)
+    }
+
+    pub(super) fn none<T>(_: &T) -> Result<(), Violations> {
+        Ok(())
+    }
+
+    /// Requests that name one endpoint by `id`.
+    pub(super) fn endpoint_id<T: NamesEndpoint>(r: &T) -> Result<(), Violations> {
+        convert::require_id(r.endpoint(), "id")
+    }
+
+    pub(super) trait NamesEndpoint {
+        fn endpoint(&self) -> &str;
+    }
+
+    impl NamesEndpoint for pb::DeleteWebhookEndpointRequest {
+        fn endpoint(&self) -> &str {
+            &self.id
+        }
+    }
+
+    impl NamesEndpoint for pb::TestWebhookEndpointRequest {
+        fn endpoint(&self) -> &str {
+            &self.id
+        }
+    }
+
+    pub(super) fn messages(r: &pb::ListWebhookMessagesRequest) -> Result<(), Violations> {
+        convert::require_id(&r.endpoint_id, "endpoint_id")
+    }
+
+    /// The URL is checked by the scheduler, which knows what its operator
+    /// allows; here only what no operator allows.
+    pub(super) fn create_endpoint(r: &pb::CreateWebhookEndpointRequest) -> Result<(), Violations> {
+        convert::check_optional_text(&[("url", &r.url), ("description", &r.description)])?;
+        if r.url.trim().is_empty() {
+            let mut v = Violations::default();
+            v.field("url", "required: the https URL messages are posted to");
+            return Err(v);
+        }
+        Ok(())
     }
 
     pub(super) fn list_automations(r: &pb::ListAutomationsRequest) -> Result<(), Violations> {

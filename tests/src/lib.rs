@@ -8,6 +8,7 @@ pub mod flood;
 pub mod otlp;
 pub mod processes;
 pub mod relay;
+pub mod webhooks;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -85,7 +86,16 @@ pub struct MeshOptions {
     /// What the public gateway's and the runner gateways' listeners let in
     /// (their flags' defaults unless set).
     pub connections: Option<automesh_rpc::runtime::ConnectionLimits>,
+    /// The schedulers' webhook settings: notifications on (the key
+    /// [`WEBHOOK_KEY`]), http and loopback endpoints allowed, and these
+    /// bounds (short ones by default).
+    pub webhook_timeout: Duration,
+    pub webhook_first_retry: Duration,
+    pub webhook_retry_for: Duration,
 }
+
+/// The operator's notification key of every test mesh.
+pub const WEBHOOK_KEY: &str = "test-mesh-notification-key";
 
 /// The cloud path of a test mesh: the lifecycle's configuration, and the
 /// worker driver it runs (a real local-process driver the test keeps a
@@ -143,6 +153,9 @@ impl Default for MeshOptions {
             cloud: None,
             models: test_models(),
             connections: None,
+            webhook_timeout: Duration::from_secs(2),
+            webhook_first_retry: Duration::from_millis(200),
+            webhook_retry_for: Duration::from_secs(600),
         }
     }
 }
@@ -342,6 +355,12 @@ impl Mesh {
             let config = automesh_scheduler::Config {
                 run_deadline: options.run_deadline,
                 catch_up_window: options.catch_up_window,
+                notification_key: Some(WEBHOOK_KEY.into()),
+                webhook_allow_http: true,
+                webhook_allow_private: true,
+                webhook_timeout: options.webhook_timeout,
+                webhook_first_retry: options.webhook_first_retry,
+                webhook_retry_for: options.webhook_retry_for,
                 ..service_config()
             };
             let scheduler =
@@ -526,6 +545,13 @@ impl Mesh {
 
     pub fn runs(&self, token: Option<&str>) -> RunsClient<AuthedChannel> {
         RunsClient::new(self.channel(token))
+    }
+
+    pub fn notifications(
+        &self,
+        token: Option<&str>,
+    ) -> automesh_proto::v1::notifications_client::NotificationsClient<AuthedChannel> {
+        automesh_proto::v1::notifications_client::NotificationsClient::new(self.channel(token))
     }
 
     /// Creates a daily desktop automation of `user` through the public API

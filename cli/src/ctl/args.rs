@@ -205,6 +205,10 @@ pub(super) enum CtlCommand {
         #[arg(long, default_value = "")]
         tz: String,
     },
+    /// Webhook endpoints: where you are told of failed runs, automations
+    /// that need attention, spent budgets and missed occurrences.
+    #[command(subcommand)]
+    Webhooks(super::webhooks::WebhooksCommand),
     /// Revoke a desktop runner: its token stops working and its stream ends.
     RevokeRunner {
         /// The runner id `runner-token` printed.

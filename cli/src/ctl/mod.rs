@@ -4,6 +4,7 @@ mod args;
 use args::{CtlCommand, SurfaceArg};
 mod owners;
 mod print;
+mod webhooks;
 
 use std::time::Duration;
 
@@ -113,7 +114,7 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
     let channel = automesh_rpc::client::channel(&args.addr)?;
     let authed: Authed = InterceptedService::new(channel, bearer);
     let mut automations = AutomationsClient::new(authed.clone());
-    let mut runs = RunsClient::new(authed);
+    let mut runs = RunsClient::new(authed.clone());
 
     match args.command {
         CtlCommand::Create {
@@ -425,6 +426,7 @@ pub async fn run(args: CtlArgs) -> anyhow::Result<()> {
             until,
             tz,
         } => owners::usage(&mut runs, automation, since, until, tz).await?,
+        CtlCommand::Webhooks(command) => webhooks::run(authed, command).await?,
         CtlCommand::Token { .. } => unreachable!("handled above"),
     }
     Ok(())

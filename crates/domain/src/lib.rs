@@ -15,6 +15,7 @@ pub mod error_code;
 pub mod failure;
 pub mod ids;
 pub mod models;
+pub mod notification;
 pub mod principal;
 pub mod run;
 pub mod schedule;
@@ -28,6 +29,7 @@ pub use automation::{
 pub use error_code::{CodedError, ErrorCode};
 pub use failure::{Failure, FailureKind};
 pub use models::{ModelCatalog, ModelRefusal, ModelSpec, Price};
+pub use notification::{EventType, Notice, WebhookEndpoint};
 pub use principal::Principal;
 pub use run::{
     NewRun, QuarterUsage, Receipt, Run, RunBudget, RunEvent, RunEventPayload, RunState, RunTrigger,

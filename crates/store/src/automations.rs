@@ -4,7 +4,9 @@ use std::collections::HashMap;
 
 use automesh_domain::automation::{Automation, FailureStreak, NewAutomation};
 use automesh_domain::schedule::{Schedule, ScheduleRecord};
-use automesh_domain::{Attention, ErrorCode, Principal, Receipt, Run, RunState};
+use automesh_domain::{
+    Attention, AutomationState, ErrorCode, Notice, Principal, Receipt, Run, RunState,
+};
 use chrono::{DateTime, Utc};
 use sqlx::AnyConnection;
 use sqlx::any::AnyRow;
@@ -156,6 +158,7 @@ fn codes_json(streak: &FailureStreak) -> String {
 /// A run's end, as it bears on its automation.
 #[derive(Debug, Clone)]
 pub(crate) struct RunEnd<'a> {
+    pub(crate) run_id: &'a str,
     pub(crate) automation_id: &'a str,
     pub(crate) outcome: RunState,
     pub(crate) code: Option<ErrorCode>,
@@ -190,9 +193,20 @@ pub(crate) async fn after_runs(
         Ok((a.id.clone(), (a, false)))
     });
     let mut standing: HashMap<String, (Automation, bool)> = read.await?.into_iter().collect();
+    // What the owner is told, in this transaction: the first failure of a
+    // streak, and a move to needs-attention (one per streak).
+    let mut notices = vec![];
     for end in ends {
         if let Some((a, changed)) = standing.get_mut(end.automation_id) {
+            let (was, streak) = (a.state, a.failure_streak.runs);
             *changed |= a.after_run(end.outcome, end.code, end.message, now);
+            if streak == 0 && matches!(end.outcome, RunState::Failed | RunState::TimedOut) {
+                let (id, code, message) = (end.run_id, end.code, end.message);
+                notices.push(Notice::run_failed(a, id, end.outcome, code, message, now));
+            }
+            if was != a.state && a.state == AutomationState::NeedsAttention {
+                notices.push(Notice::needs_attention(a, end.run_id, now));
+            }
         }
     }
     let moved: Vec<StandingRow> = standing
@@ -201,6 +215,7 @@ pub(crate) async fn after_runs(
         .map(|(a, _)| StandingRow::of(a, now))
         .collect();
     STAND.execute(&mut *db, &moved).await?;
+    crate::notifications::enqueue(&mut *db, &notices).await?;
     Ok(standing)
 }
 

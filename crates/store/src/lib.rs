@@ -20,6 +20,7 @@ mod error;
 pub mod events;
 pub mod leases;
 mod migrations;
+pub mod notifications;
 pub mod page;
 pub mod receipts;
 mod rows;

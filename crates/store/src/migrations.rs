@@ -69,6 +69,12 @@ const MIGRATIONS: &[(i64, &str, &str, &str)] = &[
         include_str!("../../../migrations/postgres/0010_budgets.sql"),
         include_str!("../../../migrations/sqlite/0010_budgets.sql"),
     ),
+    (
+        11,
+        "notifications",
+        include_str!("../../../migrations/postgres/0011_notifications.sql"),
+        include_str!("../../../migrations/sqlite/0011_notifications.sql"),
+    ),
 ];
 
 pub(crate) fn migrator(backend: Backend) -> Migrator {

@@ -310,6 +310,7 @@ impl crate::writer::Job for Finish {
             let moves: Vec<RunEnd<'_>> = moving
                 .iter()
                 .map(|(r, e)| RunEnd {
+                    run_id: &r.run_id,
                     automation_id: &e.automation_id,
                     outcome: r.outcome,
                     code: r.error_code,

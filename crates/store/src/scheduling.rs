@@ -248,6 +248,13 @@ impl SchedulingTx {
         crate::automations::stand(&mut self.tx, moved, now).await
     }
 
+    /// Writes `notices` to the outbox in this transaction (a skipped or
+    /// missed occurrence's): see [`crate::notifications`].
+    pub async fn notify(&mut self, notices: &[automesh_domain::Notice]) -> Result<()> {
+        crate::notifications::enqueue(&mut self.tx, notices).await?;
+        Ok(())
+    }
+
     /// Moves an automation's next occurrence (and its version: the
     /// automation's etag changes as its next run time does).
     pub async fn advance(

@@ -1,9 +1,9 @@
 //! Wake-ups between services: in-process (dev mode and tests run several
 //! services in one process) and, on PostgreSQL, across processes with
-//! LISTEN/NOTIFY. Two topics: runs were created (`automesh_runs`, for
-//! run-coordinators) and desktop dispatch changed (`automesh_desktop`, for
-//! runner-gateway replicas). A wake-up is only a hint: every watcher also
-//! polls, so a lost one delays work by at most the poll interval.
+//! LISTEN/NOTIFY, one channel per [`Topic`] (for run-coordinators,
+//! runner-gateway replicas and webhook delivery). A wake-up is only a hint:
+//! every watcher also polls, so a lost one delays work by at most the poll
+//! interval.
 //!
 //! Desktop changes are [`DesktopNote`]s that say what changed, so a replica
 //! acts on exactly that — claims an offered run for the owner's runner it
@@ -28,6 +28,8 @@ pub enum Topic {
     Runs,
     /// A desktop assignment was offered, claimed, reported on or cancelled.
     Desktop,
+    /// Webhook messages were written to the outbox.
+    Notifications,
 }
 
 struct Channel {
@@ -35,21 +37,17 @@ struct Channel {
     notify: Notify,
 }
 
-static RUNS: Channel = Channel {
-    generation: AtomicU64::new(0),
-    notify: Notify::const_new(),
-};
-static DESKTOP: Channel = Channel {
-    generation: AtomicU64::new(0),
-    notify: Notify::const_new(),
-};
+/// One channel per topic, in the order of [`Topic`].
+static CHANNELS: [Channel; 3] = [const {
+    Channel {
+        generation: AtomicU64::new(0),
+        notify: Notify::const_new(),
+    }
+}; 3];
 
 impl Topic {
     fn channel(self) -> &'static Channel {
-        match self {
-            Topic::Runs => &RUNS,
-            Topic::Desktop => &DESKTOP,
-        }
+        &CHANNELS[self as usize]
     }
 
     /// The PostgreSQL channel name.
@@ -57,6 +55,7 @@ impl Topic {
         match self {
             Topic::Runs => "automesh_runs",
             Topic::Desktop => "automesh_desktop",
+            Topic::Notifications => "automesh_notifications",
         }
     }
 
@@ -543,7 +542,7 @@ impl Store {
         topic.signal_local();
         if self.backend() == Backend::Postgres {
             let payload = match topic {
-                Topic::Runs => process_token(),
+                Topic::Runs | Topic::Notifications => process_token(),
                 Topic::Desktop => "",
             };
             notify(self.db(), topic, payload).await?;

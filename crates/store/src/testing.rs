@@ -93,6 +93,51 @@ impl TestDatabase {
         })
     }
 
+    /// The tables that hold `needle` anywhere in a row (PostgreSQL: each
+    /// row as text; SQLite: the file and its write-ahead log, byte for
+    /// byte, so nothing the database keeps escapes the scan).
+    pub async fn tables_holding(&self, needle: &str) -> Result<Vec<String>> {
+        match &self.cleanup {
+            Cleanup::File(path) => {
+                let mut found = vec![];
+                for suffix in ["", "-wal"] {
+                    let mut p = path.clone().into_os_string();
+                    p.push(suffix);
+                    let bytes = std::fs::read(&p).unwrap_or_default();
+                    if bytes
+                        .windows(needle.len().max(1))
+                        .any(|w| w == needle.as_bytes())
+                    {
+                        found.push(format!("the SQLite file{suffix}"));
+                    }
+                }
+                Ok(found)
+            }
+            Cleanup::Database { .. } => {
+                let tables: Vec<String> = sqlx::query_scalar(
+                    "SELECT CAST(table_name AS TEXT) FROM information_schema.tables \
+                     WHERE table_schema = 'public' AND table_type = 'BASE TABLE'",
+                )
+                .fetch_all(self.store.db())
+                .await?;
+                let mut found = vec![];
+                for table in tables {
+                    let sql = format!(
+                        "SELECT COUNT(*) FROM {table} x WHERE strpos(CAST(x AS TEXT), $1) > 0"
+                    );
+                    let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                        .bind(needle)
+                        .fetch_one(self.store.db())
+                        .await?;
+                    if n > 0 {
+                        found.push(table);
+                    }
+                }
+                Ok(found)
+            }
+        }
+    }
+
     /// Closes the pool and deletes the database.
     pub async fn remove(self) -> Result<()> {
         self.store.close().await;

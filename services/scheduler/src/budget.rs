@@ -6,7 +6,8 @@
 use std::time::Duration;
 
 use automesh_domain::automation::month_of;
-use automesh_domain::{Automation, ErrorCode, RunState};
+use automesh_domain::ids::scheduled_run_id;
+use automesh_domain::{Automation, ErrorCode, Notice, RunState};
 use automesh_store::scheduling::SchedulingTx;
 use automesh_store::{Store, StoreError};
 use chrono::{DateTime, Utc};
@@ -42,6 +43,9 @@ pub(crate) async fn skipped_for_budget(
     let mut paused = a.clone();
     if paused.exhaust_budget(spent, now) {
         tx.stand(&[&paused], now).await?;
+        let run_id = scheduled_run_id(&a.id, at);
+        tx.notify(&[Notice::budget_reached(&paused, &run_id, spent, now)])
+            .await?;
     } else {
         // Not active (never so for a due automation): it moves on to its
         // next occurrence rather than staying due.

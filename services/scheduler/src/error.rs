@@ -20,6 +20,14 @@ pub enum Error {
     Contended,
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The operator set no notification key.
+    #[error("notifications are not configured")]
+    NotificationsOff,
+    /// A store error about a webhook endpoint.
+    #[error("{0}")]
+    Endpoint(StoreError),
+    #[error("the webhook endpoint is disabled: {0}")]
+    EndpointDisabled(String),
 }
 
 impl From<Error> for Status {
@@ -42,6 +50,21 @@ impl From<Error> for Status {
                 status::failed_precondition("INVARIANT", "automation", &msg)
             }
             Error::Store(e) => status::of(&e, "automation"),
+            Error::NotificationsOff => status::failed_precondition(
+                "NOTIFICATIONS_OFF",
+                "webhook endpoint",
+                "notifications are not configured on this mesh: its operator sets \
+                 AUTOMESH_NOTIFICATION_KEY on the scheduler",
+            ),
+            Error::Endpoint(StoreError::Invariant(msg)) => {
+                status::failed_precondition("WEBHOOK_ENDPOINT_LIMIT", "webhook endpoint", &msg)
+            }
+            Error::Endpoint(e) => status::of(&e, "webhook endpoint"),
+            Error::EndpointDisabled(why) => status::failed_precondition(
+                "WEBHOOK_ENDPOINT_DISABLED",
+                "webhook endpoint",
+                &format!("the endpoint is disabled ({why})"),
+            ),
         }
     }
 }

@@ -7,10 +7,12 @@
 //! `Status` in one place.
 
 pub mod budget;
+pub mod delivery;
 mod error;
 mod metrics;
 pub mod occurrences;
 mod service;
+pub mod webhooks;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,11 +39,62 @@ automesh_rpc::service_config! {
     /// still run once; older ones are recorded missed.
     #[arg(long, env = "AUTOMESH_CATCH_UP_WINDOW", default_value = "1h", value_parser = parse_duration)]
     pub catch_up_window: Duration,
+    /// The operator's notification key: each webhook endpoint's signing
+    /// secret is derived from it (nothing secret is stored). Without it,
+    /// webhook endpoints cannot be created and nothing is delivered. Keep
+    /// it stable: a new key changes every endpoint's secret.
+    #[arg(long, env = "AUTOMESH_NOTIFICATION_KEY", hide_env_values = true)]
+    pub notification_key: Option<automesh_domain::Secret>,
+    /// Allow http:// webhook endpoints (development only).
+    #[arg(long, env = "AUTOMESH_WEBHOOK_ALLOW_HTTP")]
+    pub webhook_allow_http: bool,
+    /// Allow webhook endpoints on loopback, private and link-local
+    /// addresses (development only; otherwise refused at creation and at
+    /// every delivery, whatever a name resolves to).
+    #[arg(long, env = "AUTOMESH_WEBHOOK_ALLOW_PRIVATE")]
+    pub webhook_allow_private: bool,
+    /// Bound on one delivery attempt (connect, send, answer).
+    #[arg(long, env = "AUTOMESH_WEBHOOK_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub webhook_timeout: Duration,
+    /// The wait before a failed message's first retry; each next one
+    /// doubles it, up to an hour, with jitter.
+    #[arg(long, env = "AUTOMESH_WEBHOOK_FIRST_RETRY", default_value = "5s", value_parser = parse_duration)]
+    pub webhook_first_retry: Duration,
+    /// How long a message is retried; then its endpoint is disabled, with
+    /// the reason shown to its owner.
+    #[arg(long, env = "AUTOMESH_WEBHOOK_RETRY_FOR", default_value = "24h", value_parser = parse_duration)]
+    pub webhook_retry_for: Duration,
 }
 
 impl Config {
     pub fn settings(&self) -> occurrences::Settings {
         occurrences::Settings::new(self.run_deadline, self.catch_up_window)
+    }
+
+    /// Webhook settings, when the operator gave a notification key.
+    pub fn webhooks(&self) -> Result<Option<Arc<webhooks::Webhooks>>> {
+        let Some(key) = &self.notification_key else {
+            return Ok(None);
+        };
+        anyhow::ensure!(
+            key.expose().len() >= 16,
+            "the notification key (AUTOMESH_NOTIFICATION_KEY, --notification-key) must be at least 16 bytes"
+        );
+        for (name, d) in [
+            ("--webhook-timeout", self.webhook_timeout),
+            ("--webhook-first-retry", self.webhook_first_retry),
+            ("--webhook-retry-for", self.webhook_retry_for),
+        ] {
+            anyhow::ensure!(!d.is_zero(), "{name} must be longer than 0");
+        }
+        Ok(Some(Arc::new(webhooks::Webhooks {
+            key: key.clone(),
+            allow_http: self.webhook_allow_http,
+            allow_private: self.webhook_allow_private,
+            timeout: self.webhook_timeout,
+            first_retry: self.webhook_first_retry,
+            retry_for: self.webhook_retry_for,
+        })))
     }
 }
 
@@ -58,6 +111,7 @@ pub struct Service {
     store: Store,
     settings: occurrences::Settings,
     wake: Arc<Notify>,
+    webhooks: Option<Arc<webhooks::Webhooks>>,
 }
 
 impl Service {
@@ -70,7 +124,13 @@ impl Service {
         store.observe_pool(&automesh_telemetry::metrics::meter());
         // An edit wakes the occurrence loop.
         let wake = Arc::new(Notify::new());
-        let scheduler = Scheduler::new(store.clone(), config.run_deadline, wake.clone());
+        let webhooks = config.webhooks()?;
+        let scheduler = Scheduler::new(
+            store.clone(),
+            config.run_deadline,
+            wake.clone(),
+            webhooks.clone(),
+        );
         let mut server = GrpcServer::new(ServerSettings::default().limited(&config.connections)?)?;
         server.add_service(SchedulerServiceServer::with_interceptor(
             scheduler,
@@ -81,11 +141,13 @@ impl Service {
             store,
             settings: config.settings(),
             wake,
+            webhooks,
         })
     }
 
-    /// Serves until `shutdown` is cancelled: the gRPC server and the
-    /// occurrence loop, both inside this future, so aborting it stops
+    /// Serves until `shutdown` is cancelled: the gRPC server, the
+    /// occurrence loop and (with a notification key) webhook delivery, all
+    /// inside this future, so aborting it stops
     /// everything at once, as a crash would.
     pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
         let Self {
@@ -93,11 +155,19 @@ impl Service {
             store,
             settings,
             wake,
+            webhooks,
         } = self;
         let probe = store.readiness_probe();
         server
-            .serve_beside(listener, shutdown, probe, |stop| {
-                occurrences::run_loop(store, settings, wake, stop)
+            .serve_beside(listener, shutdown, probe, |stop| async move {
+                let delivery = async {
+                    if let Some(webhooks) = webhooks {
+                        delivery::run_loop(store.clone(), webhooks, stop.clone()).await;
+                    }
+                };
+                let occurrences =
+                    occurrences::run_loop(store.clone(), settings, wake, stop.clone());
+                tokio::join!(occurrences, delivery);
             })
             .await?;
         Ok(())

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use automesh_domain::ids::scheduled_run_id;
 use automesh_domain::run::NewRun;
-use automesh_domain::{Automation, ErrorCode, Receipt, RunState, RunTrigger, Schedule};
+use automesh_domain::{Automation, ErrorCode, Notice, Receipt, RunState, RunTrigger, Schedule};
 use automesh_store::leases::CLAIM_AHEAD;
 use automesh_store::scheduling::{Due, SchedulingTx};
 use automesh_store::{Store, StoreError};
@@ -399,6 +399,8 @@ async fn materialize<'a>(
         .await?;
     }
     if !plan.missed.is_empty() {
+        tx.notify(&[Notice::occurrences_missed(a, &plan.missed, now)])
+            .await?;
         tracing::warn!(automation_id = %a.id, missed = plan.missed.len(), "occurrences missed");
     }
     if let Some(at) = plan.fire

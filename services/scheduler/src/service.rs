@@ -10,8 +10,8 @@ use automesh_domain::automation::{Automation, NewAutomation, StateChange, month_
 use automesh_domain::ids::{manual_run_id, new_automation_id};
 use automesh_domain::run::NewRun;
 use automesh_domain::{
-    AutomationPatch, AutomationState, ErrorCode, Placement, Principal, Receipt, Run, RunState,
-    RunTrigger,
+    AutomationPatch, AutomationState, ErrorCode, Notice, Placement, Principal, Receipt, Run,
+    RunState, RunTrigger,
 };
 use automesh_edge::convert::{self, CreateInput};
 use automesh_proto::scheduler::v1 as spb;
@@ -34,15 +34,31 @@ pub struct Scheduler {
     run_deadline: Duration,
     /// Wakes the occurrence loop after an edit that may move the next due instant.
     wake: Arc<Notify>,
+    /// What the operator configured for webhooks (none: notifications off).
+    webhooks: Option<Arc<crate::webhooks::Webhooks>>,
 }
 
 impl Scheduler {
-    pub fn new(store: Store, run_deadline: Duration, wake: Arc<Notify>) -> Self {
+    pub fn new(
+        store: Store,
+        run_deadline: Duration,
+        wake: Arc<Notify>,
+        webhooks: Option<Arc<crate::webhooks::Webhooks>>,
+    ) -> Self {
         Self {
             store,
             run_deadline,
             wake,
+            webhooks,
         }
+    }
+
+    pub(crate) fn store(&self) -> &Store {
+        &self.store
+    }
+
+    pub(crate) fn webhook_settings(&self) -> Option<&crate::webhooks::Webhooks> {
+        self.webhooks.as_deref()
     }
 
     /// Stores a new, active automation with its first occurrence.
@@ -320,6 +336,12 @@ impl Scheduler {
                 ..Receipt::bare(&id, RunState::Skipped, automation.placement, now)
             })
             .await?;
+            if automation.state == AutomationState::Active {
+                let mut paused = automation.clone();
+                paused.exhaust_budget(spent, now);
+                tx.notify(&[Notice::budget_reached(&paused, &id, spent, now)])
+                    .await?;
+            }
             tx.commit().await?;
             tracing::warn!(run_id = %id, automation_id = %automation.id, spent, "run-now skipped: the monthly budget is spent");
             crate::metrics::count(&[crate::metrics::Created {
@@ -370,6 +392,16 @@ impl SchedulerService for Scheduler {
             => serve_set_state as answer;
         run_automation_now(spb::RunAutomationNowRequest) -> spb::RunAutomationNowResponse
             => serve_run_now[request];
+        create_webhook_endpoint(spb::CreateWebhookEndpointRequest)
+            -> spb::CreateWebhookEndpointResponse => serve_create_endpoint[request];
+        list_webhook_endpoints(spb::ListWebhookEndpointsRequest)
+            -> spb::ListWebhookEndpointsResponse => serve_list_endpoints[request];
+        delete_webhook_endpoint(spb::DeleteWebhookEndpointRequest)
+            -> spb::DeleteWebhookEndpointResponse => serve_delete_endpoint[request];
+        test_webhook_endpoint(spb::TestWebhookEndpointRequest)
+            -> spb::TestWebhookEndpointResponse => serve_test_endpoint[request];
+        list_webhook_messages(spb::ListWebhookMessagesRequest)
+            -> spb::ListWebhookMessagesResponse => serve_list_messages[request];
     }
 }
 

@@ -55,6 +55,11 @@ scoped!(
     automesh_proto::scheduler::v1::UpdateAutomationRequest,
     automesh_proto::scheduler::v1::SetAutomationStateRequest,
     automesh_proto::scheduler::v1::RunAutomationNowRequest,
+    automesh_proto::scheduler::v1::CreateWebhookEndpointRequest,
+    automesh_proto::scheduler::v1::ListWebhookEndpointsRequest,
+    automesh_proto::scheduler::v1::DeleteWebhookEndpointRequest,
+    automesh_proto::scheduler::v1::TestWebhookEndpointRequest,
+    automesh_proto::scheduler::v1::ListWebhookMessagesRequest,
     automesh_proto::worker::v1::GetWorkerRequest,
     automesh_proto::worker::v1::RegisterWorkerRequest,
 );

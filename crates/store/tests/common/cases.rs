@@ -2829,3 +2829,267 @@ pub async fn monthly_budgets_are_read_from_receipts_and_spent_months_listed(stor
     let got = store.get_automation(&alice(), "a1").await.expect("get");
     assert_eq!(got.monthly_budget_micros, Some(1_000_000));
 }
+
+fn endpoint(owner: &Principal, id: &str, at: DateTime<Utc>) -> automesh_domain::WebhookEndpoint {
+    automesh_domain::WebhookEndpoint {
+        id: id.to_owned(),
+        org_id: owner.org_id.clone(),
+        owner_id: owner.user_id.clone(),
+        url: format!("https://hooks.example.com/{id}"),
+        description: String::new(),
+        created_at: at,
+        disabled_at: None,
+        disabled_reason: None,
+    }
+}
+
+async fn message_types(store: &Store, owner: &Principal, endpoint: &str) -> Vec<String> {
+    let mut types: Vec<String> = store
+        .webhook_messages(owner, endpoint, 100)
+        .await
+        .expect("messages")
+        .iter()
+        .map(|m| m.event_type.as_str().to_owned())
+        .collect();
+    types.sort();
+    types
+}
+
+pub async fn webhook_endpoints_are_scoped_and_notices_fan_out_once_per_cause(store: &Store) {
+    use automesh_domain::Notice;
+    for (owner, id) in [(alice(), "e1"), (alice(), "e2"), (mallory(), "e3")] {
+        let e = endpoint(&owner, id, t(0));
+        assert_eq!(
+            store.create_webhook_endpoint(&e).await.expect("create").id,
+            id
+        );
+    }
+    let listed = store.list_webhook_endpoints(&alice()).await.expect("list");
+    let ids: Vec<&str> = listed.iter().map(|e| e.id.as_str()).collect();
+    assert_eq!(ids, ["e1", "e2"]);
+    // Another owner's endpoint is the unknown id's NotFound.
+    let theirs = store.get_webhook_endpoint(&alice(), "e3").await;
+    assert!(matches!(theirs, Err(StoreError::NotFound)), "{theirs:?}");
+    let theirs = store.delete_webhook_endpoint(&alice(), "e3").await;
+    assert!(matches!(theirs, Err(StoreError::NotFound)), "{theirs:?}");
+    let theirs = store.webhook_messages(&alice(), "e3", 10).await;
+    assert!(matches!(theirs, Err(StoreError::NotFound)), "{theirs:?}");
+    // An owner has at most ENDPOINT_LIMIT.
+    let bob = Principal::new("org-a", "bob");
+    for n in 0..automesh_store::notifications::ENDPOINT_LIMIT {
+        let e = endpoint(&bob, &format!("b{n}"), t(0));
+        store
+            .create_webhook_endpoint(&e)
+            .await
+            .expect("within the limit");
+    }
+    let over = store
+        .create_webhook_endpoint(&endpoint(&bob, "b-over", t(0)))
+        .await;
+    assert!(matches!(over, Err(StoreError::Invariant(_))), "{over:?}");
+
+    // Three failed runs: the streak's first failure and the move to
+    // needs-attention, to each of alice's endpoints, in the transactions
+    // that end the runs; nothing to mallory's.
+    let a = create(store, &alice(), "a1", t(0)).await;
+    for id in ["f1", "f2", "f3"] {
+        store
+            .create_run(&new_run(&a, id), t(1))
+            .await
+            .expect("create");
+        let mut r = receipt(id, RunState::Failed);
+        r.error_code = Some(ErrorCode::ProviderError);
+        store.finish_run(&r, t(2)).await.expect("finish");
+    }
+    let told = ["automation.needs_attention", "run.failed"];
+    assert_eq!(message_types(store, &alice(), "e1").await, told);
+    assert_eq!(message_types(store, &alice(), "e2").await, told);
+    assert!(message_types(store, &mallory(), "e3").await.is_empty());
+    let msgs = store
+        .webhook_messages(&alice(), "e1", 10)
+        .await
+        .expect("messages");
+    let failed = msgs
+        .iter()
+        .find(|m| m.event_type.as_str() == "run.failed")
+        .expect("one");
+    let payload: serde_json::Value = serde_json::from_str(&failed.payload).expect("json");
+    assert_eq!(payload["data"]["run_id"], "f1");
+    assert_eq!(payload["data"]["error_code"], "provider_error");
+    assert_eq!(failed.next_attempt_at, Some(t(2)), "due at once");
+
+    // A cause written again is the same message.
+    let again = Notice::run_failed(&a, "f1", RunState::Failed, None, None, t(9));
+    let written = store
+        .internal()
+        .enqueue_notices(&[again])
+        .await
+        .expect("enqueue");
+    assert_eq!(written, 0);
+    // A test message goes to the one endpoint; not to another owner's.
+    let test = Notice::test(&alice(), "e1", t(3));
+    store.enqueue_for_endpoint(&test, "e1").await.expect("test");
+    assert_eq!(message_types(store, &alice(), "e1").await.len(), 3);
+    assert_eq!(message_types(store, &alice(), "e2").await.len(), 2);
+    let theirs = store
+        .enqueue_for_endpoint(&Notice::test(&alice(), "e3", t(3)), "e3")
+        .await;
+    assert!(matches!(theirs, Err(StoreError::NotFound)), "{theirs:?}");
+    // A scheduling pass's notice commits with it.
+    let mut tx = store.begin_scheduling().await.expect("begin");
+    tx.notify(&[Notice::occurrences_missed(&a, &[t(0), t(60)], t(4))])
+        .await
+        .expect("notify");
+    tx.commit().await.expect("commit");
+    assert!(
+        message_types(store, &alice(), "e2")
+            .await
+            .contains(&"automation.occurrences_missed".to_owned())
+    );
+    // Deleting an endpoint deletes its messages.
+    store
+        .delete_webhook_endpoint(&alice(), "e2")
+        .await
+        .expect("delete");
+    let gone = store.webhook_messages(&alice(), "e2", 10).await;
+    assert!(matches!(gone, Err(StoreError::NotFound)), "{gone:?}");
+}
+
+pub async fn webhook_endpoints_are_claimed_once_and_attempts_recorded(store: &Store) {
+    use automesh_domain::Notice;
+    use automesh_store::notifications::Attempt;
+    store
+        .create_webhook_endpoint(&endpoint(&alice(), "e1", t(0)))
+        .await
+        .expect("create");
+    let a = create(store, &alice(), "a1", t(0)).await;
+    let notices = [
+        Notice::run_failed(&a, "r1", RunState::Failed, None, None, t(10)),
+        Notice::run_failed(&a, "r2", RunState::TimedOut, None, None, t(11)),
+    ];
+    store
+        .internal()
+        .enqueue_notices(&notices)
+        .await
+        .expect("enqueue");
+    let nothing_due = store
+        .internal()
+        .claim_webhook_endpoints(t(5), t(60), 10)
+        .await;
+    assert!(nothing_due.expect("claim").is_empty(), "nothing due yet");
+    // Two claims at once: one takes the endpoint.
+    let (x, y) = tokio::join!(
+        store.internal().claim_webhook_endpoints(t(20), t(80), 10),
+        store.internal().claim_webhook_endpoints(t(20), t(80), 10),
+    );
+    let (x, y) = (x.expect("claim"), y.expect("claim"));
+    assert_eq!(x.len() + y.len(), 1, "{x:?} {y:?}");
+    let later = store
+        .internal()
+        .claim_webhook_endpoints(t(21), t(80), 10)
+        .await;
+    assert!(later.expect("claim").is_empty(), "claimed until t(80)");
+    let due = store
+        .internal()
+        .due_webhook_messages("e1", t(21), 8)
+        .await
+        .expect("due");
+    let ids: Vec<String> = due.iter().map(|m| m.message_id.clone()).collect();
+    assert_eq!(
+        ids,
+        [notices[0].id.clone(), notices[1].id.clone()],
+        "oldest first"
+    );
+    // The first delivered, the second failed: released until its retry.
+    let attempts = [
+        (ids[0].clone(), Attempt::Delivered),
+        (
+            ids[1].clone(),
+            Attempt::Failed {
+                error: "answered HTTP 500".into(),
+                retry_at: Some(t(50)),
+            },
+        ),
+    ];
+    store
+        .internal()
+        .record_webhook_attempts("e1", &attempts, t(50), None, t(22))
+        .await
+        .expect("record");
+    let early = store
+        .internal()
+        .claim_webhook_endpoints(t(30), t(90), 10)
+        .await;
+    assert!(early.expect("claim").is_empty(), "not before its retry");
+    let retried = store
+        .internal()
+        .claim_webhook_endpoints(t(51), t(90), 10)
+        .await;
+    assert_eq!(retried.expect("claim").len(), 1);
+    let due = store
+        .internal()
+        .due_webhook_messages("e1", t(51), 8)
+        .await
+        .expect("due");
+    assert_eq!(due.len(), 1);
+    assert_eq!(
+        (due[0].message_id.as_str(), due[0].attempts),
+        (ids[1].as_str(), 1)
+    );
+    // Given up: the endpoint is disabled, with why, and takes no more.
+    let gave_up = [(
+        ids[1].clone(),
+        Attempt::Failed {
+            error: "timed out".into(),
+            retry_at: None,
+        },
+    )];
+    store
+        .internal()
+        .record_webhook_attempts(
+            "e1",
+            &gave_up,
+            t(52),
+            Some("not delivered for a day"),
+            t(52),
+        )
+        .await
+        .expect("record");
+    let e = store
+        .get_webhook_endpoint(&alice(), "e1")
+        .await
+        .expect("get");
+    assert_eq!(e.disabled_at, Some(t(52)));
+    assert_eq!(
+        e.disabled_reason.as_deref(),
+        Some("not delivered for a day")
+    );
+    let more = Notice::run_failed(&a, "r3", RunState::Failed, None, None, t(60));
+    let written = store
+        .internal()
+        .enqueue_notices(&[more])
+        .await
+        .expect("enqueue");
+    assert_eq!(written, 0, "a disabled endpoint gets nothing new");
+    let claim = store
+        .internal()
+        .claim_webhook_endpoints(t(100), t(200), 10)
+        .await;
+    assert!(claim.expect("claim").is_empty());
+    let msgs = store
+        .webhook_messages(&alice(), "e1", 10)
+        .await
+        .expect("messages");
+    let delivered = msgs.iter().find(|m| m.message_id == ids[0]).expect("first");
+    assert_eq!(
+        (delivered.delivered_at, delivered.next_attempt_at),
+        (Some(t(22)), None)
+    );
+    let failed = msgs
+        .iter()
+        .find(|m| m.message_id == ids[1])
+        .expect("second");
+    assert_eq!(failed.attempts, 2);
+    assert_eq!(failed.next_attempt_at, None);
+    assert_eq!(failed.last_error.as_deref(), Some("timed out"));
+}

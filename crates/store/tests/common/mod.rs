@@ -46,6 +46,8 @@ macro_rules! conformance_suite {
             executor_seqs_lease_releases_and_terminal_receipts_are_written_once,
             failure_streaks_pause_an_automation_and_a_success_ends_them,
             monthly_budgets_are_read_from_receipts_and_spent_months_listed,
+            webhook_endpoints_are_scoped_and_notices_fan_out_once_per_cause,
+            webhook_endpoints_are_claimed_once_and_attempts_recorded,
         );
     };
     ($backend:expr; $($case:ident),* $(,)?) => {
