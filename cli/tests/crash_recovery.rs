@@ -686,3 +686,90 @@ async fn a_lost_listen_connection_is_reconnected_and_the_next_run_is_dispatched_
     }
     w.stop().await;
 }
+
+/// Issue 32: a delivery process killed (SIGKILL) in the middle of a
+/// delivery loses no notification: once its claim on the endpoint runs out
+/// another scheduler process sends the message again, with the same
+/// `webhook-id`, signed as before; no secret reaches any process's log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_killed_mid_request_is_redelivered_with_the_same_webhook_id() {
+    use automesh_e2e_tests::webhooks::{Answer, Receiver, verify_with_python};
+    use automesh_proto::v1::notifications_client::NotificationsClient;
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut w = world(
+        |_, _| Reply::Json(text_completion("done")),
+        |s, _| {
+            s.set(
+                Kind::Scheduler,
+                "AUTOMESH_NOTIFICATION_KEY",
+                "crash-test-notification-key",
+            )
+            .set(Kind::Scheduler, "AUTOMESH_WEBHOOK_ALLOW_HTTP", "true")
+            .set(Kind::Scheduler, "AUTOMESH_WEBHOOK_ALLOW_PRIVATE", "true")
+            .set(Kind::Scheduler, "AUTOMESH_WEBHOOK_TIMEOUT", "3s")
+        },
+    )
+    .await;
+    let receiver = Receiver::start(Answer::Status(204))
+        .await
+        .expect("receiver");
+    // The first request is never answered: the process sending it is
+    // killed while it waits.
+    receiver.script(&[Answer::Hang]);
+    let mut hooks = NotificationsClient::new(w.cluster.channel(&w.token));
+    let request = pb::CreateWebhookEndpointRequest {
+        url: receiver.url.clone(),
+        description: String::new(),
+    };
+    let created = hooks.create_webhook_endpoint(request).await;
+    let created = created.expect("create").into_inner();
+    let endpoint = created.endpoint.expect("endpoint");
+    let test = pb::TestWebhookEndpointRequest {
+        id: endpoint.id.clone(),
+    };
+    let queued = hooks.test_webhook_endpoint(test).await.expect("test");
+    let message_id = queued.into_inner().message_id;
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(30);
+    while receiver.received().is_empty() {
+        assert!(tokio::time::Instant::now() < give_up, "never sent");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Mid-request: every scheduler process is killed, then one comes back.
+    w.cluster.kill(Kind::Scheduler, 0);
+    w.cluster.kill(Kind::Scheduler, 1);
+    w.cluster
+        .restart(Kind::Scheduler, 0)
+        .await
+        .expect("restart");
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(60);
+    while receiver.delivered().is_empty() {
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "not redelivered within 60 s; scheduler log:\n{}",
+            tail(&w.cluster.log(Kind::Scheduler, 0), 30)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let received = receiver.received();
+    assert_eq!(received.len(), 2, "sent, killed, sent again");
+    assert!(received.iter().all(|d| d.id() == message_id));
+    assert_eq!(received[0].body, received[1].body);
+    verify_with_python(&created.secret, &received).expect("signatures");
+    let shown = hooks
+        .list_webhook_messages(pb::ListWebhookMessagesRequest {
+            endpoint_id: endpoint.id.clone(),
+            page_size: 0,
+        })
+        .await
+        .expect("messages")
+        .into_inner()
+        .messages;
+    assert_eq!(shown.len(), 1);
+    assert!(shown[0].deliver_time.is_some(), "{shown:?}");
+    let key = created.secret.trim_start_matches("whsec_");
+    assert!(
+        !w.cluster.all_logs().contains(key),
+        "a webhook secret in a log"
+    );
+    w.stop().await;
+}

@@ -88,10 +88,12 @@ impl Webhooks {
         (at <= end).then_some(at)
     }
 
-    /// How long a claim of an endpoint lasts: every attempt of a batch at
-    /// its bound, and a margin.
+    /// How long a claim of an endpoint lasts: two attempts at their bound
+    /// and a margin. A batch makes an attempt only while one more fits in
+    /// its claim, so a process killed mid-delivery holds the endpoint no
+    /// longer than this, and its message goes out again from another.
     fn claim_for(&self) -> chrono::Duration {
-        let bound = self.timeout * BATCH + Duration::from_secs(5);
+        let bound = self.timeout * 2 + Duration::from_secs(2);
         chrono::Duration::from_std(bound).unwrap_or(chrono::Duration::seconds(60))
     }
 
@@ -166,7 +168,7 @@ pub async fn run_loop(store: Store, webhooks: Arc<Webhooks>, stop: CancellationT
                         let (store, webhooks) = (store.clone(), webhooks.clone());
                         let client = client.clone();
                         tasks.spawn(async move {
-                            deliver(&store, &webhooks, &client, &endpoint).await;
+                            deliver(&store, &webhooks, &client, &endpoint, until).await;
                             drop(slot);
                         });
                     }
@@ -186,13 +188,15 @@ pub async fn run_loop(store: Store, webhooks: Arc<Webhooks>, stop: CancellationT
     tasks.abort_all();
 }
 
-/// Sends the due messages of one claimed endpoint, oldest first, until one
-/// fails; records what each attempt did and releases the endpoint.
+/// Sends the due messages of one endpoint claimed until `claimed_until`,
+/// oldest first, until one fails or the claim has no room for another
+/// attempt; records what each attempt did and releases the endpoint.
 async fn deliver(
     store: &Store,
     webhooks: &Webhooks,
     client: &reqwest::Client,
     endpoint: &WebhookEndpoint,
+    claimed_until: DateTime<Utc>,
 ) {
     let due = store
         .internal()
@@ -215,7 +219,13 @@ async fn deliver(
         }
     };
     let (mut attempts, mut release, mut disable) = (vec![], Utc::now(), None);
+    let bound = chrono::Duration::from_std(webhooks.timeout).unwrap_or_default();
     for m in due {
+        // Only while one more attempt fits in the claim: past it, another
+        // process may claim the endpoint.
+        if Utc::now() + bound > claimed_until {
+            break;
+        }
         let outcome = attempt(client, &signer, endpoint, &m).await;
         let now = Utc::now();
         let kind = KeyValue::new("event_type", m.event_type.as_str());
