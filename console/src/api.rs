@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use automesh_proto::v1::automations_client::AutomationsClient;
+use automesh_proto::v1::notifications_client::NotificationsClient;
 use automesh_proto::v1::runs_client::RunsClient;
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
@@ -80,6 +81,15 @@ impl Api {
     pub fn runs(&self, token: &str) -> Result<RunsClient<Authed>, Status> {
         let user = self.as_user(token, Some(self.timeout))?;
         Ok(RunsClient::with_interceptor(self.channel.clone(), user))
+    }
+
+    /// The Notifications service, as the holder of `token`.
+    pub fn notifications(&self, token: &str) -> Result<NotificationsClient<Authed>, Status> {
+        let user = self.as_user(token, Some(self.timeout))?;
+        Ok(NotificationsClient::with_interceptor(
+            self.channel.clone(),
+            user,
+        ))
     }
 
     /// The Runs service for a stream that lasts as long as the run: no

@@ -139,7 +139,7 @@ impl Service {
 }
 
 fn router(state: AppState) -> Router {
-    use pages::{automation, automations, edit, preview, runners, runs, sign_in};
+    use pages::{automation, automations, edit, preview, runners, runs, sign_in, webhooks};
     Router::new()
         .route("/", get(automations::list))
         .route("/automations/bulk", post(automations::bulk))
@@ -157,6 +157,9 @@ fn router(state: AppState) -> Router {
         .route("/runs/{id}/events", get(live::events))
         .route("/runners", get(runners::page).post(runners::mint))
         .route("/runners/{id}/revoke", post(runners::revoke))
+        .route("/webhooks", get(webhooks::page).post(webhooks::create))
+        .route("/webhooks/{id}", get(webhooks::messages))
+        .route("/webhooks/{id}/{action}", post(webhooks::act))
         .route("/sign-in", get(sign_in::page).post(sign_in::submit))
         .route("/sign-in/dev", post(sign_in::dev))
         .route("/sign-out", post(sign_in::sign_out))

@@ -726,3 +726,91 @@ async fn when_the_gateway_is_down_pages_say_so_and_retry() {
     assert!(events.body.contains("retry: 2000"), "{}", events.body);
     assert!(events.body.contains("event: gone"), "{}", events.body);
 }
+
+/// Issue 32: the owner registers a webhook endpoint from the console (its
+/// secret shown once, never again), sends it a test message that arrives
+/// signed, sees what delivery did, and deletes it; another user's endpoint
+/// is the unknown id's 404; a bad URL is refused next to its field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_endpoints_are_managed_from_the_console() {
+    use automesh_e2e_tests::webhooks::{Answer, Receiver, verify_with_python};
+    let mesh = Mesh::start(Backend::Sqlite).await.expect("mesh");
+    let console = console_for(&mesh.gateway);
+    let receiver = Receiver::start(Answer::Status(204))
+        .await
+        .expect("receiver");
+    let mut alice = Browser::new(&console);
+    alice.sign_in(&mesh.token("acme", "alice")).await;
+    let page = alice.get("/webhooks").await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(page.body.contains("No endpoints yet."));
+    let csrf = page.csrf();
+    let refused = alice
+        .post(
+            "/webhooks",
+            &[("csrf", &csrf), ("url", "hooks.example.com/x")],
+        )
+        .await;
+    assert_eq!(refused.status, StatusCode::SEE_OTHER);
+    let shown = alice.get(refused.location()).await;
+    assert!(shown.body.contains("not an absolute URL"), "{}", shown.body);
+    let created = alice
+        .post(
+            "/webhooks",
+            &[
+                ("csrf", &csrf),
+                ("url", &receiver.url),
+                ("description", "pager <b>"),
+            ],
+        )
+        .await;
+    assert_eq!(created.status, StatusCode::OK);
+    let between = |body: &str, id: &str| {
+        let at = body.find(&format!(r#"id="{id}">"#)).expect(id) + id.len() + 6;
+        body[at..at + body[at..].find('<').expect("end")].to_owned()
+    };
+    let secret = between(&created.body, "created-secret");
+    let endpoint = between(&created.body, "created-endpoint");
+    assert!(secret.starts_with("whsec_") && endpoint.starts_with("ep_"));
+    let listed = alice.get("/webhooks").await;
+    assert!(listed.body.contains(&endpoint) && listed.body.contains(&receiver.url));
+    assert!(listed.body.contains("pager &lt;b&gt;"), "escaped");
+    assert!(!listed.body.contains(&secret), "shown once");
+    let tested = alice
+        .post(&format!("/webhooks/{endpoint}/test"), &[("csrf", &csrf)])
+        .await;
+    assert_eq!(tested.status, StatusCode::SEE_OTHER);
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(30);
+    while receiver.delivered().is_empty() {
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "the test message never came"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    verify_with_python(&secret, &receiver.received()).expect("signed");
+    let messages = alice.get(&format!("/webhooks/{endpoint}")).await;
+    assert!(messages.body.contains("webhook.test") && messages.body.contains("delivered"));
+
+    let mut eve = Browser::new(&console);
+    eve.sign_in(&mesh.token("acme", "eve")).await;
+    let unknown = eve.get("/webhooks/ep_unknown").await;
+    let theirs = eve.get(&format!("/webhooks/{endpoint}")).await;
+    assert_eq!(theirs.status, StatusCode::NOT_FOUND);
+    assert_eq!(theirs.body, unknown.body);
+    let eves = eve.get("/webhooks").await;
+    assert!(!eves.body.contains(&endpoint));
+
+    let deleted = alice
+        .post(&format!("/webhooks/{endpoint}/delete"), &[("csrf", &csrf)])
+        .await;
+    assert_eq!(deleted.status, StatusCode::SEE_OTHER);
+    assert!(
+        alice
+            .get("/webhooks")
+            .await
+            .body
+            .contains("No endpoints yet.")
+    );
+    mesh.stop().await.expect("stop");
+}

@@ -91,6 +91,9 @@ pub struct MeshOptions {
     /// bounds (short ones by default).
     pub webhook_timeout: Duration,
     pub webhook_first_retry: Duration,
+    /// Off: the schedulers have no notification key (no endpoints, no
+    /// delivery), as an operator who never set one.
+    pub notifications: bool,
     pub webhook_retry_for: Duration,
 }
 
@@ -156,6 +159,7 @@ impl Default for MeshOptions {
             webhook_timeout: Duration::from_secs(2),
             webhook_first_retry: Duration::from_millis(200),
             webhook_retry_for: Duration::from_secs(600),
+            notifications: true,
         }
     }
 }
@@ -355,7 +359,7 @@ impl Mesh {
             let config = automesh_scheduler::Config {
                 run_deadline: options.run_deadline,
                 catch_up_window: options.catch_up_window,
-                notification_key: Some(WEBHOOK_KEY.into()),
+                notification_key: options.notifications.then(|| WEBHOOK_KEY.into()),
                 webhook_allow_http: true,
                 webhook_allow_private: true,
                 webhook_timeout: options.webhook_timeout,

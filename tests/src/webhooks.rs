@@ -101,6 +101,15 @@ impl Receiver {
         self.state.lock().received.clone()
     }
 
+    /// How many requests so far.
+    pub fn len(&self) -> usize {
+        self.state.lock().received.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// The requests answered 2xx.
     pub fn delivered(&self) -> Vec<Delivery> {
         let received = self.received();

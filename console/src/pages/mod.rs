@@ -11,6 +11,7 @@ pub mod preview;
 pub mod runners;
 pub mod runs;
 pub mod sign_in;
+pub mod webhooks;
 
 use automesh_proto::v1 as pb;
 use axum::response::{IntoResponse, Response};
@@ -35,6 +36,7 @@ pub fn layout(session: &Session, title: &str, content: Markup) -> Markup {
                         a href="/" { "Automations" }
                         a href="/automations/new" { "New automation" }
                         a href="/runners" { "Runners" }
+                        a href="/webhooks" { "Notifications" }
                     }
                     div.tools {
                         button #time-toggle type="button"

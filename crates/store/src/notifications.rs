@@ -180,13 +180,17 @@ pub(crate) async fn enqueue(db: &mut AnyConnection, notices: &[Notice]) -> Resul
     Ok(written)
 }
 
+/// Wakes delivery: on PostgreSQL by a NOTIFY that every process hears at
+/// commit (this one too: an empty payload is nobody's own); on SQLite in
+/// this process at once, before the commit, so delivery looks again
+/// shortly after a wake-up that found nothing.
 async fn woken(db: &mut AnyConnection, written: u64) -> Result<()> {
     if written > 0 {
         if rows::is_postgres(db) {
-            let token = crate::signal::process_token();
-            crate::signal::notify(&mut *db, crate::Topic::Notifications, token).await?;
+            crate::signal::notify(&mut *db, crate::Topic::Notifications, "").await?;
+        } else {
+            crate::Topic::Notifications.signal_local();
         }
-        crate::Topic::Notifications.signal_local();
     }
     Ok(())
 }

@@ -542,8 +542,8 @@ impl Store {
         topic.signal_local();
         if self.backend() == Backend::Postgres {
             let payload = match topic {
-                Topic::Runs | Topic::Notifications => process_token(),
-                Topic::Desktop => "",
+                Topic::Runs => process_token(),
+                Topic::Desktop | Topic::Notifications => "",
             };
             notify(self.db(), topic, payload).await?;
         }

@@ -37,6 +37,8 @@ pub const IN_FLIGHT: usize = 256;
 const BATCH: u32 = 8;
 /// How long the loop sleeps when nothing wakes it.
 const POLL: Duration = Duration::from_secs(1);
+/// How soon it looks again after a wake-up.
+const RECHECK: Duration = Duration::from_millis(50);
 /// The most of an answer's body that is read (then the connection is
 /// dropped): a receiver cannot make delivery hold a large answer.
 const BODY_LIMIT: usize = 64 * 1024;
@@ -147,6 +149,9 @@ pub async fn run_loop(store: Store, webhooks: Arc<Webhooks>, stop: CancellationT
     let mut watcher = store.watch(Topic::Notifications).await;
     let slots = Arc::new(Semaphore::new(IN_FLIGHT));
     let mut tasks = JoinSet::new();
+    // A wake-up that found nothing is looked at again shortly: on SQLite
+    // it comes just before the commit of what it announces.
+    let mut again = false;
     while !stop.is_cancelled() {
         watcher.consume();
         let free = slots.available_permits().min(64) as u32;
@@ -179,9 +184,12 @@ pub async fn run_loop(store: Store, webhooks: Arc<Webhooks>, stop: CancellationT
         if full {
             continue;
         }
+        let wait = if again { RECHECK } else { POLL };
+        let waited = tokio::time::Instant::now();
+        again = false;
         tokio::select! {
             _ = stop.cancelled() => break,
-            _ = watcher.wait(POLL) => {}
+            _ = watcher.wait(wait) => again = waited.elapsed() < wait,
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
         }
     }
