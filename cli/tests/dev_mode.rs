@@ -180,6 +180,7 @@ fn grpcurl_with_reflection_drives_the_dev_mesh() {
     assert!(ok, "{listing}");
     for service in [
         "automesh.v1.Automations",
+        "automesh.v1.Notifications",
         "automesh.v1.Runs",
         "grpc.health.v1.Health",
     ] {

@@ -138,6 +138,7 @@ async fn reflection_sees_the_public_api() {
         names,
         [
             "automesh.v1.Automations",
+            "automesh.v1.Notifications",
             "automesh.v1.Runs",
             "grpc.health.v1.Health"
         ]

@@ -86,10 +86,27 @@ const MESSAGES: &str = "SELECT message_id, event_type, payload, created_at, atte
      next_attempt_at, delivered_at, last_error FROM webhook_messages WHERE endpoint_id = $1 \
      ORDER BY created_at DESC, message_id DESC LIMIT $2";
 
-/// One attempt's outcome; `$2` is the message, `$3` NULL once done.
-const ATTEMPTED: &str = "UPDATE webhook_messages SET attempts = attempts + 1, \
-     next_attempt_at = $3, delivered_at = $4, last_error = $5 \
-     WHERE endpoint_id = $1 AND message_id = $2";
+bulk! {
+    /// One attempt's outcome: when the message is tried next (none once
+    /// delivered or given up), when it was delivered, why it failed.
+    struct AttemptRow {
+        endpoint_id: String => TEXT,
+        message_id: String => TEXT,
+        next_attempt_at: Option<i64> => BIGINT,
+        delivered_at: Option<i64> => BIGINT,
+        last_error: Option<String> => TEXT,
+    }
+}
+
+/// The attempts of one claim, each counted and recorded.
+const ATTEMPTED: Bulk<AttemptRow> = bulk!(AttemptRow => [
+    "UPDATE webhook_messages SET attempts = webhook_messages.attempts + 1, \
+     next_attempt_at = i.next_attempt_at, delivered_at = i.delivered_at, \
+     last_error = i.last_error FROM "
+] [
+    " WHERE webhook_messages.endpoint_id = i.endpoint_id \
+     AND webhook_messages.message_id = i.message_id"
+]);
 
 const RELEASE: &str = "UPDATE webhook_endpoints SET claimed_until = $2 WHERE id = $1";
 
@@ -306,8 +323,8 @@ impl crate::Internal<'_> {
         rows::all(self.db(), DUE_MESSAGES, params, decode_message).await
     }
 
-    /// What a claim of `endpoint_id` did, in one transaction: each
-    /// message's attempt, the endpoint released (claimable again from
+    /// What a claim of `endpoint_id` did, in one transaction: its
+    /// messages' attempts (one statement), the endpoint released (claimable again from
     /// `release_at`), and disabled with `disable` as its reason if given.
     pub async fn record_webhook_attempts(
         self,
@@ -317,17 +334,26 @@ impl crate::Internal<'_> {
         disable: Option<&str>,
         now: DateTime<Utc>,
     ) -> Result<()> {
-        let mut tx = self.0.begin_write().await?;
-        for (message_id, attempt) in attempts {
-            let (next, delivered, error) = match attempt {
-                Attempt::Delivered => (None, Some(micros(now)), None),
-                Attempt::Failed { error, retry_at } => {
-                    (retry_at.map(micros), None, Some(error.as_str()))
+        let recorded: Vec<AttemptRow> = attempts
+            .iter()
+            .map(|(message_id, attempt)| {
+                let (next_attempt_at, delivered_at, last_error) = match attempt {
+                    Attempt::Delivered => (None, Some(micros(now)), None),
+                    Attempt::Failed { error, retry_at } => {
+                        (retry_at.map(micros), None, Some(error.clone()))
+                    }
+                };
+                AttemptRow {
+                    endpoint_id: endpoint_id.to_owned(),
+                    message_id: message_id.clone(),
+                    next_attempt_at,
+                    delivered_at,
+                    last_error,
                 }
-            };
-            let params = (endpoint_id, message_id.as_str(), next, delivered, error);
-            rows::execute(&mut *tx, ATTEMPTED, params).await?;
-        }
+            })
+            .collect();
+        let mut tx = self.0.begin_write().await?;
+        ATTEMPTED.execute(&mut tx, &recorded).await?;
         rows::execute(&mut *tx, RELEASE, (endpoint_id, micros(release_at))).await?;
         if let Some(reason) = disable {
             rows::execute(&mut *tx, DISABLE, (endpoint_id, micros(now), reason)).await?;

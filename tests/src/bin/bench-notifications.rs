@@ -1,6 +1,6 @@
 //! What notifications cost and how fast they arrive, on PostgreSQL.
 //!
-//!   cargo run --release -p automesh-e2e-tests --bin bench-notifications [-- --endpoints 1000 --messages 10 --hang-percent 10 --runs 1000 --repeats 3]
+//!   cargo run --release -p automesh-e2e-tests --bin bench-notifications [-- --endpoints 1000 --messages 10 --hang-percent 10 --singles 200 --runs 1000 --repeats 3]
 //!
 //! Prints, from one run on this machine:
 //! - delivery: `--endpoints` endpoints of as many owners, `--hang-percent`
@@ -9,7 +9,8 @@
 //!   `--messages` messages per endpoint written to the outbox at once.
 //!   Messages per second delivered to the answering endpoints, and the lag
 //!   from the outbox commit to the receiver (p50, p99), next to a bare HTTP
-//!   round trip to the same receiver (the baseline, measured now);
+//!   round trip to the same receiver (the baseline, measured now); then the
+//!   lag of `--singles` messages written one at a time, 20 ms apart;
 //! - the run path: `--runs` runs due at once, each failing (so each writes
 //!   a `run.failed` message in the transaction that ends it), driven to
 //!   receipts by a mesh with notifications on (every owner has an endpoint,
@@ -245,6 +246,49 @@ async fn main() -> anyhow::Result<()> {
         delivered.len(),
         distinct.len(),
         dead.len()
+    );
+
+    // Lag at a low rate: one message at a time, 20 ms apart, each to the
+    // next answering endpoint, while the hanging ones hang.
+    let answering: Vec<usize> = (0..count).filter(|i| !hangs(*i)).collect();
+    let singles = sized("--singles", 200, 20);
+    let before = fast.len();
+    let mut sent: HashMap<String, Instant> = HashMap::new();
+    for k in 0..singles {
+        let i = answering[k % answering.len()];
+        let notice = Notice::test(&owner(i), &ids[i], Utc::now());
+        on.store()
+            .internal()
+            .enqueue_notices(std::slice::from_ref(&notice))
+            .await?;
+        sent.insert(notice.id.clone(), Instant::now());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let give_up = Instant::now() + Duration::from_secs(120);
+    while fast.len() - before < singles {
+        anyhow::ensure!(
+            Instant::now() < give_up,
+            "single messages not delivered within 120 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let got = fast.received();
+    let mut single: Vec<f64> = got[before..]
+        .iter()
+        .filter_map(|d| {
+            Some(
+                d.at.into_std()
+                    .duration_since(*sent.get(d.id())?)
+                    .as_secs_f64()
+                    * 1000.0,
+            )
+        })
+        .collect();
+    single.sort_by(f64::total_cmp);
+    println!(
+        "          one at a time ({singles}, 20 ms apart): lag commit → receiver p50 {:>7.1} ms   p99 {:>7.1} ms",
+        percentile(&single, 0.5),
+        percentile(&single, 0.99)
     );
 
     // The run path, with notifications on (this mesh: every owner of a run
