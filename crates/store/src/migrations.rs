@@ -75,6 +75,12 @@ const MIGRATIONS: &[(i64, &str, &str, &str)] = &[
         include_str!("../../../migrations/postgres/0011_notifications.sql"),
         include_str!("../../../migrations/sqlite/0011_notifications.sql"),
     ),
+    (
+        12,
+        "webhook due index",
+        include_str!("../../../migrations/postgres/0012_webhook_due.sql"),
+        include_str!("../../../migrations/sqlite/0012_webhook_due.sql"),
+    ),
 ];
 
 pub(crate) fn migrator(backend: Backend) -> Migrator {

@@ -67,16 +67,24 @@ const ENQUEUE: Bulk<NoticeRow> = bulk!(NoticeRow => [
 ]);
 
 /// Claims endpoints with a message due: each not claimed (or its claim
-/// over) and not disabled, taken until `$2`. The outer guard holds the
-/// claim against a concurrent one (which re-reads the row once the first
-/// commits and finds it claimed).
-const CLAIM: &str = "UPDATE webhook_endpoints SET claimed_until = $2 \
-     WHERE claimed_until <= $1 AND disabled_at IS NULL AND id IN (\
-     SELECT e.id FROM webhook_endpoints e WHERE e.claimed_until <= $1 AND e.disabled_at IS NULL \
-     AND EXISTS (SELECT 1 FROM webhook_messages m WHERE m.endpoint_id = e.id \
-     AND m.next_attempt_at IS NOT NULL AND m.next_attempt_at <= $1) \
+/// over) and not disabled, taken until `$2`, at most `$3`, the longest
+/// unclaimed first. Each step is computed once, driven from the due
+/// messages (`webhook_messages_next`), so that no plan (a prepared
+/// statement's generic plan, made while the tables were empty, say) reads
+/// the messages once per endpoint; the update's guard holds the claim
+/// against a concurrent one (which re-reads the row once the first commits
+/// and finds it claimed).
+const CLAIM: &str = "WITH due AS MATERIALIZED (SELECT DISTINCT m.endpoint_id FROM webhook_messages m \
+     WHERE m.next_attempt_at IS NOT NULL AND m.next_attempt_at <= $1), \
+     picked AS MATERIALIZED (SELECT e.id FROM due JOIN webhook_endpoints e ON e.id = due.endpoint_id \
+     WHERE e.claimed_until <= $1 AND e.disabled_at IS NULL \
      ORDER BY e.claimed_until, e.id LIMIT $3) \
-     RETURNING id, org_id, owner_id, url, description, created_at, disabled_at, disabled_reason";
+     UPDATE webhook_endpoints SET claimed_until = $2 FROM picked \
+     WHERE webhook_endpoints.id = picked.id AND webhook_endpoints.claimed_until <= $1 \
+     AND webhook_endpoints.disabled_at IS NULL \
+     RETURNING webhook_endpoints.id, webhook_endpoints.org_id, webhook_endpoints.owner_id, \
+     webhook_endpoints.url, webhook_endpoints.description, webhook_endpoints.created_at, \
+     webhook_endpoints.disabled_at, webhook_endpoints.disabled_reason";
 
 const DUE_MESSAGES: &str = "SELECT message_id, event_type, payload, created_at, attempts \
      FROM webhook_messages WHERE endpoint_id = $1 AND next_attempt_at IS NOT NULL \

@@ -158,6 +158,7 @@ pub async fn run_loop(store: Store, webhooks: Arc<Webhooks>, stop: CancellationT
         let mut full = false;
         if free > 0 {
             let now = Utc::now();
+            let t0 = std::time::Instant::now();
             let until = now + webhooks.claim_for();
             match store
                 .internal()
@@ -165,6 +166,12 @@ pub async fn run_loop(store: Store, webhooks: Arc<Webhooks>, stop: CancellationT
                 .await
             {
                 Ok(claimed) => {
+                    tracing::debug!(
+                        claimed = claimed.len(),
+                        free,
+                        took_ms = t0.elapsed().as_millis() as u64,
+                        "webhook endpoints claimed"
+                    );
                     full = claimed.len() as u32 == free;
                     for endpoint in claimed {
                         let Ok(slot) = slots.clone().try_acquire_owned() else {
@@ -218,6 +225,7 @@ async fn deliver(
             return;
         }
     };
+    tracing::debug!(endpoint_id = %endpoint.id, due = due.len(), "delivering");
     let secret = webhooks.secret(&endpoint.id);
     let signer = match standardwebhooks::Webhook::new(secret.expose()) {
         Ok(s) => s,

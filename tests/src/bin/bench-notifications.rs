@@ -115,6 +115,10 @@ async fn main() -> anyhow::Result<()> {
                 "endpoints whose receiver never answers, in percent (default 10)",
             ),
             Flag::count(
+                "--singles",
+                "messages written one at a time in the lag case (default 200)",
+            ),
+            Flag::count(
                 "--runs",
                 "failing runs due at once in the run-path case (default 1000)",
             ),
