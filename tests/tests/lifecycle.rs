@@ -250,6 +250,7 @@ async fn three_days_of_downtime_catch_up_once(backend: Backend) {
         .and_then(|t| t.with_nanosecond(0))
         .expect("slot");
     let three_days_ago = today - chrono::Duration::days(3);
+    endpoint(&mesh, &owner).await;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE automations SET next_run_at = {} WHERE id = '{}'",
         three_days_ago.timestamp_micros(),
@@ -290,6 +291,12 @@ async fn three_days_of_downtime_catch_up_once(backend: Backend) {
         .await
         .expect("automation");
     assert_eq!(after.next_run_at, Some(today + chrono::Duration::days(1)));
+    // The owner is told once of the three missed occurrences.
+    let told = told(&mesh, &owner, "automation.occurrences_missed").await;
+    assert_eq!(told.len(), 1, "{told:?}");
+    let body: serde_json::Value = serde_json::from_str(&told[0]).expect("json");
+    assert_eq!(body["data"]["missed"], 3);
+    assert_eq!(body["data"]["automation"]["id"], a.id.as_str());
     mesh.stop().await.expect("stop");
 }
 
@@ -907,6 +914,7 @@ async fn a_spent_monthly_budget_skips_runs_until_the_month_ends_or_it_is_raised(
     let token = mesh.token("acme", "alice");
     let owner = Principal::new("acme", "alice");
     let mut api = mesh.automations(Some(&token));
+    endpoint(&mesh, &owner).await;
     let with_budget = |schedule: pb::Schedule, budget: i64| {
         let mut request = daily_automation("budgeted", "do the thing", pb::Surface::Desktop);
         if let Some(a) = request.automation.as_mut() {
@@ -957,6 +965,7 @@ async fn a_spent_monthly_budget_skips_runs_until_the_month_ends_or_it_is_raised(
 
     // A run-now does not start: skipped, with the reason on its receipt.
     let skipped = run_now(&mesh, &token, &a.id, "over").await;
+    let over_id = skipped.id.clone();
     assert_eq!(skipped.state, pb::RunState::Skipped as i32);
     assert_eq!(skipped.error_code, "budget_exhausted");
     let receipt = mesh.receipt(&skipped.id).await;
@@ -1079,7 +1088,46 @@ async fn a_spent_monthly_budget_skips_runs_until_the_month_ends_or_it_is_raised(
     let b = get(b.id.clone()).await;
     assert_eq!(b.state, pb::AutomationState::NeedsAttention as i32);
     assert_eq!(b.attention_reason, "budget_exhausted");
+    // The owner is told each time a spent budget pauses an automation
+    // (the run-now's and the occurrence's), by a message written with the
+    // skipped run.
+    let told = told(&mesh, &owner, "automation.budget_reached").await;
+    for (automation, run) in [(&a.id, &over_id), (&b.id, &skipped.id)] {
+        assert!(
+            told.iter()
+                .any(|m| m.contains(automation.as_str()) && m.contains(run.as_str())),
+            "{automation}/{run} not told: {told:?}"
+        );
+    }
     mesh.stop().await.expect("stop");
+}
+
+/// An endpoint of `owner`'s that no delivery reaches (its messages stay in
+/// the outbox, where a test reads them).
+async fn endpoint(mesh: &Mesh, owner: &Principal) {
+    let endpoint = automesh_domain::WebhookEndpoint {
+        id: "ep_lifecycle".into(),
+        org_id: owner.org_id.clone(),
+        owner_id: owner.user_id.clone(),
+        url: "http://127.0.0.1:9/unused".into(),
+        description: String::new(),
+        created_at: Utc::now(),
+        disabled_at: None,
+        disabled_reason: None,
+    };
+    let made = mesh.store().create_webhook_endpoint(&endpoint).await;
+    made.expect("endpoint");
+}
+
+/// The payloads of the messages of type `kind` written for `owner`.
+async fn told(mesh: &Mesh, owner: &Principal, kind: &str) -> Vec<String> {
+    let messages = mesh.store().webhook_messages(owner, "ep_lifecycle", 500);
+    let messages = messages.await.expect("messages");
+    messages
+        .into_iter()
+        .filter(|m| m.event_type.as_str() == kind)
+        .map(|m| m.payload)
+        .collect()
 }
 
 /// The budget per run is the coordinator's to enforce as well (issue 32):

@@ -1,6 +1,6 @@
 //! What notifications cost and how fast they arrive, on PostgreSQL.
 //!
-//!   cargo run --release -p automesh-e2e-tests --bin bench-notifications [-- --endpoints 1000 --messages 10 --hang-percent 10 --singles 200 --runs 1000 --repeats 3]
+//!   cargo run --release -p automesh-e2e-tests --bin bench-notifications [-- --endpoints 1000 --messages 10 --hang-percent 10 --singles 200 --runs 1000 --repeats 5]
 //!
 //! Prints, from one run on this machine:
 //! - delivery: `--endpoints` endpoints of as many owners, `--hang-percent`
@@ -124,7 +124,7 @@ async fn main() -> anyhow::Result<()> {
             ),
             Flag::count(
                 "--repeats",
-                "rounds of the run-path case per mesh; medians (default 3)",
+                "rounds of the run-path case per mesh; medians (default 5)",
             ),
             QUICK,
         ],
@@ -133,7 +133,7 @@ async fn main() -> anyhow::Result<()> {
     let per_endpoint = sized("--messages", 10, 2);
     let hang_percent = sized("--hang-percent", 10, 10).min(100);
     let runs = sized("--runs", 1000, 50);
-    let repeats = sized("--repeats", 3, 1).max(1);
+    let repeats = sized("--repeats", 5, 1).max(1);
     println!(
         "automesh notifications benchmark (PostgreSQL, {} cores)",
         std::thread::available_parallelism()
