@@ -6,7 +6,8 @@
 //!   runs one service, for separate deployment;
 //! - `automesh runner` is the reference desktop runner;
 //! - `automesh ctl` drives the public API for people;
-//! - `automesh admin` does operator tasks on internal services.
+//! - `automesh admin` does operator tasks on internal services;
+//! - `automesh migrate` applies the database migrations once.
 
 mod admin;
 mod ctl;
@@ -53,6 +54,53 @@ enum Command {
     Ctl(ctl::CtlArgs),
     /// Operator tasks on the internal services.
     Admin(admin::AdminArgs),
+    /// Apply the database migrations this binary knows, once, then exit
+    /// (a deployment's migration job; services refuse a newer schema).
+    Migrate(MigrateArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct MigrateArgs {
+    /// Database URL: postgres://… or sqlite:….
+    #[arg(long, env = "AUTOMESH_DATABASE_URL", hide_env_values = true)]
+    database_url: String,
+    /// Give up when the database does not answer within this long.
+    #[arg(long, default_value = "60s", value_parser = automesh_domain::parse_duration)]
+    wait: std::time::Duration,
+}
+
+/// `automesh migrate`: waits (bounded) for the database, refuses a schema
+/// newer than this binary, applies what is missing and says so.
+async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let store = automesh_store::Store::connect_lazy(&args.database_url, Default::default())
+        .context("cannot open the database")?;
+    let give_up = tokio::time::Instant::now() + args.wait;
+    let before = loop {
+        match store.ping().await {
+            Ok(()) => break store.schema_version().await?,
+            Err(error) if tokio::time::Instant::now() < give_up => {
+                eprintln!("waiting for the database: {error}");
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+            Err(error) => {
+                anyhow::bail!(
+                    "the database did not answer within {:?}: {error}",
+                    args.wait
+                )
+            }
+        }
+    };
+    store.refuse_newer_schema().await?;
+    store.migrate().await.context("migration failed")?;
+    let after = store.schema_version().await?.unwrap_or_default();
+    match before {
+        Some(v) if v == after => println!("schema at version {after}: nothing to apply"),
+        Some(v) => println!("schema migrated from version {v} to {after}"),
+        None => println!("schema created at version {after}"),
+    }
+    store.close().await;
+    Ok(())
 }
 
 fn main() -> std::process::ExitCode {
@@ -72,5 +120,6 @@ async fn execute(command: Command) -> anyhow::Result<()> {
         Command::WorkerAgent(args) => args.execute().await,
         Command::Ctl(args) => ctl::run(args).await,
         Command::Admin(args) => admin::run(args).await,
+        Command::Migrate(args) => migrate(args).await,
     }
 }

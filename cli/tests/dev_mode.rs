@@ -720,6 +720,63 @@ fn every_service_refuses_a_bad_configuration_before_it_serves() {
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
+/// Issue 33: `automesh migrate` applies the schema once and says what it
+/// did; a service started against a schema newer than it knows refuses to
+/// start, naming both versions, and so does `migrate`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_applies_once_and_a_newer_schema_is_refused_by_name() {
+    let dir = std::env::temp_dir().join(format!("automesh-migrate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let url = format!("sqlite://{}?mode=rwc", dir.join("m.db").display());
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_automesh"))
+            .args(args)
+            .env_clear()
+            .env("AUTOMESH_DATABASE_URL", &url)
+            .env("AUTOMESH_INTERNAL_TOKEN", "internal-token-of-this-test")
+            .stdin(Stdio::null())
+            .output()
+            .expect("run automesh");
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), said)
+    };
+    let (ok, said) = run(&["migrate"]);
+    assert!(ok && said.contains("schema created at version"), "{said}");
+    let store = automesh_store::Store::connect_lazy(&url, Default::default()).expect("store");
+    let known = store.known_schema_version();
+    assert_eq!(store.schema_version().await.expect("version"), Some(known));
+    let (ok, said) = run(&["migrate"]);
+    assert!(ok && said.contains("nothing to apply"), "{said}");
+
+    // A newer binary migrated the database since.
+    let ahead = known + 1;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO _sqlx_migrations (version, description, installed_on, success, checksum, \
+         execution_time) VALUES ({ahead}, 'from the future', CURRENT_TIMESTAMP, TRUE, x'00', 0)"
+    )))
+    .execute(store.pool())
+    .await
+    .expect("a newer migration");
+    store.close().await;
+    let named = format!("schema is at version {ahead}, newer than this binary knows ({known})");
+    let (ok, said) = run(&["migrate"]);
+    assert!(!ok && said.contains(&named), "{said}");
+    let service = [
+        "scheduler",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ];
+    let (ok, said) = run(&service);
+    assert!(!ok && said.contains(&named), "{said}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A newcomer's first run: the real `automesh dev` binary with an empty
 /// environment — no provider, no Connect endpoint, no runner set up — and,
 /// through the public API only, a web and a desktop automation run now. Both

@@ -263,9 +263,14 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             args.data_dir.join("automesh.db").display()
         )
     });
-    let store = Store::connect_and_migrate(&database_url, StoreOptions::from_env())
-        .await
+    let store = Store::connect_lazy(&database_url, StoreOptions::from_env())
         .with_context(|| format!("cannot open the database at {database_url}"))?;
+    // A data directory a newer automesh migrated is refused by name.
+    store.refuse_newer_schema().await?;
+    store
+        .migrate()
+        .await
+        .with_context(|| format!("cannot migrate the database at {database_url}"))?;
     let shutdown = shutdown_on_signal();
     let outside = Outside::resolve(&args.worker, &shutdown).await?;
     let mut models = args.models.catalog();

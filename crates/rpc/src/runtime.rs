@@ -274,6 +274,9 @@ macro_rules! service_main {
                 &config.database_url,
                 ::automesh_store::StoreOptions::from_env(),
             )?;
+            // A schema newer than this binary knows is refused before
+            // anything serves.
+            store.refuse_newer_schema().await?;
             Service::new(&config, store, credential)?
                 .serve(listener, shutdown)
                 .await

@@ -32,6 +32,12 @@ pub enum StoreError {
     Refused(String),
     #[error("database error: {0}")]
     Database(#[source] sqlx::Error),
+    /// The database was migrated by a newer binary than this one.
+    #[error(
+        "the database schema is at version {database}, newer than this binary knows ({binary}): \
+         run a binary at least as new as the one that migrated it"
+    )]
+    SchemaAhead { database: i64, binary: i64 },
 }
 
 impl StoreError {
@@ -56,9 +62,10 @@ impl automesh_domain::Failure for StoreError {
             }
             StoreError::InvalidPageToken | StoreError::Refused(_) => K::InvalidArgument,
             StoreError::Database(_) => K::Unavailable,
-            StoreError::Corrupt(_) | StoreError::UnsupportedUrl | StoreError::Migrate(_) => {
-                K::Internal
-            }
+            StoreError::Corrupt(_)
+            | StoreError::UnsupportedUrl
+            | StoreError::Migrate(_)
+            | StoreError::SchemaAhead { .. } => K::Internal,
         }
     }
 }

@@ -220,8 +220,12 @@ impl Store {
 
     /// Whether every migration of this binary has been applied.
     pub async fn is_migrated(&self) -> Result<bool> {
-        let latest = migrations::latest_version(self.backend);
-        let applied: Option<i64> =
+        Ok(self.schema_version().await? == Some(self.known_schema_version()))
+    }
+
+    /// The newest migration applied to the database (`None` before any).
+    pub async fn schema_version(&self) -> Result<Option<i64>> {
+        let applied =
             sqlx::query_scalar("SELECT MAX(version) FROM _sqlx_migrations WHERE success = TRUE")
                 .fetch_one(&self.pool)
                 .await
@@ -230,7 +234,26 @@ impl Store {
                     sqlx::Error::Database(_) => Ok(None),
                     e => Err(e),
                 })?;
-        Ok(applied == Some(latest))
+        Ok(applied)
+    }
+
+    /// The newest migration this binary knows.
+    pub fn known_schema_version(&self) -> i64 {
+        migrations::latest_version(self.backend)
+    }
+
+    /// `SchemaAhead` when the database was migrated by a newer binary than
+    /// this one: a service refuses to serve a schema it does not know. An
+    /// unreachable database is not refused here (readiness waits for it).
+    pub async fn refuse_newer_schema(&self) -> Result<()> {
+        let known = self.known_schema_version();
+        match self.schema_version().await {
+            Ok(Some(database)) if database > known => Err(StoreError::SchemaAhead {
+                database,
+                binary: known,
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Closes the pool, waiting for connections to be returned.
@@ -320,6 +343,10 @@ impl Store {
         Box::new(move || {
             let store = store.clone();
             Box::pin(async move {
+                if let Err(error) = store.refuse_newer_schema().await {
+                    tracing::error!(%error, "not serving: the database schema is newer than this binary");
+                    return false;
+                }
                 match store.is_migrated().await {
                     Ok(true) => store.ping().await.is_ok(),
                     Ok(false) | Err(_) => match store.migrate().await {

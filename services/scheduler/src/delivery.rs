@@ -358,10 +358,54 @@ fn describe(e: reqwest::Error) -> String {
     if e.is_timeout() {
         "timed out".into()
     } else if e.is_connect() {
-        "could not connect".into()
+        // The innermost cause: a refused connection, a name that resolves
+        // to no public address.
+        let mut cause: &dyn std::error::Error = &e;
+        while let Some(next) = cause.source() {
+            cause = next;
+        }
+        format!("could not connect ({cause})")
     } else if e.is_redirect() {
         "answered a redirect, which is not followed".into()
     } else {
         e.without_url().to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reqwest::dns::Resolve;
+
+    #[tokio::test]
+    async fn names_that_resolve_to_private_addresses_are_not_reached() {
+        let name = "localhost".parse().expect("a name");
+        let refused = PublicOnly.resolve(name).await.err().expect("refused");
+        assert!(
+            refused.to_string().contains("no public address"),
+            "{refused}"
+        );
+    }
+
+    #[test]
+    fn retries_double_with_jitter_until_the_window_ends() {
+        let w = Webhooks {
+            key: automesh_domain::Secret::from("operator key of tests"),
+            allow_http: false,
+            allow_private: false,
+            timeout: Duration::from_secs(10),
+            first_retry: Duration::from_secs(5),
+            retry_for: Duration::from_secs(24 * 3600),
+        };
+        let t0 = Utc::now();
+        let wait = |n: i64| (w.retry_at(n, t0, t0).expect("within") - t0).num_milliseconds();
+        assert!((3750..=5000).contains(&wait(1)), "{}", wait(1));
+        assert!((7500..=10_000).contains(&wait(2)), "{}", wait(2));
+        assert!(
+            (2_700_000..=3_600_000).contains(&wait(30)),
+            "capped at an hour"
+        );
+        let late = t0 + chrono::Duration::hours(24);
+        assert_eq!(w.retry_at(3, t0, late), None, "past the window");
     }
 }

@@ -120,6 +120,53 @@ pub async fn migrations_are_idempotent(store: &Store) {
     store.ping().await.expect("ping");
 }
 
+pub async fn a_schema_newer_than_the_binary_is_refused_by_name(store: &Store) {
+    let known = store.known_schema_version();
+    assert_eq!(store.schema_version().await.expect("version"), Some(known));
+    store
+        .refuse_newer_schema()
+        .await
+        .expect("the schema it knows");
+    let ahead = known + 1;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO _sqlx_migrations (version, description, installed_on, success, checksum, \
+         execution_time) VALUES ({ahead}, 'from the future', CURRENT_TIMESTAMP, TRUE, \
+         '\\x00', 0)"
+    )))
+    .execute(store.pool())
+    .await
+    .ok();
+    // The checksum literal differs per backend: write it the other way if
+    // the first did not take.
+    if store.schema_version().await.expect("version") != Some(ahead) {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO _sqlx_migrations (version, description, installed_on, success, \
+             checksum, execution_time) VALUES ({ahead}, 'from the future', CURRENT_TIMESTAMP, \
+             TRUE, x'00', 0)"
+        )))
+        .execute(store.pool())
+        .await
+        .expect("a newer migration");
+    }
+    assert!(!store.is_migrated().await.expect("is_migrated"));
+    let refused = store.refuse_newer_schema().await;
+    assert!(
+        matches!(refused, Err(StoreError::SchemaAhead { database, binary }) if database == ahead && binary == known),
+        "{refused:?}"
+    );
+    let message = store
+        .refuse_newer_schema()
+        .await
+        .expect_err("refused")
+        .to_string();
+    assert!(
+        message.contains(&format!(
+            "version {ahead}, newer than this binary knows ({known})"
+        )),
+        "{message}"
+    );
+}
+
 pub async fn automation_round_trips(store: &Store) {
     let new = NewAutomation {
         pause_after_failures: 7,

@@ -11,6 +11,7 @@ macro_rules! conformance_suite {
     ($backend:expr) => {
         $crate::conformance_suite!($backend;
             migrations_are_idempotent,
+            a_schema_newer_than_the_binary_is_refused_by_name,
             automation_round_trips,
             automations_are_scoped_to_their_owner,
             automation_listing_pages_without_gaps,
