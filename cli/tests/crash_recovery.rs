@@ -773,3 +773,39 @@ async fn a_delivery_killed_mid_request_is_redelivered_with_the_same_webhook_id()
     );
     w.stop().await;
 }
+
+/// Issue 33: with `AUTOMESH_AGENT_DIES_WITH_LIFECYCLE` (the default), the
+/// agent a lifecycle replica started dies with it (SIGKILL of the replica),
+/// not after its orphan bound (here ten minutes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_dies_with_the_lifecycle_that_started_it() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let w = world(
+        |_, _| Reply::Json(text_completion("done")),
+        |s, _| {
+            let mut s = s
+                .set(
+                    Kind::Lifecycle,
+                    "AUTOMESH_AGENT_DIES_WITH_LIFECYCLE",
+                    "true",
+                )
+                .set(Kind::Lifecycle, "AUTOMESH_AGENT_ORPHAN_AFTER", "600s");
+            s.replicas.insert(Kind::Lifecycle, 1);
+            s
+        },
+    )
+    .await;
+    let mut w = w;
+    let a = w.cloud_automation("inbox").await;
+    let run = w.run_now(&a, "first").await;
+    assert_eq!(w.until_terminal(&run).await.state, RunState::Succeeded);
+    let agent = w.agent_pid().await;
+    w.cluster.kill(Kind::Lifecycle, 0);
+    assert!(
+        automesh_rpc::process::gone_within(agent, Duration::from_secs(60)).await,
+        "the agent outlived the lifecycle that started it"
+    );
+    let log = w.cluster.agent_log(&w.worker_id().await);
+    assert!(!log.contains("orphan bound"), "{log}");
+    w.stop().await;
+}

@@ -943,6 +943,39 @@ async fn a_first_run_succeeds_out_of_the_box_on_both_placements() {
     ] {
         assert!(out.contains(want), "{want:?} in:\n{out}");
     }
+
+    // Issue 33: a developer's Ctrl-C (SIGTERM) of dev after a cloud run
+    // leaves no worker agent behind: it dies with dev, long before its
+    // 60 s orphan bound.
+    let agents: Vec<u32> = std::fs::read_dir(dev.data_dir.join("workers"))
+        .expect("the workers' directories")
+        .flatten()
+        .filter_map(|e| {
+            std::fs::read_to_string(e.path().join(automesh_rpc::process::PID_FILE)).ok()
+        })
+        .filter_map(|t| t.trim().parse().ok())
+        .filter(|pid| automesh_rpc::process::alive(*pid))
+        .collect();
+    assert!(!agents.is_empty(), "the cloud run's agent is running");
+    let mut dev = dev;
+    let pid = dev.child.id().to_string();
+    let term = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(term.success());
+    let exited = tokio::task::spawn_blocking(move || {
+        let status = dev.child.wait().expect("wait");
+        (dev, status)
+    });
+    let (dev, status) = exited.await.expect("dev exits");
+    assert!(status.success(), "automesh dev exited with {status}");
+    for agent in agents {
+        assert!(
+            automesh_rpc::process::gone_within(agent, Duration::from_secs(20)).await,
+            "worker agent {agent} outlived automesh dev"
+        );
+    }
     drop(dev);
 }
 

@@ -122,6 +122,10 @@ impl ClusterSpec {
             short(&[
                 ("AUTOMESH_CLOUD_LEASE", "3s"),
                 ("AUTOMESH_AGENT_ORPHAN_AFTER", "8s"),
+                // Agents outlive their replica, for the other to adopt
+                // (what the crash tests exercise); a test that wants them
+                // to die with it sets this.
+                ("AUTOMESH_AGENT_DIES_WITH_LIFECYCLE", "false"),
                 ("AUTOMESH_READINESS_CAP", "120s"),
                 ("AUTOMESH_WORKER_IDLE_AFTER", "10m"),
                 ("AUTOMESH_WORKER_IDLE_CHECK", "1s"),

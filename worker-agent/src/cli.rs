@@ -76,11 +76,32 @@ pub struct Args {
         value_parser = automesh_domain::parse_duration
     )]
     pub orphan_after: Duration,
+    /// The process that started this agent (its local-process driver): the
+    /// agent dies with it (Linux `PR_SET_PDEATHSIG`, SIGTERM), and exits at
+    /// once if it is already gone.
+    #[arg(long, env = "AUTOMESH_AGENT_PARENT_PID")]
+    pub parent_pid: Option<u32>,
+}
+
+/// Asks the kernel to send this process SIGTERM when its parent dies; an
+/// error when the parent is not `parent` any more (it died before the ask).
+fn die_with(parent: u32) -> anyhow::Result<()> {
+    use rustix::process::{Signal, getppid, set_parent_process_death_signal};
+    set_parent_process_death_signal(Some(Signal::TERM))?;
+    let now = getppid().map(|p| p.as_raw_nonzero().get() as u32);
+    anyhow::ensure!(
+        now == Some(parent),
+        "the process that started this agent ({parent}) is gone; exiting"
+    );
+    Ok(())
 }
 
 impl Args {
     pub async fn execute(self) -> anyhow::Result<()> {
         let _telemetry = automesh_telemetry::init("automesh-worker-agent")?;
+        if let Some(parent) = self.parent_pid {
+            die_with(parent)?;
+        }
         let _state = StateDir::take(&self.state_dir)?;
         let listener = TcpListener::bind(self.listen).await?;
         // The one line the driver reads; the agent writes nothing else to

@@ -10,8 +10,10 @@
 //! (`agent.pid`), and a pid is trusted only while that process works in
 //! that directory. Stopping is SIGTERM, then SIGKILL after a grace period.
 //! Starting first stops a previous agent of the worker, so a worker never
-//! has two. An agent left behind by a replica that died exits by itself
-//! after its orphan bound (no call from any lifecycle for that long).
+//! has two. An agent dies with the replica that started it (Linux
+//! `PR_SET_PDEATHSIG`; `AUTOMESH_AGENT_DIES_WITH_LIFECYCLE`), or, when that
+//! is off, another replica adopts it and it exits by itself after its
+//! orphan bound (no call from any lifecycle for that long).
 
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -143,6 +145,12 @@ pub struct LocalProcessDriver {
     pub provider_key: automesh_domain::Secret,
     /// An agent that hears from no lifecycle for this long exits.
     pub orphan_after: Duration,
+    /// Each agent dies with the process that started it (Linux
+    /// `PR_SET_PDEATHSIG`): a stopped or killed lifecycle (a developer's
+    /// Ctrl-C of `dev`) leaves no agent behind. Off, an agent outlives its
+    /// starter and another replica on the host adopts it (until the orphan
+    /// bound ends it).
+    pub die_with_parent: bool,
     pub engine: EngineSettings,
     /// The pid of each worker's agent this process started.
     children: Mutex<HashMap<String, u32>>,
@@ -162,6 +170,7 @@ impl LocalProcessDriver {
             provider_url,
             provider_key,
             orphan_after: Duration::from_secs(60),
+            die_with_parent: true,
             engine: EngineSettings::default(),
             children: Mutex::default(),
             starts: Default::default(),
@@ -171,6 +180,12 @@ impl LocalProcessDriver {
     /// The same, with agents that exit after `bound` without a call.
     pub fn with_orphan_after(mut self, bound: Duration) -> Self {
         self.orphan_after = bound;
+        self
+    }
+
+    /// The same, with agents that die with this process (or not).
+    pub fn with_die_with_parent(mut self, on: bool) -> Self {
+        self.die_with_parent = on;
         self
     }
 
@@ -298,6 +313,11 @@ impl WorkerDriver for LocalProcessDriver {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(log_file(&dir));
+        if self.die_with_parent {
+            // The agent asks the kernel for SIGTERM when this process dies
+            // (and exits at once if it already has).
+            command.env("AUTOMESH_AGENT_PARENT_PID", std::process::id().to_string());
+        }
         let mut child = command.spawn().map_err(|e| {
             let code = if e.kind() == std::io::ErrorKind::NotFound {
                 ErrorCode::RuntimeMissing
@@ -321,9 +341,9 @@ impl WorkerDriver for LocalProcessDriver {
                 }
             });
         }
-        // Reaped as soon as it exits, however it is stopped; it is not
-        // killed when this process ends (other replicas adopt it, and its
-        // orphan bound ends it otherwise).
+        // Reaped as soon as it exits, however it is stopped. When this
+        // process ends, the agent ends with it (`die_with_parent`), or other
+        // replicas adopt it and its orphan bound ends it otherwise.
         let (exited_tx, exited) = tokio::sync::oneshot::channel();
         let worker_id = launch.worker_id.clone();
         tokio::spawn(async move {

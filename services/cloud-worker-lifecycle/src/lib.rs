@@ -71,6 +71,12 @@ automesh_rpc::service_config! {
     /// quarter of it).
     #[arg(long, env = "AUTOMESH_AGENT_ORPHAN_AFTER", default_value = "60s", value_parser = automesh_domain::parse_duration)]
     pub agent_orphan_after: std::time::Duration,
+    /// Local-process driver: each agent dies with the replica that started
+    /// it, so a stopped or killed replica leaves none behind (`false`: it
+    /// lives on for another replica on the host to adopt, up to its orphan
+    /// bound).
+    #[arg(long, env = "AUTOMESH_AGENT_DIES_WITH_LIFECYCLE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub agent_dies_with_lifecycle: bool,
 }
 
 /// What cloud workers are given: their model provider, and the Connect
@@ -174,7 +180,8 @@ impl Config {
             "local-process" => std::sync::Arc::new(
                 self.worker
                     .local_driver(command, self.workers_dir.clone())
-                    .with_orphan_after(self.agent_orphan_after),
+                    .with_orphan_after(self.agent_orphan_after)
+                    .with_die_with_parent(self.agent_dies_with_lifecycle),
             ),
             "docker" => std::sync::Arc::new(docker::DockerDriver {
                 socket: self.docker_socket.clone(),
