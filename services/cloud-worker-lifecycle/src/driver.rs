@@ -315,7 +315,10 @@ impl WorkerDriver for LocalProcessDriver {
             .stderr(log_file(&dir));
         if self.die_with_parent {
             // The agent asks the kernel for SIGTERM when this process dies
-            // (and exits at once if it already has).
+            // (and exits at once if it already has). Linux ties that signal
+            // to the thread that spawned the child: this runs on a runtime
+            // worker thread, which lives as long as the runtime (nothing
+            // here moves work onto blocking threads that expire).
             command.env("AUTOMESH_AGENT_PARENT_PID", std::process::id().to_string());
         }
         let mut child = command.spawn().map_err(|e| {
