@@ -245,9 +245,9 @@ whole! {
         => scheduler.create_webhook_endpoint(CreateWebhookEndpointRequest);
     pb::ListWebhookEndpointsRequest, checks::none
         => scheduler.list_webhook_endpoints(ListWebhookEndpointsRequest);
-    pb::DeleteWebhookEndpointRequest, checks::endpoint_id
+    pb::DeleteWebhookEndpointRequest, checks::delete_endpoint
         => scheduler.delete_webhook_endpoint(DeleteWebhookEndpointRequest);
-    pb::TestWebhookEndpointRequest, checks::endpoint_id
+    pb::TestWebhookEndpointRequest, checks::test_endpoint
         => scheduler.test_webhook_endpoint(TestWebhookEndpointRequest);
     pb::ListWebhookMessagesRequest, checks::messages
         => scheduler.list_webhook_messages(ListWebhookMessagesRequest);
@@ -282,25 +282,12 @@ mod checks {
         Ok(())
     }
 
-    /// Requests that name one endpoint by `id`.
-    pub(super) fn endpoint_id<T: NamesEndpoint>(r: &T) -> Result<(), Violations> {
-        convert::require_id(r.endpoint(), "id")
+    pub(super) fn delete_endpoint(r: &pb::DeleteWebhookEndpointRequest) -> Result<(), Violations> {
+        convert::require_id(&r.id, "id")
     }
 
-    pub(super) trait NamesEndpoint {
-        fn endpoint(&self) -> &str;
-    }
-
-    impl NamesEndpoint for pb::DeleteWebhookEndpointRequest {
-        fn endpoint(&self) -> &str {
-            &self.id
-        }
-    }
-
-    impl NamesEndpoint for pb::TestWebhookEndpointRequest {
-        fn endpoint(&self) -> &str {
-            &self.id
-        }
+    pub(super) fn test_endpoint(r: &pb::TestWebhookEndpointRequest) -> Result<(), Violations> {
+        convert::require_id(&r.id, "id")
     }
 
     pub(super) fn messages(r: &pb::ListWebhookMessagesRequest) -> Result<(), Violations> {

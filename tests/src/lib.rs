@@ -928,6 +928,26 @@ where
     }
 }
 
+/// Polls `check` every 50 ms until it yields a value; fails the test,
+/// naming `what`, after `within`.
+pub async fn wait_for<T, F, Fut>(within: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let give_up = tokio::time::Instant::now() + within;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "timed out after {within:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Waits (bounded by `within`) until the run exists and is terminal (a
 /// scheduled run exists only once its occurrence fell due).
 pub async fn until_ended(store: &Store, run_id: &str, within: Duration) -> automesh_domain::Run {

@@ -2,36 +2,16 @@
 //! the coordinator over real gRPC, a test executor speaking the executor
 //! contract, SQLite and PostgreSQL.
 
-use std::future::Future;
 use std::time::Duration;
 
 use automesh_domain::{AutomationState, ErrorCode, Principal, Run, RunState};
 use automesh_e2e_tests::RunsApi;
 use automesh_e2e_tests::executor::{Behavior, TestExecutor};
-use automesh_e2e_tests::{Api, Mesh, MeshOptions, daily_automation, on_both_backends};
+use automesh_e2e_tests::{Api, Mesh, MeshOptions, daily_automation, on_both_backends, wait_for};
 use automesh_proto::v1 as pb;
 use automesh_store::page::Cursor;
 use automesh_store::{Backend, Store};
 use chrono::{Timelike, Utc};
-
-/// Polls `check` until it yields a value, or fails after `within`.
-async fn wait_for<T, F, Fut>(within: Duration, what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let give_up = tokio::time::Instant::now() + within;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(
-            tokio::time::Instant::now() < give_up,
-            "timed out after {within:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 async fn terminal(store: &Store, run_id: &str, within: Duration) -> Run {
     wait_for(within, "the run to end", || async {

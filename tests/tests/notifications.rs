@@ -3,33 +3,15 @@
 //! HTTP receiver (failures, timeouts and 500s injected), signatures checked
 //! by the PyPI `standardwebhooks` package; SQLite and PostgreSQL.
 
-use std::future::Future;
 use std::time::Duration;
 
 use automesh_e2e_tests::executor::{Behavior, TestExecutor};
 use automesh_e2e_tests::webhooks::{Answer, Receiver, verify_with_python};
-use automesh_e2e_tests::{Api, Mesh, MeshOptions, daily_automation, on_both_backends};
+use automesh_e2e_tests::{
+    Api, Mesh, MeshOptions, daily_automation, on_both_backends, until_ended, wait_for,
+};
 use automesh_proto::v1 as pb;
 use automesh_store::Backend;
-
-/// Polls `check` until it yields a value, or fails after `within`.
-async fn wait_for<T, F, Fut>(within: Duration, what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let give_up = tokio::time::Instant::now() + within;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(
-            tokio::time::Instant::now() < give_up,
-            "timed out after {within:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 async fn mesh_with(
     backend: Backend,
@@ -59,16 +41,9 @@ async fn endpoint(mesh: &Mesh, token: &str, url: &str) -> (pb::WebhookEndpoint, 
 }
 
 async fn run_to_its_end(mesh: &Mesh, token: &str, automation_id: &str, key: &str) {
-    let run = mesh
-        .automations(Some(token))
-        .run_now(automation_id, key)
-        .await;
-    let store = &mesh.db.store;
-    wait_for(Duration::from_secs(30), "the run to end", || async {
-        let run = store.internal().get_run(&run.id).await.ok()?;
-        run.state.is_terminal().then_some(())
-    })
-    .await;
+    let mut api = mesh.automations(Some(token));
+    let run = api.run_now(automation_id, key).await;
+    until_ended(&mesh.db.store, &run.id, Duration::from_secs(30)).await;
 }
 
 async fn failures_reach_the_owners_endpoint_signed_retried_and_once_per_streak(backend: Backend) {

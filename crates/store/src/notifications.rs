@@ -86,13 +86,23 @@ const CLAIM: &str = "WITH due AS MATERIALIZED (SELECT DISTINCT m.endpoint_id FRO
      webhook_endpoints.url, webhook_endpoints.description, webhook_endpoints.created_at, \
      webhook_endpoints.disabled_at, webhook_endpoints.disabled_reason";
 
-const DUE_MESSAGES: &str = "SELECT message_id, event_type, payload, created_at, attempts \
-     FROM webhook_messages WHERE endpoint_id = $1 AND next_attempt_at IS NOT NULL \
-     AND next_attempt_at <= $2 ORDER BY next_attempt_at, created_at, message_id LIMIT $3";
+/// The columns every message query reads, in `decode_message`'s terms.
+const MESSAGE_COLUMNS: &str = "message_id, event_type, payload, created_at, attempts, \
+     next_attempt_at, delivered_at, last_error";
 
-const MESSAGES: &str = "SELECT message_id, event_type, payload, created_at, attempts, \
-     next_attempt_at, delivered_at, last_error FROM webhook_messages WHERE endpoint_id = $1 \
-     ORDER BY created_at DESC, message_id DESC LIMIT $2";
+const DUE_MESSAGES: &str = const_format::concatcp!(
+    "SELECT ",
+    MESSAGE_COLUMNS,
+    " FROM webhook_messages WHERE endpoint_id = $1 AND next_attempt_at IS NOT NULL \
+     AND next_attempt_at <= $2 ORDER BY next_attempt_at, created_at, message_id LIMIT $3"
+);
+
+const MESSAGES: &str = const_format::concatcp!(
+    "SELECT ",
+    MESSAGE_COLUMNS,
+    " FROM webhook_messages WHERE endpoint_id = $1 \
+     ORDER BY created_at DESC, message_id DESC LIMIT $2"
+);
 
 bulk! {
     /// One attempt's outcome: when the message is tried next (none once
@@ -152,19 +162,15 @@ pub struct WebhookMessage {
 
 fn decode_message(row: &AnyRow) -> Result<WebhookMessage> {
     let kind: String = col(row, "event_type")?;
-    let optional = |name| -> Result<Option<i64>> {
-        // Columns the due listing does not read are absent.
-        Ok(col::<Option<i64>>(row, name).unwrap_or_default())
-    };
     Ok(WebhookMessage {
         message_id: col(row, "message_id")?,
         event_type: event_type(&kind)?,
         payload: col(row, "payload")?,
         created_at: col(row, "created_at")?,
         attempts: col(row, "attempts")?,
-        next_attempt_at: optional("next_attempt_at")?.and_then(DateTime::from_timestamp_micros),
-        delivered_at: optional("delivered_at")?.and_then(DateTime::from_timestamp_micros),
-        last_error: col::<Option<String>>(row, "last_error").unwrap_or_default(),
+        next_attempt_at: col(row, "next_attempt_at")?,
+        delivered_at: col(row, "delivered_at")?,
+        last_error: col(row, "last_error")?,
     })
 }
 
