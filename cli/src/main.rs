@@ -7,11 +7,13 @@
 //! - `automesh runner` is the reference desktop runner;
 //! - `automesh ctl` drives the public API for people;
 //! - `automesh admin` does operator tasks on internal services;
-//! - `automesh migrate` applies the database migrations once.
+//! - `automesh migrate` applies the database migrations once;
+//! - `automesh retention` shows and sets how long history is kept.
 
 mod admin;
 mod ctl;
 mod dev;
+mod retention;
 
 use clap::{Parser, Subcommand};
 
@@ -57,6 +59,9 @@ enum Command {
     /// Apply the database migrations this binary knows, once, then exit
     /// (a deployment's migration job; services refuse a newer schema).
     Migrate(MigrateArgs),
+    /// How long finished runs are kept: each organisation's own retention,
+    /// and a pass run now.
+    Retention(retention::RetentionArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -121,5 +126,6 @@ async fn execute(command: Command) -> anyhow::Result<()> {
         Command::Ctl(args) => ctl::run(args).await,
         Command::Admin(args) => admin::run(args).await,
         Command::Migrate(args) => migrate(args).await,
+        Command::Retention(args) => retention::run(args).await,
     }
 }

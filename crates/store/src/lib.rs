@@ -23,6 +23,7 @@ mod migrations;
 pub mod notifications;
 pub mod page;
 pub mod receipts;
+pub mod retention;
 mod rows;
 pub mod runners;
 pub mod runs;

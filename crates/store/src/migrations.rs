@@ -81,6 +81,12 @@ const MIGRATIONS: &[(i64, &str, &str, &str)] = &[
         include_str!("../../../migrations/postgres/0012_webhook_due.sql"),
         include_str!("../../../migrations/sqlite/0012_webhook_due.sql"),
     ),
+    (
+        13,
+        "retention",
+        include_str!("../../../migrations/postgres/0013_retention.sql"),
+        include_str!("../../../migrations/sqlite/0013_retention.sql"),
+    ),
 ];
 
 pub(crate) fn migrator(backend: Backend) -> Migrator {

@@ -138,6 +138,15 @@ impl TestDatabase {
         }
     }
 
+    /// Runs `sql` as it is (a test moving rows back in time, say); how many
+    /// rows it changed.
+    pub async fn execute(&self, sql: &str) -> Result<u64> {
+        let done = sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(self.store.db())
+            .await?;
+        Ok(done.rows_affected())
+    }
+
     /// Closes the pool and deletes the database.
     pub async fn remove(self) -> Result<()> {
         self.store.close().await;

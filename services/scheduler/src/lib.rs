@@ -11,6 +11,7 @@ pub mod delivery;
 mod error;
 mod metrics;
 pub mod occurrences;
+pub mod retention;
 mod service;
 pub mod webhooks;
 
@@ -64,11 +65,51 @@ automesh_rpc::service_config! {
     /// the reason shown to its owner.
     #[arg(long, env = "AUTOMESH_WEBHOOK_RETRY_FOR", default_value = "24h", value_parser = parse_duration)]
     pub webhook_retry_for: Duration,
+    /// Days a finished run (its events, receipt) and a webhook message done
+    /// with are kept, unless its organisation has its own (`automesh
+    /// retention set`); 0 keeps everything.
+    #[arg(long, env = "AUTOMESH_RETENTION_DAYS", default_value_t = automesh_store::retention::DEFAULT_RETENTION_DAYS)]
+    pub retention_days: u32,
+    /// How often retention runs (one scheduler replica at a time).
+    #[arg(long, env = "AUTOMESH_RETENTION_EVERY", default_value = "1h", value_parser = parse_duration)]
+    pub retention_every: Duration,
+    /// Runs deleted per transaction by retention (each batch is short, so
+    /// no lock is held for long).
+    #[arg(long, env = "AUTOMESH_RETENTION_BATCH", default_value_t = 500)]
+    pub retention_batch: u32,
 }
 
 impl Config {
     pub fn settings(&self) -> occurrences::Settings {
         occurrences::Settings::new(self.run_deadline, self.catch_up_window)
+    }
+
+    /// Retention settings; `None` when everything is kept.
+    pub fn retention(&self) -> Result<Option<retention::Settings>> {
+        if self.retention_days == 0 {
+            return Ok(None);
+        }
+        let most = automesh_store::retention::MAX_RETENTION_DAYS;
+        anyhow::ensure!(
+            self.retention_days <= most,
+            "--retention-days (AUTOMESH_RETENTION_DAYS) is at most {most}, or 0 to keep everything"
+        );
+        anyhow::ensure!(
+            (1..=100_000).contains(&self.retention_batch),
+            "--retention-batch (AUTOMESH_RETENTION_BATCH) is 1 to 100000"
+        );
+        anyhow::ensure!(
+            self.retention_every >= Duration::from_secs(60),
+            "--retention-every (AUTOMESH_RETENTION_EVERY) is at least 1m"
+        );
+        Ok(Some(retention::Settings {
+            policy: automesh_store::retention::Policy {
+                default_days: self.retention_days,
+                batch: self.retention_batch,
+                ..Default::default()
+            },
+            every: self.retention_every,
+        }))
     }
 
     /// Webhook settings, when the operator gave a notification key.
@@ -112,6 +153,7 @@ pub struct Service {
     settings: occurrences::Settings,
     wake: Arc<Notify>,
     webhooks: Option<Arc<webhooks::Webhooks>>,
+    retention: Option<retention::Settings>,
 }
 
 impl Service {
@@ -125,6 +167,7 @@ impl Service {
         // An edit wakes the occurrence loop.
         let wake = Arc::new(Notify::new());
         let webhooks = config.webhooks()?;
+        let retention = config.retention()?;
         let scheduler = Scheduler::new(
             store.clone(),
             config.run_deadline,
@@ -142,13 +185,14 @@ impl Service {
             settings: config.settings(),
             wake,
             webhooks,
+            retention,
         })
     }
 
     /// Serves until `shutdown` is cancelled: the gRPC server, the
-    /// occurrence loop and (with a notification key) webhook delivery, all
-    /// inside this future, so aborting it stops
-    /// everything at once, as a crash would.
+    /// occurrence loop, retention and (with a notification key) webhook
+    /// delivery, all inside this future, so aborting it stops everything
+    /// at once, as a crash would.
     pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
         let Self {
             server,
@@ -156,6 +200,7 @@ impl Service {
             settings,
             wake,
             webhooks,
+            retention,
         } = self;
         let probe = store.readiness_probe();
         server
@@ -165,9 +210,14 @@ impl Service {
                         delivery::run_loop(store.clone(), webhooks, stop.clone()).await;
                     }
                 };
+                let history = async {
+                    if let Some(retention) = retention {
+                        retention::run_loop(store.clone(), retention, stop.clone()).await;
+                    }
+                };
                 let occurrences =
                     occurrences::run_loop(store.clone(), settings, wake, stop.clone());
-                tokio::join!(occurrences, delivery);
+                tokio::join!(occurrences, delivery, history);
             })
             .await?;
         Ok(())

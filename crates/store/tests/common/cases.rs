@@ -3140,3 +3140,181 @@ pub async fn webhook_endpoints_are_claimed_once_and_attempts_recorded(store: &St
     assert_eq!(failed.next_attempt_at, None);
     assert_eq!(failed.last_error.as_deref(), Some("timed out"));
 }
+
+pub async fn retention_deletes_finished_runs_past_their_organisations_period(store: &Store) {
+    use automesh_domain::Notice;
+    use automesh_store::notifications::Attempt;
+    use automesh_store::retention::Policy;
+    const DAY: i64 = 86_400;
+    let now = t(100 * DAY);
+    let ago = |days: i64| now - Duration::days(days);
+    let internal = store.internal();
+    // Bad overrides are refused by name; mallory's organisation keeps 60 days.
+    for bad in [0, automesh_store::retention::MAX_RETENTION_DAYS + 1] {
+        let refused = internal.set_org_retention("org-b", bad, now).await;
+        assert!(
+            matches!(refused, Err(StoreError::Invariant(ref m)) if m.contains("retention")),
+            "{bad} days: {refused:?}"
+        );
+    }
+    internal
+        .set_org_retention("org-x", 7, now)
+        .await
+        .expect("set");
+    assert!(internal.clear_org_retention("org-x").await.expect("clear"));
+    assert!(!internal.clear_org_retention("org-x").await.expect("clear"));
+    internal
+        .set_org_retention("org-b", 90, now)
+        .await
+        .expect("set");
+    internal
+        .set_org_retention("org-b", 60, now)
+        .await
+        .expect("set again");
+    assert_eq!(
+        internal.org_retentions().await.expect("list"),
+        [("org-b".to_owned(), 60)]
+    );
+    let a = create(store, &alice(), "a1", ago(50)).await;
+    let budgeted = NewAutomation {
+        monthly_budget_micros: Some(1_000_000),
+        ..new_automation(&alice(), "a2", Surface::Web)
+    };
+    let b = store
+        .create_automation(&budgeted, Some(now), ago(50))
+        .await
+        .expect("create");
+    let m = create(store, &mallory(), "m1", ago(80)).await;
+    // (run, automation, created days ago, finished)
+    let runs = [
+        ("old", &a, 40, true),
+        ("recent", &a, 10, true),
+        ("live", &a, 40, false),
+        ("budget-31", &b, 31, true),
+        ("budget-33", &b, 33, true),
+        ("m-40", &m, 40, true),
+        ("m-70", &m, 70, true),
+    ];
+    for (id, automation, days, finished) in runs {
+        let at = ago(days);
+        store
+            .create_run(&new_run(automation, id), at)
+            .await
+            .expect("create run");
+        store
+            .append_events(id, &[text_event("e1", "working")], at)
+            .await
+            .expect("append");
+        if finished {
+            store
+                .finish_run(&receipt(id, RunState::Succeeded), at + Duration::seconds(1))
+                .await
+                .expect("finish");
+        }
+    }
+    // Alice's endpoint: an old message delivered, an old one still pending,
+    // a recent one delivered.
+    store
+        .create_webhook_endpoint(&endpoint(&alice(), "e1", ago(50)))
+        .await
+        .expect("endpoint");
+    let notices = [
+        Notice::run_failed(&a, "old", RunState::Failed, None, None, ago(40)),
+        Notice::run_failed(&a, "pending", RunState::Failed, None, None, ago(40)),
+        Notice::run_failed(&a, "recent", RunState::Failed, None, None, ago(2)),
+    ];
+    internal.enqueue_notices(&notices).await.expect("enqueue");
+    let delivered = [
+        (notices[0].id.clone(), Attempt::Delivered),
+        (notices[2].id.clone(), Attempt::Delivered),
+    ];
+    internal
+        .record_webhook_attempts("e1", &delivered, ago(1), None, ago(1))
+        .await
+        .expect("record");
+
+    // One pass at a time: claimed, then due again only when the last one
+    // said so.
+    let soon = now + Duration::minutes(5);
+    assert!(
+        internal
+            .claim_retention_pass(now, soon)
+            .await
+            .expect("claim")
+    );
+    assert!(
+        !internal
+            .claim_retention_pass(now, soon)
+            .await
+            .expect("claim")
+    );
+    let policy = Policy {
+        default_days: 30,
+        batch: 1,
+        ..Policy::default()
+    };
+    let pass = internal.purge_expired(policy, now).await.expect("pass");
+    let next = now + Duration::hours(1);
+    internal
+        .finish_retention_pass(now, next)
+        .await
+        .expect("finish");
+    assert!(
+        !internal
+            .claim_retention_pass(soon, next)
+            .await
+            .expect("claim")
+    );
+    assert!(
+        internal
+            .claim_retention_pass(next, next)
+            .await
+            .expect("claim")
+    );
+    assert_eq!(
+        internal.last_retention_pass().await.expect("last"),
+        Some(now)
+    );
+
+    assert!(pass.complete);
+    assert_eq!(pass.orgs, 2, "{pass:?}");
+    assert_eq!(pass.purged.runs, 3, "{pass:?}");
+    assert_eq!(pass.purged.receipts, 3, "{pass:?}");
+    assert_eq!(pass.purged.by_table()[0], ("runs", 3), "metrics' names");
+    // Each run's event and the status events its end wrote.
+    assert!(pass.purged.run_events >= 3, "{pass:?}");
+    assert_eq!(pass.purged.webhook_messages, 1, "{pass:?}");
+    assert_eq!(pass.oldest_kept, Some(ago(40)), "mallory's run of 40 days");
+    for (id, gone) in [
+        ("old", true),
+        ("budget-33", true),
+        ("m-70", true),
+        ("recent", false),
+        ("live", false),
+        ("budget-31", false),
+        ("m-40", false),
+    ] {
+        let run = internal.get_run(id).await;
+        let events = internal.events(id, 0, 100).await.expect("events");
+        let receipt = internal.receipt(id).await.expect("receipt");
+        if gone {
+            assert!(matches!(run, Err(StoreError::NotFound)), "{id}: {run:?}");
+            assert!(events.is_empty() && receipt.is_none(), "{id}");
+        } else {
+            assert!(run.is_ok(), "{id} is kept");
+            assert!(!events.is_empty(), "{id}'s events are kept");
+        }
+    }
+    let kept: Vec<String> = store
+        .webhook_messages(&alice(), "e1", 10)
+        .await
+        .expect("messages")
+        .into_iter()
+        .map(|m| m.message_id)
+        .collect();
+    assert!(!kept.contains(&notices[0].id), "the old delivered one goes");
+    assert!(kept.contains(&notices[1].id) && kept.contains(&notices[2].id));
+    // Nothing more to do: a second pass deletes nothing.
+    let again = internal.purge_expired(policy, now).await.expect("pass");
+    assert_eq!(again.purged, Default::default());
+}

@@ -49,6 +49,7 @@ macro_rules! conformance_suite {
             monthly_budgets_are_read_from_receipts_and_spent_months_listed,
             webhook_endpoints_are_scoped_and_notices_fan_out_once_per_cause,
             webhook_endpoints_are_claimed_once_and_attempts_recorded,
+            retention_deletes_finished_runs_past_their_organisations_period,
         );
     };
     ($backend:expr; $($case:ident),* $(,)?) => {
