@@ -98,6 +98,9 @@ pub async fn run(args: RetentionArgs) -> anyhow::Result<()> {
                 time_bound: std::time::Duration::from_secs(24 * 3600),
             };
             let pass = internal.purge_expired(policy, now).await?;
+            internal
+                .finish_retention_pass(chrono::Utc::now(), None)
+                .await?;
             for (table, n) in pass.purged.by_table() {
                 println!("{table}\t{n} deleted");
             }

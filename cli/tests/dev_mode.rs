@@ -777,6 +777,69 @@ async fn migrate_applies_once_and_a_newer_schema_is_refused_by_name() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `automesh retention`, the operator's command: an organisation's own
+/// retention set, listed, refused out of range and unset; a pass run now
+/// says what it deleted; a database not migrated is named.
+#[tokio::test]
+async fn retention_is_set_per_organisation_and_a_pass_reports_what_it_deleted() {
+    let dir = std::env::temp_dir().join(format!("automesh-retention-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let url = format!("sqlite://{}?mode=rwc", dir.join("r.db").display());
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_automesh"))
+            .arg("retention")
+            .args(args)
+            .env_clear()
+            .env("AUTOMESH_DATABASE_URL", &url)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run automesh");
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), said)
+    };
+    let (ok, said) = run(&["list"]);
+    assert!(
+        !ok && said.contains("run `automesh migrate` first"),
+        "{said}"
+    );
+    let store = automesh_store::Store::connect_and_migrate(&url, Default::default())
+        .await
+        .expect("migrate");
+    let (ok, said) = run(&["set", "--org", "acme", "--days", "0"]);
+    assert!(!ok && said.contains("--days"), "{said}");
+    let (ok, said) = run(&["set", "--org", "acme", "--days", "365"]);
+    assert!(
+        ok && said.contains("acme keeps finished runs 365 days"),
+        "{said}"
+    );
+    let (ok, said) = run(&["list"]);
+    assert!(
+        ok && said.contains("acme\t365 days") && said.contains("no pass has run yet"),
+        "{said}"
+    );
+    let (ok, said) = run(&["run", "--days", "7"]);
+    assert!(ok && said.contains("runs\t0 deleted"), "{said}");
+    let (ok, said) = run(&["list"]);
+    assert!(ok && said.contains("last pass finished"), "{said}");
+    assert_eq!(
+        store.internal().org_retentions().await.expect("read"),
+        [("acme".to_owned(), 365)]
+    );
+    let (ok, said) = run(&["unset", "--org", "acme"]);
+    assert!(
+        ok && said.contains("follows the default retention again"),
+        "{said}"
+    );
+    let (ok, said) = run(&["unset", "--org", "acme"]);
+    assert!(ok && said.contains("nothing changed"), "{said}");
+    store.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A newcomer's first run: the real `automesh dev` binary with an empty
 /// environment — no provider, no Connect endpoint, no runner set up — and,
 /// through the public API only, a web and a desktop automation run now. Both

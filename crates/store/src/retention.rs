@@ -115,9 +115,10 @@ const CLEAR_OVERRIDE: &str = "DELETE FROM org_retention WHERE org_id = $1";
 const CLAIM_PASS: &str = "UPDATE retention_passes SET claimed_until = $2 \
      WHERE name = 'runs' AND claimed_until <= $1";
 
-/// A pass done at `$1`: the next is due at `$2`.
-const FINISH_PASS: &str = "UPDATE retention_passes SET claimed_until = $2, last_done_at = $1 \
-     WHERE name = 'runs'";
+/// A pass done at `$1`: the next is due at `$2` (when given; an operator's
+/// pass leaves the timetable as it is).
+const FINISH_PASS: &str = "UPDATE retention_passes SET last_done_at = $1, \
+     claimed_until = COALESCE($2, claimed_until) WHERE name = 'runs'";
 
 const LAST_PASS: &str = "SELECT last_done_at FROM retention_passes WHERE name = 'runs'";
 
@@ -277,13 +278,15 @@ impl crate::Internal<'_> {
         rows::changed_one(self.db(), CLAIM_PASS, (micros(now), micros(until))).await
     }
 
-    /// The pass done at `now`; the next is due at `next`.
+    /// A pass done at `now`; the next is due at `next` (`None`: an
+    /// operator's pass, which leaves the schedulers' timetable alone).
     pub async fn finish_retention_pass(
         self,
         now: DateTime<Utc>,
-        next: DateTime<Utc>,
+        next: Option<DateTime<Utc>>,
     ) -> Result<()> {
-        rows::execute(self.db(), FINISH_PASS, (micros(now), micros(next))).await?;
+        let params = (micros(now), next.map(micros));
+        rows::execute(self.db(), FINISH_PASS, params).await?;
         Ok(())
     }
 

@@ -115,7 +115,11 @@ pub async fn pass_if_due(
         Ok(pass) => pass,
         Err(error) => {
             // Due again at once: the claim is handed back.
-            store.internal().finish_retention_pass(now, now).await.ok();
+            store
+                .internal()
+                .finish_retention_pass(now, Some(now))
+                .await
+                .ok();
             return Err(error);
         }
     };
@@ -126,7 +130,10 @@ pub async fn pass_if_due(
     } else {
         done
     };
-    store.internal().finish_retention_pass(done, next).await?;
+    store
+        .internal()
+        .finish_retention_pass(done, Some(next))
+        .await?;
     let took = started.elapsed().as_secs_f64();
     let outcome = if pass.complete { "complete" } else { "partial" };
     duration().record(took, &[KeyValue::new("outcome", outcome)]);

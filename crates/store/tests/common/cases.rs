@@ -3256,7 +3256,7 @@ pub async fn retention_deletes_finished_runs_past_their_organisations_period(sto
     let pass = internal.purge_expired(policy, now).await.expect("pass");
     let next = now + Duration::hours(1);
     internal
-        .finish_retention_pass(now, next)
+        .finish_retention_pass(now, Some(next))
         .await
         .expect("finish");
     assert!(
@@ -3275,6 +3275,23 @@ pub async fn retention_deletes_finished_runs_past_their_organisations_period(sto
         internal.last_retention_pass().await.expect("last"),
         Some(now)
     );
+    // An operator's pass is recorded and leaves the timetable alone.
+    let far = next + Duration::hours(1);
+    internal
+        .finish_retention_pass(next, Some(far))
+        .await
+        .expect("finish");
+    let later = next + Duration::minutes(1);
+    internal
+        .finish_retention_pass(later, None)
+        .await
+        .expect("finish");
+    let last = internal.last_retention_pass().await.expect("last");
+    assert_eq!(last, Some(later));
+    let early = internal.claim_retention_pass(later, far).await;
+    assert!(!early.expect("claim"), "the next pass is due at `far`");
+    let due = internal.claim_retention_pass(far, far).await;
+    assert!(due.expect("claim"));
 
     assert!(pass.complete);
     assert_eq!(pass.orgs, 2, "{pass:?}");
