@@ -361,6 +361,73 @@ async fn a_lifecycle_lost_during_a_wake_hands_the_start_over_at_lease_speed() {
     w.stop().await;
 }
 
+/// Issue 33, rolling restarts: a lifecycle replica told to stop (SIGTERM)
+/// while it drives a cloud run hands the drive back as it exits, and the
+/// other replica resumes it at once — not when the 120 s lease would lapse,
+/// which is past the run's 60 s deadline. The run succeeds and the prompt
+/// reached the model once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lifecycle_told_to_stop_hands_its_cloud_run_over_at_once() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut w = world(
+        |_, _| Reply::Delayed(Duration::from_secs(6), text_completion("done")),
+        |s, _| {
+            s.set(Kind::Lifecycle, "AUTOMESH_CLOUD_LEASE", "120s").set(
+                Kind::Scheduler,
+                "AUTOMESH_RUN_DEADLINE",
+                "60s",
+            )
+        },
+    )
+    .await;
+    let a = w.cloud_automation("inbox").await;
+    let run = w.run_now(&a, "first").await;
+    // The prompt is with the model: the run is running, driven by one
+    // replica, whose name its dispatch row carries.
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(60);
+    while w.provider.calls() == 0 {
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "the model was never called"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let driver: String =
+        sqlx::query_scalar("SELECT driver_owner FROM cloud_dispatch WHERE run_id = $1")
+            .bind(&run)
+            .fetch_one(w.cluster.store().pool())
+            .await
+            .expect("driver");
+    let holder = usize::from(!w.cluster.log(Kind::Lifecycle, 0).contains(&driver));
+    assert!(w.cluster.log(Kind::Lifecycle, holder).contains(&driver));
+    let clean = w
+        .cluster
+        .terminate(Kind::Lifecycle, holder, Duration::from_secs(30))
+        .await;
+    assert!(clean, "the replica exited by itself, successfully");
+    assert!(
+        w.cluster
+            .log(Kind::Lifecycle, holder)
+            .contains("cloud drives and worker starts handed back"),
+        "{}",
+        tail(&w.cluster.log(Kind::Lifecycle, holder), 20)
+    );
+    let ended = w.until_terminal(&run).await;
+    assert_eq!(
+        (ended.state, ended.error_code),
+        (RunState::Succeeded, None),
+        "{ended:?}"
+    );
+    assert!(
+        w.cluster
+            .log(Kind::Lifecycle, 1 - holder)
+            .contains("resuming a cloud run whose drive stopped"),
+        "the other replica resumed it"
+    );
+    assert_eq!(w.provider.calls(), 1, "the prompt reached the model once");
+    w.stop().await;
+}
+
 /// Item 5: a coordinator dies (SIGKILL) right after it committed a run's
 /// end. The run's log still holds its terminal status event, because the
 /// end, the receipt and the event commit together.

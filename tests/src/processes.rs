@@ -491,6 +491,33 @@ impl Cluster {
         }
     }
 
+    /// Tells one replica to stop (SIGTERM), as a rolling restart does, and
+    /// waits (bounded by `within`, then SIGKILL) for it to exit; true when
+    /// it exited by itself, successfully.
+    pub async fn terminate(&mut self, kind: Kind, replica: usize, within: Duration) -> bool {
+        let Some(p) = self.procs.get_mut(&(kind, replica)) else {
+            return false;
+        };
+        let Some(mut child) = p.child.take() else {
+            return false;
+        };
+        automesh_rpc::process::signal(child.id(), Signal::TERM);
+        let give_up = tokio::time::Instant::now() + within;
+        loop {
+            match child.try_wait() {
+                Ok(Some(status)) => return status.success(),
+                Ok(None) if tokio::time::Instant::now() < give_up => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                _ => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return false;
+                }
+            }
+        }
+    }
+
     /// Starts a replica again on its port (after [`Cluster::kill`]) and
     /// waits until it serves.
     pub async fn restart(&mut self, kind: Kind, replica: usize) -> anyhow::Result<()> {

@@ -131,6 +131,16 @@ const BY_STATE: &str = "SELECT state, COUNT(*) AS n FROM cloud_workers GROUP BY 
 const UNDRIVEN: &str = "SELECT run_id FROM cloud_dispatch \
      WHERE phase <> 'finished' AND driver_until < $1 ORDER BY driver_until LIMIT $2";
 
+/// A stopping replica `$1` hands back its drives: each unfinished run it
+/// drives is undriven at once (another replica's resume pass takes it).
+const RELEASE_DRIVES: &str = "UPDATE cloud_dispatch SET driver_until = 0 \
+     WHERE driver_owner = $1 AND phase <> 'finished'";
+
+/// … and the starts it holds: each worker it was starting is claimable at
+/// once (its start, dying with the replica, is made again by another).
+const RELEASE_STARTS: &str = "UPDATE cloud_workers SET start_until = 0 \
+     WHERE starter = $1 AND state = 'starting'";
+
 const GET_DISPATCH: &str = "SELECT run_id, org_id, owner_id, worker_id, workspace_id, thread_id, \
      message_id, spec, phase, outcome, cancel_requested, wake_micros, admission_micros, \
      driver_owner, driver_until FROM cloud_dispatch WHERE run_id = $1";
@@ -321,6 +331,17 @@ impl Store {
             ),
         )
         .await
+    }
+
+    /// Hands back everything `replica` holds, as it stops: its runs'
+    /// drives and its workers' starts, claimable by another replica at once
+    /// instead of when their leases lapse. How many of each.
+    pub async fn release_cloud_claims(&self, replica: &str) -> Result<(u64, u64)> {
+        let mut tx = self.begin_write().await?;
+        let drives = rows::execute(&mut *tx, RELEASE_DRIVES, (replica,)).await?;
+        let starts = rows::execute(&mut *tx, RELEASE_STARTS, (replica,)).await?;
+        tx.commit().await?;
+        Ok((drives, starts))
     }
 
     /// One cloud run's dispatch.

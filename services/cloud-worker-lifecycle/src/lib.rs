@@ -354,11 +354,23 @@ impl Service {
                 RequireInternal(credential),
             ),
         );
-        server
-            .serve_beside(listener, shutdown, store.readiness_probe(), |stop| {
-                cloud.housekeeping(stop)
-            })
-            .await?;
+        // Told to stop (a rolling restart): what this replica holds is
+        // handed back at once, before the server drains, so another replica
+        // resumes its runs' drives and its workers' starts now, not when
+        // their leases lapse; its observe streams end, for their callers to
+        // observe again elsewhere.
+        let handing_back = {
+            let (cloud, shutdown) = (cloud.clone(), shutdown.clone());
+            async move {
+                shutdown.cancelled().await;
+                cloud.hand_back().await;
+            }
+        };
+        let serving = server.serve_beside(listener, shutdown, store.readiness_probe(), |stop| {
+            cloud.housekeeping(stop)
+        });
+        let (served, ()) = tokio::join!(serving, handing_back);
+        served?;
         Ok(())
     }
 }

@@ -1631,6 +1631,20 @@ pub async fn concurrent_wakes_start_a_worker_once(store: &Store) {
         }
         other => panic!("a ready worker is not started again: {other:?}"),
     }
+    // A starter that stops hands its start back: another starts the worker
+    // at once, not when the start's lease lapses.
+    let other = store
+        .register_worker(&mallory(), "local-process", t(0))
+        .await
+        .expect("worker");
+    let first = store.wake_worker(&other.id, "s-a", t(100), t(1)).await;
+    assert!(matches!(first.expect("wake"), Wake::Start));
+    let second = store.wake_worker(&other.id, "s-b", t(100), t(2)).await;
+    assert!(matches!(second.expect("wake"), Wake::Starting));
+    let released = store.release_cloud_claims("s-a").await.expect("release");
+    assert_eq!(released, (0, 1));
+    let third = store.wake_worker(&other.id, "s-b", t(100), t(3)).await;
+    assert!(matches!(third.expect("wake"), Wake::Start), "handed back");
 }
 
 /// Idle stop never stops a worker with a live run: the admission's dispatch
@@ -2470,6 +2484,15 @@ pub async fn cloud_dispatch_is_driven_by_one_replica_and_finished_once(store: &S
     assert_eq!(undriven(31).await, ["c1"], "the drive lapsed");
     assert!(take("d2", 50, 31).await, "taken over once lapsed");
     assert!(!take("d1", 60, 32).await, "and no longer d1's");
+    // d2 stops and hands its drive back: undriven at once, long before
+    // its lease would lapse; d1's release touches nothing of d2's.
+    let released = store.release_cloud_claims("d1").await.expect("release");
+    assert_eq!(released, (0, 0));
+    assert!(undriven(32).await.is_empty());
+    let released = store.release_cloud_claims("d2").await.expect("release");
+    assert_eq!(released, (1, 0));
+    assert_eq!(undriven(32).await, ["c1"], "handed back at once");
+    assert!(take("d1", 50, 32).await, "and taken by another");
     // Progress, and a cancellation.
     let phase = |p: CloudPhase, wake: i64, admission: i64, at: i64| async move {
         store

@@ -137,6 +137,13 @@ impl Executor for Cloud {
             async move {
                 let mut after = after;
                 loop {
+                    if cloud.stopped.is_cancelled() {
+                        // The caller observes again, on another replica,
+                        // from the last sequence it read.
+                        let why = status::shutting_down("observe the run again from the last sequence");
+                        observer.fail(why).await;
+                        return;
+                    }
                     let Ok(Some(d)) = cloud.store.cloud_run(&run_id).await else {
                         return;
                     };
@@ -161,7 +168,7 @@ impl Executor for Cloud {
                         observer.status(status_of(Some(&d))).await;
                         return;
                     }
-                    if !observer.wait(std::future::pending(), WATCH).await {
+                    if !observer.wait(cloud.stopped.cancelled(), WATCH).await {
                         return;
                     }
                 }

@@ -55,6 +55,43 @@ impl Cloud {
         }
     }
 
+    /// Hands back this replica's drives and worker starts (it is
+    /// stopping), bounded: a database that does not answer leaves them to
+    /// lapse with their leases instead.
+    pub async fn hand_back(&self) {
+        // This replica's drives end first, so that none renews what is
+        // handed back.
+        self.stopped.cancel();
+        let ended = tokio::time::timeout(Duration::from_secs(2), async {
+            while !self.driving.lock().is_empty() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        });
+        if ended.await.is_err() {
+            tracing::warn!("stopping: some cloud drives did not end within 2 s");
+        }
+        let released = tokio::time::timeout(
+            Duration::from_secs(5),
+            self.store.release_cloud_claims(&self.replica),
+        )
+        .await;
+        match released {
+            Ok(Ok((drives, starts))) => {
+                tracing::info!(
+                    drives,
+                    starts,
+                    "stopping: cloud drives and worker starts handed back"
+                )
+            }
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "stopping: cannot hand back cloud drives; they lapse with their leases")
+            }
+            Err(_) => tracing::warn!(
+                "stopping: handing back cloud drives timed out; they lapse with their leases"
+            ),
+        }
+    }
+
     /// Takes over unfinished cloud runs whose drive stopped renewing its
     /// lease.
     pub async fn resume_pass(&self) -> Result<usize, automesh_store::StoreError> {

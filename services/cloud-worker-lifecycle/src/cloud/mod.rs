@@ -133,6 +133,9 @@ pub struct Cloud {
     credential: InternalCredential,
     replica: String,
     driving: Arc<Mutex<HashSet<String>>>,
+    /// Cancelled when the replica stops: its drives end before their
+    /// claims are handed back (`hand_back`).
+    stopped: CancellationToken,
 }
 
 fn outcome(
@@ -205,13 +208,17 @@ impl Cloud {
         settings: CloudSettings,
         credential: InternalCredential,
     ) -> Self {
+        let replica = format!("lifecycle-{}", uuid::Uuid::new_v4().simple());
+        // Its drives and starts carry this name in the database.
+        tracing::info!(%replica, "cloud-worker-lifecycle replica");
         Self {
             store,
             driver,
             settings,
             credential,
-            replica: format!("lifecycle-{}", uuid::Uuid::new_v4().simple()),
+            replica,
             driving: Arc::default(),
+            stopped: CancellationToken::new(),
         }
     }
 
@@ -250,7 +257,8 @@ impl Cloud {
 
     /// Starts this replica's drive of a run unless one is running here.
     fn drive(&self, run_id: &str) {
-        if !self.driving.lock().insert(run_id.to_owned()) {
+        // A stopping replica starts no drive: what it held is handed back.
+        if self.stopped.is_cancelled() || !self.driving.lock().insert(run_id.to_owned()) {
             return;
         }
         let cloud = self.clone();
@@ -258,13 +266,19 @@ impl Cloud {
         tokio::spawn(async move {
             // Everything the drive logs belongs to the run's trace.
             let span = cloud.run_span("automesh.cloud.drive", &run_id).await;
-            async {
+            let driven = async {
                 if let Err(error) = cloud.drive_run(&run_id).await {
                     tracing::warn!(run_id = %run_id, %error, "cloud run drive stopped; it will be resumed");
                 }
             }
-            .instrument(span)
-            .await;
+            .instrument(span);
+            tokio::select! {
+                biased;
+                // The replica stops: the drive (and its lease's renewal)
+                // ends here; another replica resumes it.
+                () = cloud.stopped.cancelled() => {}
+                () = driven => {}
+            }
             cloud.driving.lock().remove(&run_id);
         });
     }
