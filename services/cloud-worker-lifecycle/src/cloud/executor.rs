@@ -140,7 +140,8 @@ impl Executor for Cloud {
                     if cloud.stopped.is_cancelled() {
                         // The caller observes again, on another replica,
                         // from the last sequence it read.
-                        let why = status::shutting_down("observe the run again from the last sequence");
+                        let why =
+                            status::shutting_down("observe the run again from the last sequence");
                         observer.fail(why).await;
                         return;
                     }
