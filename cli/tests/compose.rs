@@ -223,7 +223,16 @@ impl Stack {
             network,
             jwt_secret: String::new(),
         };
-        for s in &services {
+        // One-shot services (the migration) run to their end first, as
+        // the others' `service_completed_successfully` asks.
+        let (once, services): (Vec<Service>, Vec<Service>) = services
+            .into_iter()
+            .partition(|s| s.command.first().is_some_and(|c| c == "migrate"));
+        anyhow::ensure!(
+            !once.is_empty(),
+            "no migrate service: nothing applies the schema"
+        );
+        for s in once.iter().chain(&services) {
             let mut args = vec![];
             let mut listen_next = false;
             for a in &s.command {
@@ -276,7 +285,30 @@ impl Stack {
                 .stdin(Stdio::null())
                 .stdout(out.try_clone()?)
                 .stderr(out);
-            stack.children.push((s.name.clone(), command.spawn()?));
+            let mut child = command.spawn()?;
+            if once.iter().any(|o| o.name == s.name) {
+                let give_up = tokio::time::Instant::now() + Duration::from_secs(120);
+                let status = loop {
+                    if let Some(status) = child.try_wait()? {
+                        break status;
+                    }
+                    anyhow::ensure!(
+                        tokio::time::Instant::now() < give_up,
+                        "{} did not finish:\n{}",
+                        s.name,
+                        stack.log(&s.name)
+                    );
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                };
+                anyhow::ensure!(
+                    status.success(),
+                    "{} failed ({status}):\n{}",
+                    s.name,
+                    stack.log(&s.name)
+                );
+                continue;
+            }
+            stack.children.push((s.name.clone(), child));
         }
         // Each serves, or the stack names the one that did not.
         for s in &services {

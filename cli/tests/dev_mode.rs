@@ -777,6 +777,71 @@ async fn migrate_applies_once_and_a_newer_schema_is_refused_by_name() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Issue 33: a service never migrates. Started against an empty database
+/// it does not serve (health NOT_SERVING) and says why by name, once; the
+/// migration job (`automesh migrate`) runs; then it serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_serves_only_once_the_migration_job_has_run() {
+    let dir = std::env::temp_dir().join(format!("automesh-schema-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let url = format!("sqlite://{}?mode=rwc", dir.join("s.db").display());
+    let port = automesh_e2e_tests::free_port().expect("port");
+    let log = dir.join("scheduler.log");
+    let out = std::fs::File::create(&log).expect("log");
+    let mut service = Command::new(env!("CARGO_BIN_EXE_automesh"))
+        .args(["scheduler", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--metrics-listen", "127.0.0.1:0"])
+        .env_clear()
+        .env("AUTOMESH_DATABASE_URL", &url)
+        .env("AUTOMESH_INTERNAL_TOKEN", "internal-token-of-this-test")
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(out.try_clone().expect("log"))
+        .stderr(out)
+        .spawn()
+        .expect("start the scheduler");
+    let addr = format!("http://127.0.0.1:{port}");
+    automesh_e2e_tests::wait_for_health(&addr, Duration::from_secs(30), false)
+        .await
+        .expect("answering, NOT_SERVING");
+    let named = "older than this binary knows";
+    let give_up = std::time::Instant::now() + Duration::from_secs(30);
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains(named)
+    {
+        assert!(
+            std::time::Instant::now() < give_up,
+            "no named refusal: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(said.contains("run `automesh migrate`"), "{said}");
+    // Still not serving a while later, and said once.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    automesh_e2e_tests::wait_for_health(&addr, Duration::from_secs(1), false)
+        .await
+        .expect("still NOT_SERVING");
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    assert_eq!(said.matches(named).count(), 1, "{said}");
+    let migrated = Command::new(env!("CARGO_BIN_EXE_automesh"))
+        .arg("migrate")
+        .env_clear()
+        .env("AUTOMESH_DATABASE_URL", &url)
+        .stdin(Stdio::null())
+        .output()
+        .expect("migrate");
+    assert!(migrated.status.success(), "{migrated:?}");
+    automesh_e2e_tests::wait_for_health(&addr, Duration::from_secs(30), true)
+        .await
+        .expect("SERVING once migrated");
+    let _ = service.kill();
+    let _ = service.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `automesh retention`, the operator's command: an organisation's own
 /// retention set, listed, refused out of range and unset; a pass run now
 /// says what it deleted; a database not migrated is named.

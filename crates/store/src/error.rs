@@ -38,6 +38,14 @@ pub enum StoreError {
          run a binary at least as new as the one that migrated it"
     )]
     SchemaAhead { database: i64, binary: i64 },
+    /// The database's schema is older than this binary's (or absent):
+    /// `automesh migrate` (the deployment's migration job) has not run.
+    #[error(
+        "the database schema is at version {}, older than this binary knows ({binary}): \
+         run `automesh migrate` (the deployment's migration job) first",
+        database.map_or_else(|| "none (empty)".to_owned(), |v| v.to_string())
+    )]
+    SchemaBehind { database: Option<i64>, binary: i64 },
 }
 
 impl StoreError {
@@ -65,7 +73,8 @@ impl automesh_domain::Failure for StoreError {
             StoreError::Corrupt(_)
             | StoreError::UnsupportedUrl
             | StoreError::Migrate(_)
-            | StoreError::SchemaAhead { .. } => K::Internal,
+            | StoreError::SchemaAhead { .. }
+            | StoreError::SchemaBehind { .. } => K::Internal,
         }
     }
 }

@@ -257,6 +257,25 @@ impl Store {
         }
     }
 
+    /// The schema this binary knows, or why not: `SchemaAhead` (a newer
+    /// binary migrated the database) or `SchemaBehind` (the migration job
+    /// has not run yet). A service serves only the schema it knows; it
+    /// never migrates it itself.
+    pub async fn check_schema(&self) -> Result<()> {
+        let known = self.known_schema_version();
+        match self.schema_version().await? {
+            Some(database) if database > known => Err(StoreError::SchemaAhead {
+                database,
+                binary: known,
+            }),
+            Some(database) if database == known => Ok(()),
+            database => Err(StoreError::SchemaBehind {
+                database,
+                binary: known,
+            }),
+        }
+    }
+
     /// Closes the pool, waiting for connections to be returned.
     pub async fn close(&self) {
         self.pool.close().await;
@@ -336,28 +355,34 @@ pub type ReadinessProbe = Box<
 >;
 
 impl Store {
-    /// Ready means reachable and migrated. Until the schema is current the
-    /// probe applies the migrations itself, so a service that starts before
-    /// its database becomes ready as soon as the database does.
+    /// Ready means reachable and at the schema this binary knows. A service
+    /// never migrates: against an older schema (or none) it is not ready
+    /// until the migration job (`automesh migrate`) has run, and says so
+    /// by name once; against a newer one it is not ready either (its start
+    /// refused it already). Each change of why is logged once.
     pub fn readiness_probe(&self) -> ReadinessProbe {
         let store = self.clone();
+        let said = std::sync::Arc::new(parking_lot::Mutex::new(String::new()));
         Box::new(move || {
-            let store = store.clone();
+            let (store, said) = (store.clone(), said.clone());
             Box::pin(async move {
-                if let Err(error) = store.refuse_newer_schema().await {
-                    tracing::error!(%error, "not serving: the database schema is newer than this binary");
-                    return false;
-                }
-                match store.is_migrated().await {
-                    Ok(true) => store.ping().await.is_ok(),
-                    Ok(false) | Err(_) => match store.migrate().await {
-                        Ok(()) => true,
-                        Err(error) => {
-                            tracing::warn!(%error, "database not ready");
-                            false
-                        }
+                let why = match store.check_schema().await {
+                    Ok(()) => match store.ping().await {
+                        Ok(()) => String::new(),
+                        Err(error) => format!("database not ready: {error}"),
                     },
+                    Err(error) => format!("not serving: {error}"),
+                };
+                let mut last = said.lock();
+                if *last != why {
+                    if why.is_empty() {
+                        tracing::info!("database reachable at the schema this binary knows");
+                    } else {
+                        tracing::warn!("{why}");
+                    }
+                    *last = why.clone();
                 }
+                why.is_empty()
             })
         })
     }

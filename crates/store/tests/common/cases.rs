@@ -127,6 +127,32 @@ pub async fn a_schema_newer_than_the_binary_is_refused_by_name(store: &Store) {
         .refuse_newer_schema()
         .await
         .expect("the schema it knows");
+    store.check_schema().await.expect("the schema it knows");
+    // An older schema (its newest migration not applied): refused by name,
+    // for the migration job to run first.
+    let newest = |success: bool| {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE _sqlx_migrations SET success = {success} WHERE version = {known}"
+        )))
+        .execute(store.pool())
+    };
+    newest(false).await.expect("an older schema");
+    let behind = store.check_schema().await;
+    assert!(
+        matches!(behind, Err(StoreError::SchemaBehind { database, binary }) if database == Some(known - 1) && binary == known),
+        "{behind:?}"
+    );
+    let message = behind.expect_err("refused").to_string();
+    assert!(
+        message.contains(&format!(
+            "version {}, older than this binary knows ({known})",
+            known - 1
+        )) && message.contains("automesh migrate"),
+        "{message}"
+    );
+    store.refuse_newer_schema().await.expect("not newer");
+    newest(true).await.expect("the schema again");
+    store.check_schema().await.expect("the schema it knows");
     let ahead = known + 1;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "INSERT INTO _sqlx_migrations (version, description, installed_on, success, checksum, \
@@ -153,6 +179,11 @@ pub async fn a_schema_newer_than_the_binary_is_refused_by_name(store: &Store) {
     assert!(
         matches!(refused, Err(StoreError::SchemaAhead { database, binary }) if database == ahead && binary == known),
         "{refused:?}"
+    );
+    let checked = store.check_schema().await;
+    assert!(
+        matches!(checked, Err(StoreError::SchemaAhead { .. })),
+        "{checked:?}"
     );
     let message = store
         .refuse_newer_schema()
