@@ -359,16 +359,26 @@ impl Service {
         // resumes its runs' drives and its workers' starts now, not when
         // their leases lapse; its observe streams end, for their callers to
         // observe again elsewhere.
+        let ended = CancellationToken::new();
         let handing_back = {
-            let (cloud, shutdown) = (cloud.clone(), shutdown.clone());
+            let (cloud, shutdown, ended) = (cloud.clone(), shutdown.clone(), ended.clone());
             async move {
-                shutdown.cancelled().await;
-                cloud.hand_back().await;
+                tokio::select! {
+                    () = shutdown.cancelled() => cloud.hand_back().await,
+                    // The server ended by itself (an error): nothing to do.
+                    () = ended.cancelled() => {}
+                }
             }
         };
-        let serving = server.serve_beside(listener, shutdown, store.readiness_probe(), |stop| {
-            cloud.housekeeping(stop)
-        });
+        let serving = async {
+            let result = server
+                .serve_beside(listener, shutdown, store.readiness_probe(), |stop| {
+                    cloud.housekeeping(stop)
+                })
+                .await;
+            ended.cancel();
+            result
+        };
         let (served, ()) = tokio::join!(serving, handing_back);
         served?;
         Ok(())
