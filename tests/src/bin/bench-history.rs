@@ -108,8 +108,8 @@ async fn fill(mesh: &Mesh, runs: usize, owners: usize, events: usize) -> anyhow:
             "INSERT INTO runs (id, automation_id, org_id, owner_id, placement, trigger, \
              scheduled_for, prompt, model, state, deadline_at, created_at, updated_at) \
              SELECT 'r-' || g, 'bench-a-' || (g % $3), 'org-' || ((g % $3) % 10), \
-             'owner-' || (g % $3), 'cloud', 'schedule', $1 + (g * $2 / $4), 'p', 'm', 'succeeded', \
-             $1 + (g * $2 / $4) + 1800000000, $1 + (g * $2 / $4), $1 + (g * $2 / $4) + 60000000 \
+             'owner-' || (g % $3), 'cloud', 'schedule', $1 + (g * ($2 / $4)), 'p', 'm', 'succeeded', \
+             $1 + (g * ($2 / $4)) + 1800000000, $1 + (g * ($2 / $4)), $1 + (g * ($2 / $4)) + 60000000 \
              FROM generate_series($5::bigint, $6::bigint - 1) AS g",
         )
         .bind(from)
@@ -122,7 +122,7 @@ async fn fill(mesh: &Mesh, runs: usize, owners: usize, events: usize) -> anyhow:
         .await?;
         sqlx::query(
             "INSERT INTO run_events (run_id, seq, event_id, kind, payload, created_at) \
-             SELECT 'r-' || g, s, 'e-' || s, 'assistant_text', $3, $1 + (g * $2 / $4) \
+             SELECT 'r-' || g, s, 'e-' || s, 'assistant_text', $3, $1 + (g * ($2 / $4)) \
              FROM generate_series($5::bigint, $6::bigint - 1) AS g, generate_series(1, $7) AS s",
         )
         .bind(from)
@@ -138,7 +138,7 @@ async fn fill(mesh: &Mesh, runs: usize, owners: usize, events: usize) -> anyhow:
             "INSERT INTO receipts (run_id, outcome, placement, engine, execution_us, \
              input_tokens, output_tokens, cost_micros, created_at) \
              SELECT 'r-' || g, 'succeeded', 'cloud', 'native', 900000, 1200, 300, 2700, \
-             $1 + (g * $2 / $3) + 60000000 FROM generate_series($4::bigint, $5::bigint - 1) AS g",
+             $1 + (g * ($2 / $3)) + 60000000 FROM generate_series($4::bigint, $5::bigint - 1) AS g",
         )
         .bind(from)
         .bind(span)
