@@ -47,7 +47,7 @@ const GET_UNSCOPED: &str = concatcp!(
 /// A page of an owner's automations (`$1`..`$5`), `$6` rows at most.
 const PAGE: &str = "FROM automations a \
      WHERE a.org_id = $1 AND a.owner_id = $2 \
-       AND (a.created_at < $3 OR (a.created_at = $3 AND a.id < $4)) \
+       AND (a.created_at, a.id) < ($3, $4) \
        AND ($5 = 1 OR a.state <> 'archived') \
      ORDER BY a.created_at DESC, a.id DESC LIMIT $6";
 

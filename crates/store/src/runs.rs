@@ -158,7 +158,7 @@ const GET: &str = concatcp!(
 /// them matches whole names.
 const RUN_PAGE: &str = "FROM runs \
      WHERE org_id = $1 AND owner_id = $2 AND ($3 = '' OR automation_id = $3) \
-       AND (created_at < $4 OR (created_at = $4 AND id < $5)) \
+       AND (created_at, id) < ($4, $5) \
        AND ($6 = '' OR (',' || $6 || ',') LIKE ('%,' || state || ',%')) \
        AND created_at >= $7 AND created_at < $8 \
        AND ($9 = '' OR (',' || $9 || ',') LIKE ('%,' || COALESCE(error_code, '-') || ',%')) \
