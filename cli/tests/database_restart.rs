@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use automesh_domain::{Principal, RunState};
 use automesh_e2e_tests::Api;
-use automesh_e2e_tests::processes::{Cluster, ClusterSpec, Kind, tail};
+use automesh_e2e_tests::processes::{Cluster, ClusterSpec, Kind, run_now_retrying, tail};
 use automesh_proto::v1 as pb;
 use automesh_testkit::{Reply, provider, text_completion};
 use chrono::Utc;
@@ -88,33 +88,6 @@ impl Drop for Stopped {
     }
 }
 
-type Client =
-    pb::automations_client::AutomationsClient<automesh_e2e_tests::processes::ClusterChannel>;
-
-/// Runs now, retried under the same key until a gateway answers (the
-/// database may be away): the run it names is created once.
-async fn run_now(mut client: Client, automation_id: &str, key: &str) -> String {
-    let started = Instant::now();
-    loop {
-        let asked = client
-            .run_automation_now(pb::RunAutomationNowRequest {
-                id: automation_id.to_owned(),
-                idempotency_key: key.to_owned(),
-            })
-            .await;
-        match asked {
-            Ok(r) => return r.into_inner().run.expect("run").id,
-            Err(status) => {
-                assert!(
-                    started.elapsed() < Duration::from_secs(120),
-                    "run-now failed for two minutes: {status:?}"
-                );
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_restarted_under_load_loses_nothing_and_every_service_recovers() {
     let (provider_url, provider) =
@@ -144,7 +117,7 @@ async fn postgres_restarted_under_load_loses_nothing_and_every_service_recovers(
     let cloud_id = cloud_client.create(request).await.id;
     // Both paths warm: a desktop and a cloud run end before the restart.
     for (client, id) in [(&desk_client, &desk_id), (&cloud_client, &cloud_id)] {
-        let run = run_now(client.clone(), id, "warm").await;
+        let run = run_now_retrying(client.clone(), id, "warm", Duration::from_secs(120)).await;
         until_ended(&cluster, &run, RunState::Succeeded).await;
     }
 
@@ -166,7 +139,7 @@ async fn postgres_restarted_under_load_loses_nothing_and_every_service_recovers(
                 };
                 let (created, key) = (created.clone(), format!("flow-{n}"));
                 asked.spawn(async move {
-                    let run = run_now(client, &id, &key).await;
+                    let run = run_now_retrying(client, &id, &key, Duration::from_secs(120)).await;
                     created.lock().expect("lock").push(run);
                 });
                 n += 1;
@@ -236,7 +209,7 @@ async fn postgres_restarted_under_load_loses_nothing_and_every_service_recovers(
     // The next run is dispatched at signal speed (both polls are 60 s).
     for (client, id) in [(&desk_client, &desk_id), (&cloud_client, &cloud_id)] {
         let started = Instant::now();
-        let run = run_now(client.clone(), id, "after").await;
+        let run = run_now_retrying(client.clone(), id, "after", Duration::from_secs(120)).await;
         let give_up = started + Duration::from_secs(30);
         loop {
             let got = cluster.store().internal().get_run(&run).await;

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use automesh_domain::{Principal, RunState};
-use automesh_e2e_tests::processes::{Cluster, ClusterSpec, Kind, tail};
+use automesh_e2e_tests::processes::{Cluster, ClusterSpec, Kind, run_now_retrying, tail};
 use automesh_proto::v1 as pb;
 use automesh_testkit::{Reply, provider, text_completion};
 use chrono::Utc;
@@ -64,34 +64,6 @@ async fn until_streams(cluster: &Cluster, replica: usize, want: usize) -> Durati
 }
 
 /// A client of the public API over every gateway replica (failing over).
-type Client =
-    pb::automations_client::AutomationsClient<automesh_e2e_tests::processes::ClusterChannel>;
-
-/// Runs now, against whichever gateway answers, retried under the same
-/// idempotency key until one does (a restart may refuse a call): the run
-/// it names is created once however often it is asked for.
-async fn run_now(mut client: Client, automation_id: &str, key: &str) -> String {
-    let started = Instant::now();
-    loop {
-        let asked = client
-            .run_automation_now(pb::RunAutomationNowRequest {
-                id: automation_id.to_owned(),
-                idempotency_key: key.to_owned(),
-            })
-            .await;
-        match asked {
-            Ok(r) => return r.into_inner().run.expect("run").id,
-            Err(status) => {
-                assert!(
-                    started.elapsed() < Duration::from_secs(60),
-                    "run-now failed for a minute: {status:?}"
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_replica_restarted_one_by_one_loses_no_run_and_runners_reconnect() {
     let runners = fleet_size().max(BUSY_OWNERS);
@@ -200,7 +172,7 @@ async fn every_replica_restarted_one_by_one_loses_no_run_and_runners_reconnect()
                 n += 1;
                 let created = created.clone();
                 asked.spawn(async move {
-                    let run = run_now(client, &id, &key).await;
+                    let run = run_now_retrying(client, &id, &key, Duration::from_secs(60)).await;
                     created.lock().expect("lock").push(run);
                 });
             }

@@ -71,6 +71,37 @@ impl Kind {
     }
 }
 
+/// Runs automation `automation_id` now under `key` through `client`,
+/// retried under the same key until a gateway answers (a replica may be
+/// restarting, the database away): the run it names is created once
+/// however often it is asked for. Panics after `within`.
+pub async fn run_now_retrying(
+    mut client: AutomationsClient<ClusterChannel>,
+    automation_id: &str,
+    key: &str,
+    within: Duration,
+) -> String {
+    let started = std::time::Instant::now();
+    loop {
+        let asked = client
+            .run_automation_now(pb::RunAutomationNowRequest {
+                id: automation_id.to_owned(),
+                idempotency_key: key.to_owned(),
+            })
+            .await;
+        match asked {
+            Ok(r) => return r.into_inner().run.expect("run").id,
+            Err(status) => {
+                assert!(
+                    started.elapsed() < within,
+                    "run-now failed for {within:?}: {status:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
 /// The internal credential of every process cluster.
 pub const INTERNAL_TOKEN: &str = "process-cluster-internal-token-0123";
 
