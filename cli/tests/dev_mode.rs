@@ -826,6 +826,8 @@ async fn a_service_serves_only_once_the_migration_job_has_run() {
         .expect("still NOT_SERVING");
     let said = std::fs::read_to_string(&log).unwrap_or_default();
     assert_eq!(said.matches(named).count(), 1, "{said}");
+    // Its loops wait for the schema it knows instead of failing each second.
+    assert!(!said.contains("pass failed"), "{said}");
     let migrated = Command::new(env!("CARGO_BIN_EXE_automesh"))
         .arg("migrate")
         .env_clear()
@@ -868,7 +870,8 @@ async fn retention_is_set_per_organisation_and_a_pass_reports_what_it_deleted() 
     };
     let (ok, said) = run(&["list"]);
     assert!(
-        !ok && said.contains("run `automesh migrate` first"),
+        !ok && said.contains("version none (empty), older than this binary knows")
+            && said.contains("run `automesh migrate`"),
         "{said}"
     );
     let store = automesh_store::Store::connect_and_migrate(&url, Default::default())

@@ -162,9 +162,12 @@ impl GrpcServer {
     }
 
     /// Serves like [`GrpcServer::serve`] with `beside` running alongside
-    /// (a service's own loop). `beside` is given a token cancelled when
-    /// serving ends, whatever ends it, so it never outlives the server; this
-    /// returns once both are done.
+    /// (a service's own loops). `beside` starts once `probe` first passes
+    /// (the database reachable at the schema the binary knows), so that
+    /// loops never spin on a database they cannot use yet: readiness says
+    /// why once, instead of every loop every second. `beside` is given a
+    /// token cancelled when serving ends, whatever ends it, so it never
+    /// outlives the server; this returns once both are done.
     pub async fn serve_beside<F>(
         self,
         listener: TcpListener,
@@ -176,7 +179,33 @@ impl GrpcServer {
         F: Future<Output = ()>,
     {
         let stop = shutdown.child_token();
-        let background = beside(stop.clone());
+        let (ready_tx, mut ready) = tokio::sync::watch::channel(false);
+        let ready_tx = std::sync::Arc::new(ready_tx);
+        let probe: Probe = Box::new(move || {
+            let (check, ready_tx) = (probe(), ready_tx.clone());
+            Box::pin(async move {
+                let passed = check.await;
+                if passed {
+                    ready_tx.send_replace(true);
+                }
+                passed
+            })
+        });
+        let background = {
+            let stop = stop.clone();
+            async move {
+                tokio::select! {
+                    passed = ready.wait_for(|ready| *ready) => {
+                        // The probe gone: serving ended before it passed.
+                        if passed.is_err() {
+                            return;
+                        }
+                    }
+                    () = stop.cancelled() => return,
+                }
+                beside(stop).await;
+            }
+        };
         let serving = async {
             let served = self.serve(listener, shutdown, probe).await;
             stop.cancel();
