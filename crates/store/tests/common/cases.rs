@@ -772,6 +772,67 @@ pub async fn many_runs_moved_at_once_each_by_its_own_guard(store: &Store) {
     }
     // Some of them shared a batch (one bulk statement per step).
     assert!(batched() > before);
+
+    // A report of "running" asks for admitted then running in one job:
+    // step by step, each run by its own guard; a run past the first move
+    // takes only the second, an ended one neither.
+    let ids: Vec<String> = (0..48).map(|i| format!("s{i:02}")).collect();
+    for (i, id) in ids.iter().enumerate() {
+        store
+            .create_run(&new_run(&a, id), t(1))
+            .await
+            .expect("create");
+        let before = match i % 4 {
+            0 => Some(RunState::Admitted),
+            1 => Some(RunState::Waking),
+            2 => Some(RunState::Cancelled),
+            _ => None,
+        };
+        if let Some(state) = before {
+            store
+                .transition_run(id, state, None, t(2))
+                .await
+                .expect("move before");
+        }
+    }
+    let tasks: Vec<_> = ids
+        .iter()
+        .map(|id| {
+            let (store, id) = (store.clone(), id.clone());
+            let both = [RunState::Admitted, RunState::Running];
+            tokio::spawn(async move { store.advance_run(&id, &both, t(7)).await })
+        })
+        .collect();
+    for (i, (id, task)) in ids.iter().zip(tasks).enumerate() {
+        let moved = task.await.expect("mover").expect("advance");
+        let run = store.internal().get_run(id).await.expect("get");
+        let statuses = statuses_in_order(store, id).await;
+        match i % 4 {
+            0 => {
+                assert_eq!(moved, [RunState::Running], "{id}");
+                assert_eq!(run.admitted_at, Some(t(2)), "{id}");
+                // (`transition_run` records no status event.)
+                assert_eq!(statuses, ["running"], "{id}");
+            }
+            1 => {
+                assert_eq!(moved, [RunState::Admitted, RunState::Running], "{id}");
+                assert_eq!(run.admitted_at, Some(t(7)), "{id}");
+                assert_eq!(statuses, ["admitted", "running"], "{id}");
+            }
+            2 => {
+                assert_eq!(moved, Vec::<RunState>::new(), "{id}");
+                assert_eq!(run.state, RunState::Cancelled, "{id}");
+                continue;
+            }
+            _ => {
+                assert_eq!(moved, [RunState::Admitted, RunState::Running], "{id}");
+                assert_eq!(run.admitted_at, Some(t(7)), "{id}");
+                assert_eq!(statuses, ["admitted", "running"], "{id}");
+            }
+        }
+        assert_eq!(run.state, RunState::Running, "{id}");
+        assert_eq!(run.started_at, Some(t(7)), "{id}");
+    }
 }
 
 pub async fn runs_are_scoped_and_listed(store: &Store) {
