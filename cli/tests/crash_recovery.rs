@@ -392,12 +392,18 @@ async fn a_lifecycle_told_to_stop_hands_its_cloud_run_over_at_once() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let driver: String =
-        sqlx::query_scalar("SELECT driver_owner FROM cloud_dispatch WHERE run_id = $1")
-            .bind(&run)
-            .fetch_one(w.cluster.store().pool())
-            .await
-            .expect("driver");
+    // Which lifecycle replica drives the run: its dispatch row names it.
+    let store = w.cluster.store().clone();
+    let driver_of = || async {
+        let driver: String =
+            sqlx::query_scalar("SELECT driver_owner FROM cloud_dispatch WHERE run_id = $1")
+                .bind(&run)
+                .fetch_one(store.pool())
+                .await
+                .expect("driver");
+        driver
+    };
+    let driver = driver_of().await;
     let holder = usize::from(!w.cluster.log(Kind::Lifecycle, 0).contains(&driver));
     assert!(w.cluster.log(Kind::Lifecycle, holder).contains(&driver));
     let clean = w
@@ -420,12 +426,7 @@ async fn a_lifecycle_told_to_stop_hands_its_cloud_run_over_at_once() {
     );
     // The other replica drove it to its end (its resume pass or the
     // coordinator observing again revived the drive, whichever came first).
-    let last: String =
-        sqlx::query_scalar("SELECT driver_owner FROM cloud_dispatch WHERE run_id = $1")
-            .bind(&run)
-            .fetch_one(w.cluster.store().pool())
-            .await
-            .expect("driver");
+    let last = driver_of().await;
     assert_ne!(last, driver, "the stopped replica no longer drives it");
     assert!(
         w.cluster.log(Kind::Lifecycle, 1 - holder).contains(&last),

@@ -63,7 +63,6 @@ async fn until_streams(cluster: &Cluster, replica: usize, want: usize) -> Durati
     }
 }
 
-/// A client of the public API over every gateway replica (failing over).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_replica_restarted_one_by_one_loses_no_run_and_runners_reconnect() {
     let runners = fleet_size().max(BUSY_OWNERS);
