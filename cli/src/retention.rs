@@ -103,6 +103,9 @@ pub async fn run(args: RetentionArgs) -> anyhow::Result<()> {
                 println!("{table}\t{n} deleted");
             }
             println!("organisations visited\t{}", pass.orgs);
+            if !pass.weeks_dropped.is_empty() {
+                println!("week partitions dropped\t{}", pass.weeks_dropped.join(" "));
+            }
             if let Some(oldest) = pass.oldest_kept {
                 println!("oldest finished run kept\t{}", oldest.to_rfc3339());
             }

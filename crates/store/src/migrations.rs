@@ -87,6 +87,12 @@ const MIGRATIONS: &[(i64, &str, &str, &str)] = &[
         include_str!("../../../migrations/postgres/0013_retention.sql"),
         include_str!("../../../migrations/sqlite/0013_retention.sql"),
     ),
+    (
+        14,
+        "run partitions",
+        include_str!("../../../migrations/postgres/0014_run_partitions.sql"),
+        include_str!("../../../migrations/sqlite/0014_run_partitions.sql"),
+    ),
 ];
 
 pub(crate) fn migrator(backend: Backend) -> Migrator {

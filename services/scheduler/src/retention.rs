@@ -5,7 +5,9 @@
 //! retention — the store's `purge_expired`, in bounded batches.
 //!
 //! SRE: a `retention.pass` span per pass, `automesh_retention_deleted_total`
-//! by table, `automesh_retention_oldest_kept_age_seconds` (the oldest
+//! by table, `automesh_retention_partitions_total` by what befell them
+//! (`dropped`, `created`: PostgreSQL's week partitions of runs),
+//! `automesh_retention_oldest_kept_age_seconds` (the oldest
 //! finished run kept, as the replica that ran the last pass saw it) and
 //! `automesh_retention_pass_duration_seconds`, and one log line per pass.
 
@@ -43,6 +45,17 @@ fn deleted() -> &'static Counter<u64> {
     })
 }
 
+fn partitions() -> &'static Counter<u64> {
+    static C: OnceLock<Counter<u64>> = OnceLock::new();
+    C.get_or_init(|| {
+        automesh_telemetry::metrics::counter(
+            "automesh.retention.partitions",
+            "Week partitions of runs, their events and receipts (PostgreSQL) that retention \
+             dropped or made ahead of need, by action (dropped, created)",
+        )
+    })
+}
+
 fn duration() -> &'static Histogram<f64> {
     static H: OnceLock<Histogram<f64>> = OnceLock::new();
     H.get_or_init(|| {
@@ -70,7 +83,7 @@ fn oldest_kept() -> &'static automesh_telemetry::metrics::Sampled {
 /// this replica claims it, until `shutdown`.
 pub async fn run_loop(store: Store, settings: Settings, shutdown: CancellationToken) {
     // Registered up front, so that a scrape shows them before the first pass.
-    let _ = (deleted(), duration(), oldest_kept());
+    let _ = (deleted(), partitions(), duration(), oldest_kept());
     loop {
         match pass_if_due(&store, settings).await {
             Ok(_) => {}
@@ -103,6 +116,7 @@ pub async fn pass_if_due(
         run_events_deleted = tracing::field::Empty,
         webhook_messages_deleted = tracing::field::Empty,
         orgs = tracing::field::Empty,
+        weeks_dropped = tracing::field::Empty,
         complete = tracing::field::Empty,
     );
     let started = std::time::Instant::now();
@@ -142,6 +156,12 @@ pub async fn pass_if_due(
             deleted().add(n, &[KeyValue::new("table", table)]);
         }
     }
+    let dropped = pass.weeks_dropped.len() as u64;
+    for (action, n) in [("dropped", dropped), ("created", pass.weeks_created)] {
+        if n > 0 {
+            partitions().add(n, &[KeyValue::new("action", action)]);
+        }
+    }
     let age = pass
         .oldest_kept
         .map(|t| (done - t).num_milliseconds() as f64 / 1000.0);
@@ -150,6 +170,7 @@ pub async fn pass_if_due(
     span.record("run_events_deleted", pass.purged.run_events);
     span.record("webhook_messages_deleted", pass.purged.webhook_messages);
     span.record("orgs", pass.orgs);
+    span.record("weeks_dropped", dropped);
     span.record("complete", pass.complete);
     tracing::info!(
         runs = pass.purged.runs,
@@ -158,6 +179,7 @@ pub async fn pass_if_due(
         dispatch = pass.purged.dispatch,
         webhook_messages = pass.purged.webhook_messages,
         orgs = pass.orgs,
+        weeks_dropped = dropped,
         complete = pass.complete,
         seconds = took,
         "retention pass"

@@ -249,22 +249,16 @@ impl Scheduler {
         now: DateTime<Utc>,
     ) -> Result<Run, Error> {
         let automation = self.store.get_automation(owner, automation_id).await?;
-        let id = manual_run_id(&automation.id, key);
-        if automation.state == AutomationState::Archived {
-            // The run this key made before the archive is still its answer.
-            return match self.store.get_run(owner, &id).await {
-                Ok(existing) => Ok(existing),
-                Err(StoreError::NotFound) => Err(Error::Archived),
-                Err(e) => Err(e.into()),
-            };
+        // A run this key made already is returned as it is (the one made
+        // before an archive too); a request racing this one with the same
+        // key finds the key taken when it creates, and gets this run.
+        let existing = self.store.run_for_key(owner, &automation.id, key).await?;
+        match (existing, automation.state) {
+            (Some(existing), _) => return Ok(existing),
+            (None, AutomationState::Archived) => return Err(Error::Archived),
+            (None, _) => {}
         }
-        // A run this key made already is returned as it is: the insert
-        // does nothing when the run's (derived) id exists.
-        match self.store.get_run(owner, &id).await {
-            Ok(existing) => return Ok(existing),
-            Err(StoreError::NotFound) => {}
-            Err(e) => return Err(e.into()),
-        }
+        let id = manual_run_id(&automation.id, key, now);
         if automation.monthly_budget_micros.is_some() {
             let spent = self.month_spend(&automation, now).await?;
             if automation.month_spent(spent) {
@@ -360,7 +354,11 @@ impl Scheduler {
             Ok(next)
         })
         .await?;
-        Ok(self.store.get_run(owner, &id).await?)
+        // This request's run, or the one a request with the same key made.
+        match self.store.run_for_key(owner, &automation.id, key).await? {
+            Some(run) => Ok(run),
+            None => Ok(self.store.get_run(owner, &id).await?),
+        }
     }
 }
 

@@ -3450,3 +3450,241 @@ pub async fn retention_deletes_finished_runs_past_their_organisations_period(sto
     let again = internal.purge_expired(policy, now).await.expect("pass");
     assert_eq!(again.purged, Default::default());
 }
+
+/// Retention by week (PostgreSQL drops week partitions; SQLite deletes the
+/// same runs in batches): a week whose every run is finished and past its
+/// organisation's retention goes whole, with its events, receipts and
+/// idempotency keys; a week with a run still going, or one an organisation
+/// with a longer retention keeps, stays (its due runs deleted in batches);
+/// and the runs of a week still to be dropped are left to the drop.
+pub async fn retention_drops_a_week_whose_every_run_is_due(store: &Store) {
+    use automesh_domain::ids::{manual_run_id, scheduled_run_id};
+    use automesh_store::Backend;
+    use automesh_store::retention::Policy;
+    let postgres = store.backend() == Backend::Postgres;
+    let internal = store.internal();
+    // Mondays, 00:00 UTC, years after the weeks the migration made.
+    let monday = DateTime::parse_from_rfc3339("2031-01-20T00:00:00Z")
+        .expect("instant")
+        .with_timezone(&Utc);
+    let week = |n: i64| monday + Duration::days(7 * n);
+    let policy = Policy {
+        default_days: 30,
+        batch: 2,
+        ..Policy::default()
+    };
+    // A pass makes the weeks ahead of need: weeks 0..=2, then 2..=4.
+    let first = internal.purge_expired(policy, week(0)).await.expect("pass");
+    let second = internal.purge_expired(policy, week(2)).await.expect("pass");
+    let name = |n: i64| week(n).format("%Y%m%d").to_string();
+    let weeks = internal.run_weeks().await.expect("weeks");
+    if postgres {
+        assert_eq!((first.weeks_created, second.weeks_created), (9, 6));
+        let ours: Vec<&String> = weeks.iter().filter(|w| w.starts_with("2031")).collect();
+        assert_eq!(
+            ours,
+            (0..5)
+                .map(name)
+                .collect::<Vec<_>>()
+                .iter()
+                .collect::<Vec<_>>()
+        );
+    } else {
+        assert!(weeks.is_empty() && first.weeks_created == 0);
+    }
+    internal
+        .set_org_retention("org-b", 60, week(0))
+        .await
+        .expect("set");
+    let a = create(store, &alice(), "a1", week(-1)).await;
+    let m = create(store, &mallory(), "m1", week(-1)).await;
+    // (automation, created at, finished, manual key)
+    let at = |w: i64, hours: i64| week(w) + Duration::hours(hours);
+    let plan = [
+        (&a, at(0, 1), true, None),
+        (&a, at(0, 2), true, Some("k1")),
+        (&a, at(1, 1), true, None),
+        (&a, at(1, 2), false, None),
+        (&m, at(2, 1), true, None),
+        (&a, at(3, 1), true, None),
+    ];
+    let mut ids = Vec::new();
+    for (automation, at, finished, key) in plan {
+        let new = NewRun {
+            trigger: if key.is_some() {
+                RunTrigger::Manual
+            } else {
+                RunTrigger::Schedule
+            },
+            scheduled_for: key.is_none().then_some(at),
+            idempotency_key: key.map(str::to_owned),
+            ..new_run(automation, "")
+        };
+        let id = match key {
+            Some(key) => manual_run_id(&automation.id, key, at),
+            None => scheduled_run_id(&automation.id, at),
+        };
+        let new = NewRun {
+            id: id.clone(),
+            ..new
+        };
+        assert!(store.create_run(&new, at).await.expect("create").1);
+        store
+            .append_events(&id, &[text_event("e1", "working")], at)
+            .await
+            .expect("append");
+        if finished {
+            let end = at + Duration::seconds(1);
+            store
+                .finish_run(&receipt(&id, RunState::Succeeded), end)
+                .await
+                .expect("finish");
+        }
+        ids.push(id);
+    }
+    assert!(
+        store
+            .run_for_key(&alice(), "a1", "k1")
+            .await
+            .expect("key")
+            .is_some()
+    );
+    // Each run is in its week (the ids' bounds and the partitions' agree);
+    // an id of the old format in the legacy partition, one of a week that
+    // has none in the default partition.
+    let legacy = NewRun {
+        id: "6d1f0c2b-9a7e-4e3f-8b52-1c4d7e9a03f1".into(),
+        ..new_run(&a, "")
+    };
+    let unmade = NewRun {
+        id: scheduled_run_id(&a.id, week(30)),
+        trigger: RunTrigger::Schedule,
+        idempotency_key: None,
+        ..new_run(&a, "")
+    };
+    for new in [&legacy, &unmade] {
+        assert!(store.create_run(new, at(3, 5)).await.expect("create").1);
+    }
+    if postgres {
+        let mut parts = Vec::new();
+        for id in ids.iter().chain([&legacy.id, &unmade.id]) {
+            parts.push(internal.partition_of_run(id).await.expect("partition"));
+        }
+        let week_of = |n: i64| Some(format!("runs_p{}", name(n)));
+        let expected = [
+            week_of(0),
+            week_of(0),
+            week_of(1),
+            week_of(1),
+            week_of(2),
+            week_of(3),
+            Some("runs_legacy".into()),
+            Some("runs_default".into()),
+        ];
+        assert_eq!(parts, expected);
+    }
+
+    // Weeks 0 to 2 ended more than the default retention (and the budget's
+    // 32 days, the least a week is kept) ago; week 3 did not.
+    let now = week(4) + Duration::days(26);
+    let pass = internal.purge_expired(policy, now).await.expect("pass");
+    assert!(pass.complete, "{pass:?}");
+    let ours: Vec<&String> = pass
+        .weeks_dropped
+        .iter()
+        .filter(|w| w.starts_with("2031"))
+        .collect();
+    match postgres {
+        true => assert_eq!(ours, [&name(0)], "{pass:?}"),
+        false => assert!(pass.weeks_dropped.is_empty(), "{pass:?}"),
+    }
+    // Week 0 gone whole; week 1's finished run gone in a batch, its live run
+    // kept (the week with it); week 2 kept by mallory's 60 days; week 3's
+    // run, 33 days old, is deleted by a batch on SQLite and left to its
+    // week's drop on PostgreSQL (due once the week is 32 days behind).
+    let kept = [false, false, false, true, true, postgres];
+    for (id, kept) in ids.iter().zip(kept) {
+        let run = internal.get_run(id).await;
+        let events = internal.events(id, 0, 100).await.expect("events");
+        let receipt = internal.receipt(id).await.expect("receipt");
+        if kept {
+            assert!(run.is_ok(), "{id} is kept: {run:?}");
+            assert!(!events.is_empty(), "{id}'s events are kept");
+        } else {
+            assert!(matches!(run, Err(StoreError::NotFound)), "{id}: {run:?}");
+            assert!(events.is_empty() && receipt.is_none(), "{id}");
+        }
+    }
+    assert_eq!(pass.purged.runs, 4 - u64::from(postgres), "{pass:?}");
+    assert_eq!(pass.purged.receipts, pass.purged.runs, "{pass:?}");
+    // The key went with its run: it may name a new one.
+    assert!(
+        store
+            .run_for_key(&alice(), "a1", "k1")
+            .await
+            .expect("key")
+            .is_none()
+    );
+    if postgres {
+        let weeks = internal.run_weeks().await.expect("weeks");
+        assert!(!weeks.contains(&name(0)), "{weeks:?}");
+        assert!(weeks.contains(&name(1)) && weeks.contains(&name(2)) && weeks.contains(&name(3)));
+    }
+    // Once week 3 is due, it goes too (a drop on PostgreSQL).
+    let later = week(4) + Duration::days(40);
+    let pass = internal.purge_expired(policy, later).await.expect("pass");
+    assert!(matches!(
+        internal.get_run(&ids[5]).await,
+        Err(StoreError::NotFound)
+    ));
+    if postgres {
+        assert!(pass.weeks_dropped.contains(&name(3)), "{pass:?}");
+        assert!(
+            !pass.weeks_dropped.contains(&name(1)),
+            "a run in it is live"
+        );
+    }
+    // The live run and mallory's are still there.
+    assert!(internal.get_run(&ids[3]).await.is_ok());
+    assert!(internal.get_run(&ids[4]).await.is_ok());
+}
+
+/// A manual run's idempotency key names one run, though a retry made at
+/// another instant derives another id (the id starts with its time).
+pub async fn a_manual_runs_key_names_one_run_whatever_its_id(store: &Store) {
+    use automesh_domain::ids::manual_run_id;
+    let a = create(store, &alice(), "a1", t(0)).await;
+    let first = NewRun {
+        id: manual_run_id(&a.id, "k", t(10)),
+        idempotency_key: Some("k".into()),
+        ..new_run(&a, "")
+    };
+    let (run, created) = store.create_run(&first, t(10)).await.expect("create");
+    assert!(created);
+    let retry = NewRun {
+        id: manual_run_id(&a.id, "k", t(20)),
+        ..first.clone()
+    };
+    assert_ne!(retry.id, first.id);
+    let (again, created) = store.create_run(&retry, t(20)).await.expect("create");
+    assert!(!created, "the key names a run already");
+    assert_eq!(again.id, run.id);
+    assert!(matches!(
+        store.internal().get_run(&retry.id).await,
+        Err(StoreError::NotFound)
+    ));
+    let found = store.run_for_key(&alice(), &a.id, "k").await.expect("key");
+    assert_eq!(found.map(|r| r.id), Some(run.id.clone()));
+    // Another owner never reaches it; another key makes another run.
+    let other = store
+        .run_for_key(&mallory(), &a.id, "k")
+        .await
+        .expect("key");
+    assert!(other.is_none());
+    let k2 = NewRun {
+        id: manual_run_id(&a.id, "k2", t(20)),
+        idempotency_key: Some("k2".into()),
+        ..first.clone()
+    };
+    assert!(store.create_run(&k2, t(20)).await.expect("create").1);
+}

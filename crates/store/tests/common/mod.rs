@@ -50,6 +50,8 @@ macro_rules! conformance_suite {
             webhook_endpoints_are_scoped_and_notices_fan_out_once_per_cause,
             webhook_endpoints_are_claimed_once_and_attempts_recorded,
             retention_deletes_finished_runs_past_their_organisations_period,
+            retention_drops_a_week_whose_every_run_is_due,
+            a_manual_runs_key_names_one_run_whatever_its_id,
         );
     };
     ($backend:expr; $($case:ident),* $(,)?) => {
