@@ -1345,6 +1345,8 @@ fn normalize(text: &str, data_dir: &str) -> String {
             r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
             "<id>",
         ),
+        // A run id: `r`, its time and a hash (crates/domain/src/ids.rs).
+        (r"\br[0-9a-f]{32}\b", "<id>"),
         (r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z", "<time>"),
         (r"127\.0\.0\.1:\d+", "127.0.0.1:<port>"),
         (r"\b[0-9a-f]{32}\b", "<trace>"),

@@ -18,6 +18,7 @@ pub mod cloud;
 pub mod desktop;
 mod error;
 pub mod events;
+mod keys;
 pub mod leases;
 mod migrations;
 pub mod notifications;

@@ -33,6 +33,10 @@ use crate::rows::{self, col, micros};
 use crate::sql::{Bulk, bulk};
 use crate::{Backend, Result, StoreError};
 
+mod weeks;
+pub use weeks::WEEKS_AHEAD;
+use weeks::Week;
+
 /// Days a finished run is kept unless the operator says otherwise.
 pub const DEFAULT_RETENTION_DAYS: u32 = 30;
 /// The longest retention an organisation may have (a hundred years).
@@ -68,52 +72,6 @@ const EXPIRED_RUNS: &str = const_format::concatcp!(
      AND NOT (r.id >= $5 AND r.id < $6) \
      ORDER BY r.created_at, r.id LIMIT $4"
 );
-
-/// Weeks created ahead of the current one (each pass makes them).
-pub const WEEKS_AHEAD: i32 = 2;
-
-/// Makes the weeks from `$1`'s to `$2` ahead: each partition made, or one
-/// that could not be (its rows are in the default partition already).
-const ENSURE_WEEKS: &str = "SELECT partition, CAST(CASE WHEN created THEN 1 ELSE 0 END AS BIGINT) \
-     AS created FROM automesh_ensure_run_partitions($1, $2)";
-
-/// The weeks runs are partitioned in, oldest first, by their `YYYYMMDD`.
-const WEEKS: &str = "SELECT substr(c.relname, 7) AS week FROM pg_inherits i \
-     JOIN pg_class c ON c.oid = i.inhrelid \
-     WHERE i.inhparent = 'runs'::regclass AND c.relname LIKE 'runs\\_p%' ORDER BY c.relname";
-
-/// The partition run `$1` is in.
-const PARTITION_OF_RUN: &str =
-    "SELECT CAST(tableoid::regclass AS TEXT) AS part FROM runs WHERE id = $1";
-
-/// Why week `$1` stays at `$2` (default days `$3`, at least `$4`), if it
-/// does.
-const WEEK_KEPT: &str = "SELECT automesh_run_partition_kept($1, $2, $3, $4) AS kept";
-
-/// Week `$1` dropped unless something keeps it (checked again under lock).
-const DROP_WEEK: &str =
-    "SELECT kept, runs, run_events, receipts FROM automesh_drop_run_partition($1, $2, $3, $4)";
-
-/// How long a drop waits for its locks before it is left to the next pass:
-/// the drop takes the parent tables' lock for a moment, and queues the
-/// writes behind it while it waits.
-const DROP_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '2s'";
-
-/// Up to `$3` dispatch rows and idempotency keys of the runs with ids in
-/// `[$1, $2)` (a week about to be dropped), table by table.
-const WEEK_ROWS: [&str; 4] = [
-    "DELETE FROM desktop_events WHERE (run_id, seq) IN (SELECT run_id, seq FROM desktop_events \
-     WHERE run_id >= $1 AND run_id < $2 LIMIT $3)",
-    "DELETE FROM desktop_assignments WHERE run_id IN (SELECT run_id FROM desktop_assignments \
-     WHERE run_id >= $1 AND run_id < $2 LIMIT $3)",
-    "DELETE FROM cloud_dispatch WHERE run_id IN (SELECT run_id FROM cloud_dispatch \
-     WHERE run_id >= $1 AND run_id < $2 LIMIT $3)",
-    "DELETE FROM run_keys WHERE (automation_id, idempotency_key) IN \
-     (SELECT automation_id, idempotency_key FROM run_keys WHERE run_id >= $1 AND run_id < $2 LIMIT $3)",
-];
-
-/// PostgreSQL's `lock_not_available`: a drop's lock wait reached its bound.
-const LOCK_NOT_AVAILABLE: &str = "55P03";
 
 /// When organisation `$1`'s oldest finished run that is kept was created.
 const OLDEST_KEPT: &str = const_format::concatcp!(
@@ -258,45 +216,6 @@ fn days(n: u32) -> Duration {
     Duration::days(i64::from(n))
 }
 
-/// A week partition of runs (PostgreSQL).
-#[derive(Debug, Clone)]
-struct Week {
-    /// `YYYYMMDD` of its Monday.
-    name: String,
-    /// The ids it holds: `[lo, hi)`.
-    lo: String,
-    hi: String,
-    /// Its last instant (exclusive).
-    end: DateTime<Utc>,
-}
-
-impl Week {
-    fn of(name: String) -> Result<Week> {
-        let monday = chrono::NaiveDate::parse_from_str(&name, "%Y%m%d")
-            .map_err(|_| StoreError::Corrupt(format!("a week partition runs_p{name}")))?
-            .and_time(chrono::NaiveTime::MIN)
-            .and_utc();
-        let end = monday + Duration::days(7);
-        Ok(Week {
-            lo: automesh_domain::ids::run_id_bound(monday),
-            hi: automesh_domain::ids::run_id_bound(end),
-            name,
-            end,
-        })
-    }
-
-    /// Whether its runs are left to the drop: its default-retention runs
-    /// are not all due yet.
-    fn awaits_drop(&self, policy: &Policy, now: DateTime<Utc>) -> bool {
-        self.end + Duration::days(i64::from(policy.default_days).max(BUDGET_DAYS)) > now
-    }
-}
-
-fn lock_not_available(e: &StoreError) -> bool {
-    matches!(e, StoreError::Database(sqlx::Error::Database(db))
-        if db.code().as_deref() == Some(LOCK_NOT_AVAILABLE))
-}
-
 /// One batch of organisation `org`'s runs created before `before`, none
 /// with an id in `spared`: the ids read and everything of theirs deleted in
 /// one transaction.
@@ -405,134 +324,6 @@ impl crate::Internal<'_> {
             col::<Option<DateTime<Utc>>>(r, "last_done_at")
         });
         Ok(last.await?.flatten())
-    }
-
-    /// The week partitions of runs there are, by the `YYYYMMDD` of their
-    /// Mondays, oldest first (none on SQLite).
-    pub async fn run_weeks(self) -> Result<Vec<String>> {
-        match self.0.backend() {
-            Backend::Postgres => rows::all(self.db(), WEEKS, (), |r| col(r, "week")).await,
-            Backend::Sqlite => Ok(Vec::new()),
-        }
-    }
-
-    /// The partition that holds run `id` (PostgreSQL; `None` on SQLite or
-    /// when there is no such run).
-    pub async fn partition_of_run(self, id: &str) -> Result<Option<String>> {
-        match self.0.backend() {
-            Backend::Postgres => {
-                let part = rows::optional(self.db(), PARTITION_OF_RUN, (id,), |r| col(r, "part"));
-                part.await
-            }
-            Backend::Sqlite => Ok(None),
-        }
-    }
-
-    /// The week partitions of runs, oldest first, after making those from
-    /// `now`'s week to [`WEEKS_AHEAD`] ahead (counted in `pass`; a week that
-    /// could not be made is logged: its rows stay in the default partition,
-    /// which batches purge).
-    async fn weeks(self, now: DateTime<Utc>, pass: &mut Pass) -> Result<Vec<Week>> {
-        let made = rows::all(self.db(), ENSURE_WEEKS, (micros(now), WEEKS_AHEAD), |r| {
-            Ok((
-                col::<String>(r, "partition")?,
-                col::<i64>(r, "created")? == 1,
-            ))
-        });
-        for (partition, created) in made.await? {
-            if created {
-                pass.weeks_created += 1;
-                tracing::info!(%partition, "retention: week partition made");
-            } else {
-                tracing::warn!(
-                    %partition,
-                    "retention: week partition cannot be made, its default partition holds rows \
-                     of that week; they are deleted in batches"
-                );
-            }
-        }
-        self.run_weeks().await?.into_iter().map(Week::of).collect()
-    }
-
-    /// Drops `week` when nothing keeps it: its runs' dispatch rows and
-    /// idempotency keys in batches first, then its partitions in one short
-    /// transaction. False when the pass's time bound was crossed first.
-    async fn drop_week(
-        self,
-        week: &Week,
-        policy: &Policy,
-        now: DateTime<Utc>,
-        started: Instant,
-        pass: &mut Pass,
-    ) -> Result<bool> {
-        let params = (
-            week.name.as_str(),
-            micros(now),
-            i64::from(policy.default_days),
-            BUDGET_DAYS,
-        );
-        let kept = rows::optional(self.db(), WEEK_KEPT, params, |r| {
-            col::<Option<String>>(r, "kept")
-        });
-        if let Some(why) = kept.await?.flatten() {
-            tracing::debug!(week = %week.name, %why, "retention: week partition kept");
-            return Ok(true);
-        }
-        for sql in WEEK_ROWS {
-            loop {
-                let range = (week.lo.as_str(), week.hi.as_str(), i64::from(policy.batch));
-                let deleted = rows::execute(self.db(), sql, range).await?;
-                if !sql.contains("run_keys") {
-                    pass.purged.dispatch += deleted;
-                }
-                if deleted < u64::from(policy.batch) {
-                    break;
-                }
-                if started.elapsed() >= policy.time_bound {
-                    return Ok(false);
-                }
-            }
-        }
-        let mut tx = self.0.begin_write().await?;
-        rows::execute(&mut *tx, DROP_LOCK_TIMEOUT, ()).await?;
-        let dropped = rows::optional(&mut *tx, DROP_WEEK, params, |r| {
-            Ok((
-                col::<Option<String>>(r, "kept")?,
-                Purged {
-                    runs: col::<i64>(r, "runs")?.unsigned_abs(),
-                    run_events: col::<i64>(r, "run_events")?.unsigned_abs(),
-                    receipts: col::<i64>(r, "receipts")?.unsigned_abs(),
-                    ..Purged::default()
-                },
-            ))
-        });
-        match dropped.await {
-            Ok(Some((None, purged))) => {
-                tx.commit().await?;
-                tracing::info!(
-                    week = %week.name,
-                    runs = purged.runs,
-                    run_events = purged.run_events,
-                    receipts = purged.receipts,
-                    "retention: week partition dropped"
-                );
-                pass.purged.add(purged);
-                pass.weeks_dropped.push(week.name.clone());
-            }
-            Ok(Some((Some(why), _))) => {
-                tracing::debug!(week = %week.name, %why, "retention: week partition kept");
-            }
-            Ok(None) => {}
-            Err(e) if lock_not_available(&e) => {
-                tracing::warn!(
-                    week = %week.name,
-                    "retention: week partition not dropped, its tables were busy for 2 s; \
-                     the next pass tries again"
-                );
-            }
-            Err(e) => return Err(e),
-        }
-        Ok(true)
     }
 
     /// One retention pass at `now` under `policy`: every organisation's

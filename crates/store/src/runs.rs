@@ -2,7 +2,7 @@
 //! scoped reads, and guarded state transitions.
 
 use automesh_domain::run::NewRun;
-use automesh_domain::{ErrorCode, Principal, QuarterUsage, Run, RunState, RunTrigger};
+use automesh_domain::{ErrorCode, Principal, QuarterUsage, Run, RunState};
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyRow;
 
@@ -10,6 +10,7 @@ use const_format::concatcp;
 use futures_util::future::BoxFuture;
 use sqlx::AnyConnection;
 
+use crate::keys::{KeyRow, key_of, key_run};
 use crate::page::{Cursor, Page};
 use crate::rows::{self, col, micros};
 use crate::sql::{Bulk, Input, bulk};
@@ -84,47 +85,6 @@ impl RunRow {
     }
 }
 
-bulk! {
-    /// A manual run's idempotency key, claimed for the run it names.
-    struct KeyRow {
-        automation_id: String => TEXT,
-        idempotency_key: String => TEXT,
-        run_id: String => TEXT,
-        created_at: i64 => BIGINT,
-    }
-}
-
-/// Keys claimed, each unless it names a run already: the runs they name.
-const CLAIM_KEYS: Bulk<KeyRow> = bulk!(KeyRow => [
-    "INSERT INTO run_keys (", <KeyRow as Input>::COLUMNS, ") SELECT i.* FROM "
-] [
-    " WHERE true ON CONFLICT (automation_id, idempotency_key) DO NOTHING RETURNING run_id"
-]);
-
-/// The run an automation's idempotency key names.
-const KEY_RUN: &str =
-    "SELECT run_id FROM run_keys WHERE automation_id = $1 AND idempotency_key = $2";
-
-/// The run `automation_id`'s idempotency key `key` names, if any.
-pub(crate) async fn key_run(
-    db: &mut AnyConnection,
-    automation_id: &str,
-    key: &str,
-) -> Result<Option<String>> {
-    rows::optional(db, KEY_RUN, (automation_id, key), |r| col(r, "run_id")).await
-}
-
-/// The key a row claims: a manual run's idempotency key.
-fn key_of(row: &RunRow) -> Option<KeyRow> {
-    let key = row.idempotency_key.as_ref()?;
-    (row.trigger == RunTrigger::Manual.as_str()).then(|| KeyRow {
-        automation_id: row.automation_id.clone(),
-        idempotency_key: key.clone(),
-        run_id: row.id.clone(),
-        created_at: row.created_at,
-    })
-}
-
 /// Creates `rows`' runs, each unless its id exists or its idempotency key
 /// names a run already: the ids created. With keys, two statements, so
 /// the caller's transaction makes them one.
@@ -136,11 +96,7 @@ pub(crate) async fn create(
     let created = if keys.is_empty() {
         CREATE.all(db, rows, |r| col::<String>(r, "id")).await?
     } else {
-        let claimed: std::collections::HashSet<String> = CLAIM_KEYS
-            .all(&mut *db, &keys, |r| col::<String>(r, "run_id"))
-            .await?
-            .into_iter()
-            .collect();
+        let claimed = crate::keys::claim(&mut *db, &keys).await?;
         let rows: Vec<RunRow> = rows
             .iter()
             .filter(|r| key_of(r).is_none() || claimed.contains(&r.id))
@@ -330,26 +286,6 @@ impl Store {
             }
         };
         Ok((self.internal().get_run(&id).await?, created))
-    }
-
-    /// The run of `owner`'s automation `automation_id` that idempotency key
-    /// `key` named, if a run-now made one.
-    pub async fn run_for_key(
-        &self,
-        owner: &Principal,
-        automation_id: &str,
-        key: &str,
-    ) -> Result<Option<Run>> {
-        let mut db = self.db().acquire().await?;
-        let Some(id) = key_run(&mut db, automation_id, key).await? else {
-            return Ok(None);
-        };
-        drop(db);
-        match self.get_run(owner, &id).await {
-            Ok(run) => Ok(Some(run)),
-            Err(StoreError::NotFound) => Ok(None),
-            Err(e) => Err(e),
-        }
     }
 
     /// One run of `owner`; another tenant's answers `NotFound`.

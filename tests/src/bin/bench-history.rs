@@ -13,10 +13,15 @@
 //! (keyset paging), `GetRun`, `RunAutomationNow`; and the scheduler's pass
 //! firing 100 due automations, called directly. Each p50/p99 is printed
 //! with its ratio to the 10k figure. Then the storage per run (runs, events
-//! and receipts with their indexes) and one retention pass with the default
-//! 30 days, which deletes the oldest day (`--runs` / 31 runs): its time,
-//! the WAL it wrote and the blocks it touched. `--quick` is the short form
-//! CI runs once (20,000 runs, 100 owners; figures printed, not checked).
+//! and receipts with their indexes), and retention both ways, each with
+//! its time, the WAL it wrote and the blocks it touched: a pass with the
+//! default 30 days on the day the oldest week falls due, which drops that
+//! week's partitions, and then a pass that deletes one organisation's
+//! oldest three days in batches (its retention set shorter than the
+//! default, so its runs go row by row). The runs have time-ordered ids, so
+//! they sit in week partitions, made for the 31 days first, as a mesh
+//! running that long would have made them. `--quick` is the short form CI
+//! runs once (20,000 runs, 100 owners; figures printed, not checked).
 
 use std::time::{Duration, Instant};
 
@@ -71,7 +76,7 @@ fn org_of(owner: usize) -> String {
 
 /// Writes `runs` finished runs over the last [`DAYS`] days, round-robin
 /// over `owners` automations, each with `events` events and a receipt.
-async fn fill(mesh: &Mesh, runs: usize, owners: usize, events: usize) -> anyhow::Result<()> {
+async fn fill(mesh: &Mesh, runs: usize, owners: usize, events: usize) -> anyhow::Result<i64> {
     let now = Utc::now();
     let zone = chrono_tz::Europe::Paris;
     for o in 0..owners {
@@ -98,6 +103,11 @@ async fn fill(mesh: &Mesh, runs: usize, owners: usize, events: usize) -> anyhow:
         text: "Summary: three new messages, one needs an answer today.".into(),
     })?;
     let pool = sqlx::PgPool::connect(&mesh.db.url).await?;
+    // The weeks of the last 31 days, as a mesh running that long made them.
+    sqlx::query("SELECT count(*) FROM automesh_ensure_run_partitions($1, 6)")
+        .bind(from)
+        .execute(&pool)
+        .await?;
     let t = Instant::now();
     // In slices, so that progress shows and no statement runs for long.
     let slice = 500_000usize;
@@ -107,7 +117,8 @@ async fn fill(mesh: &Mesh, runs: usize, owners: usize, events: usize) -> anyhow:
         sqlx::query(
             "INSERT INTO runs (id, automation_id, org_id, owner_id, placement, trigger, \
              scheduled_for, prompt, model, state, deadline_at, created_at, updated_at) \
-             SELECT 'r-' || g, 'bench-a-' || (g % $3), 'org-' || ((g % $3) % 10), \
+             SELECT automesh_run_id_bound($1 + (g * ($2 / $4))) || lpad(to_hex(g), 20, '0'), \
+             'bench-a-' || (g % $3), 'org-' || ((g % $3) % 10), \
              'owner-' || (g % $3), 'cloud', 'schedule', $1 + (g * ($2 / $4)), 'p', 'm', 'succeeded', \
              $1 + (g * ($2 / $4)) + 1800000000, $1 + (g * ($2 / $4)), $1 + (g * ($2 / $4)) + 60000000 \
              FROM generate_series($5::bigint, $6::bigint - 1) AS g",
@@ -122,7 +133,8 @@ async fn fill(mesh: &Mesh, runs: usize, owners: usize, events: usize) -> anyhow:
         .await?;
         sqlx::query(
             "INSERT INTO run_events (run_id, seq, event_id, kind, payload, created_at) \
-             SELECT 'r-' || g, s, 'e-' || s, 'assistant_text', $3, $1 + (g * ($2 / $4)) \
+             SELECT automesh_run_id_bound($1 + (g * ($2 / $4))) || lpad(to_hex(g), 20, '0'), \
+             s, 'e-' || s, 'assistant_text', $3, $1 + (g * ($2 / $4)) \
              FROM generate_series($5::bigint, $6::bigint - 1) AS g, generate_series(1, $7) AS s",
         )
         .bind(from)
@@ -137,7 +149,8 @@ async fn fill(mesh: &Mesh, runs: usize, owners: usize, events: usize) -> anyhow:
         sqlx::query(
             "INSERT INTO receipts (run_id, outcome, placement, engine, execution_us, \
              input_tokens, output_tokens, cost_micros, created_at) \
-             SELECT 'r-' || g, 'succeeded', 'cloud', 'native', 900000, 1200, 300, 2700, \
+             SELECT automesh_run_id_bound($1 + (g * ($2 / $3))) || lpad(to_hex(g), 20, '0'), \
+             'succeeded', 'cloud', 'native', 900000, 1200, 300, 2700, \
              $1 + (g * ($2 / $3)) + 60000000 FROM generate_series($4::bigint, $5::bigint - 1) AS g",
         )
         .bind(from)
@@ -159,7 +172,15 @@ async fn fill(mesh: &Mesh, runs: usize, owners: usize, events: usize) -> anyhow:
             .await?;
     }
     pool.close().await;
-    Ok(())
+    Ok(from)
+}
+
+/// The id [`fill`] gave run `g` of `runs` written from `from` (µs).
+fn run_id(from: i64, runs: usize, g: usize) -> String {
+    let span = chrono::Duration::days(DAYS).num_microseconds().unwrap_or(1);
+    let at = from + g as i64 * (span / runs as i64);
+    let at = chrono::DateTime::from_timestamp_micros(at).unwrap_or_default();
+    format!("{}{g:020x}", automesh_domain::ids::run_id_bound(at))
 }
 
 struct Figures {
@@ -173,6 +194,7 @@ struct Figures {
 
 async fn measure(
     mesh: &Mesh,
+    from: i64,
     runs: usize,
     owners: usize,
     samples: usize,
@@ -225,7 +247,7 @@ async fn measure(
         async move {
             client
                 .get_run(pb::GetRunRequest {
-                    id: format!("r-{g}"),
+                    id: run_id(from, runs, g),
                 })
                 .await?;
             Ok(())
@@ -299,12 +321,18 @@ async fn storage(url: &str) -> anyhow::Result<i64> {
     Ok(bytes)
 }
 
-/// One retention pass with the default 30 days: its time, WAL bytes and
-/// blocks touched (read + hit), and what it deleted.
-async fn retention(mesh: &Mesh) -> anyhow::Result<()> {
+/// What one retention pass cost: its time, WAL bytes and blocks touched
+/// (read + hit), printed with what it deleted.
+async fn costed(
+    mesh: &Mesh,
+    what: &str,
+    policy: Policy,
+    now: chrono::DateTime<Utc>,
+) -> anyhow::Result<()> {
     let pool = sqlx::PgPool::connect(&mesh.db.url).await?;
     let counters = "SELECT CAST(blks_read + blks_hit AS BIGINT) FROM pg_stat_database \
                     WHERE datname = current_database()";
+    tokio::time::sleep(automesh_e2e_tests::bench::stats_settle()).await;
     sqlx::query("SELECT pg_stat_clear_snapshot()")
         .execute(&pool)
         .await?;
@@ -313,15 +341,7 @@ async fn retention(mesh: &Mesh) -> anyhow::Result<()> {
         .await?;
     let blocks: i64 = sqlx::query_scalar(counters).fetch_one(&pool).await?;
     let t = Instant::now();
-    let policy = Policy {
-        time_bound: Duration::from_secs(24 * 3600),
-        ..Policy::default()
-    };
-    let pass = mesh
-        .store()
-        .internal()
-        .purge_expired(policy, Utc::now())
-        .await?;
+    let pass = mesh.store().internal().purge_expired(policy, now).await?;
     let took = t.elapsed().as_secs_f64();
     let wal: i64 = sqlx::query_scalar(
         "SELECT CAST(pg_wal_lsn_diff(pg_current_wal_lsn(), CAST($1 AS pg_lsn)) AS BIGINT)",
@@ -338,18 +358,55 @@ async fn retention(mesh: &Mesh) -> anyhow::Result<()> {
     pool.close().await;
     let runs = pass.purged.runs.max(1) as f64;
     println!(
-        "  retention: {} runs ({} events, {} receipts) of the oldest day deleted in {took:.1} s \
-         ({:.0} runs/s, {} batches of 500); WAL {:.1} MiB ({:.0} B/run); {touched} blocks touched \
-         ({:.1}/run)",
+        "  retention, {what}: {} runs ({} events, {} receipts) deleted in {took:.2} s \
+         ({:.0} runs/s; weeks dropped: {}); WAL {:.1} MiB ({:.0} B/run); {touched} blocks touched \
+         ({:.2}/run)",
         pass.purged.runs,
         pass.purged.run_events,
         pass.purged.receipts,
         runs / took,
-        pass.purged.runs.div_ceil(500),
+        if pass.weeks_dropped.is_empty() {
+            "none".to_owned()
+        } else {
+            pass.weeks_dropped.join(" ")
+        },
         wal as f64 / 1048576.0,
         wal as f64 / runs,
         touched as f64 / runs,
     );
+    Ok(())
+}
+
+/// Retention both ways on the runs [`fill`] wrote from `from` (µs): the
+/// default 30 days on the day the oldest week falls due (a drop), then one
+/// organisation's oldest three days in batches.
+async fn retention(mesh: &Mesh, from: i64) -> anyhow::Result<()> {
+    use chrono::Datelike;
+    let first = chrono::DateTime::from_timestamp_micros(from).unwrap_or_default();
+    let monday = first.date_naive()
+        - chrono::Duration::days(i64::from(first.weekday().num_days_from_monday()));
+    let week_end = monday.and_time(chrono::NaiveTime::MIN).and_utc() + chrono::Duration::days(7);
+    // A week is due once its end is 32 days behind (the budget rule's floor).
+    let due = week_end + chrono::Duration::days(32) + chrono::Duration::minutes(1);
+    let policy = Policy {
+        time_bound: Duration::from_secs(24 * 3600),
+        ..Policy::default()
+    };
+    costed(mesh, "a week dropped", policy, due).await?;
+    // org-0 keeps only until three days after the dropped week's end.
+    let short = (due - week_end).num_days() - 3;
+    let internal = mesh.store().internal();
+    internal
+        .set_org_retention("org-0", short as u32, due)
+        .await?;
+    costed(
+        mesh,
+        "org-0's next three days in batches of 500",
+        policy,
+        due,
+    )
+    .await?;
+    internal.clear_org_retention("org-0").await?;
     Ok(())
 }
 
@@ -397,12 +454,12 @@ async fn main() -> anyhow::Result<()> {
         eprintln!("{size} finished runs across {owners} owners, {events} events each:");
         let (mesh, _executor) = mesh().await?;
         let t = Instant::now();
-        fill(&mesh, size, owners, events).await?;
+        let from = fill(&mesh, size, owners, events).await?;
         eprintln!(
             "  written and analysed in {:.0} s",
             t.elapsed().as_secs_f64()
         );
-        figures.push(measure(&mesh, size, owners, samples).await?);
+        figures.push(measure(&mesh, from, size, owners, samples).await?);
         if size == runs {
             let bytes = storage(&mesh.db.url).await?;
             println!(
@@ -411,7 +468,7 @@ async fn main() -> anyhow::Result<()> {
                 bytes as f64 / 1048576.0,
                 bytes as f64 / runs as f64
             );
-            retention(&mesh).await?;
+            retention(&mesh, from).await?;
         }
         mesh.stop().await?;
     }
