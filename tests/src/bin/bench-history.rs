@@ -308,12 +308,15 @@ async fn measure(
     })
 }
 
-/// Bytes the runs, their events and receipts take (tables, indexes, TOAST).
+/// Bytes the runs, their events and receipts take (tables, indexes, TOAST),
+/// over every partition.
 async fn storage(url: &str) -> anyhow::Result<i64> {
     let pool = sqlx::PgPool::connect(url).await?;
     let bytes: i64 = sqlx::query_scalar(
-        "SELECT CAST(pg_total_relation_size('runs') + pg_total_relation_size('run_events') \
-         + pg_total_relation_size('receipts') AS BIGINT)",
+        "SELECT CAST(sum(pg_total_relation_size(t.relid)) AS BIGINT) FROM \
+         (SELECT relid FROM pg_partition_tree('runs') UNION ALL \
+          SELECT relid FROM pg_partition_tree('run_events') UNION ALL \
+          SELECT relid FROM pg_partition_tree('receipts')) t",
     )
     .fetch_one(&pool)
     .await?;
