@@ -175,34 +175,54 @@ BEGIN
 END;
 $$ LANGUAGE plpgsql;
 
--- Drops the week partition `week` of runs, run_events and receipts when
--- automesh_run_partition_kept says nothing keeps it, checked again under a
--- lock that stops a run being written into it meanwhile: the rows each
--- held (`kept` NULL), or why it stays (the counts zero). The caller bounds
--- the wait for the locks (the drop takes the parents' for a moment).
-CREATE FUNCTION automesh_drop_run_partition(week TEXT, now_us BIGINT, default_days BIGINT,
-                                            least_days BIGINT)
-RETURNS TABLE (kept TEXT, runs BIGINT, run_events BIGINT, receipts BIGINT) AS $$
+-- The rows the week partition `week` holds, table by table (0 for a table
+-- whose week could not be made: those rows are in its default partition).
+CREATE FUNCTION automesh_run_partition_rows(week TEXT)
+RETURNS TABLE (runs BIGINT, run_events BIGINT, receipts BIGINT) AS $$
 BEGIN
     runs := 0;
     run_events := 0;
     receipts := 0;
-    EXECUTE format('LOCK TABLE %I IN SHARE MODE', 'runs_p' || week);
-    kept := automesh_run_partition_kept(week, now_us, default_days, least_days);
-    IF kept IS NULL THEN
-        -- A week whose events or receipts partition could not be made
-        -- (automesh_ensure_run_partitions) has those rows in the default
-        -- partition, which batches delete.
+    IF to_regclass('runs_p' || week) IS NOT NULL THEN
         EXECUTE format('SELECT count(*) FROM %I', 'runs_p' || week) INTO runs;
-        IF to_regclass('run_events_p' || week) IS NOT NULL THEN
-            EXECUTE format('SELECT count(*) FROM %I', 'run_events_p' || week) INTO run_events;
-        END IF;
-        IF to_regclass('receipts_p' || week) IS NOT NULL THEN
-            EXECUTE format('SELECT count(*) FROM %I', 'receipts_p' || week) INTO receipts;
-        END IF;
-        EXECUTE format('DROP TABLE IF EXISTS %I, %I, %I',
-                       'receipts_p' || week, 'run_events_p' || week, 'runs_p' || week);
+    END IF;
+    IF to_regclass('run_events_p' || week) IS NOT NULL THEN
+        EXECUTE format('SELECT count(*) FROM %I', 'run_events_p' || week) INTO run_events;
+    END IF;
+    IF to_regclass('receipts_p' || week) IS NOT NULL THEN
+        EXECUTE format('SELECT count(*) FROM %I', 'receipts_p' || week) INTO receipts;
     END IF;
     RETURN NEXT;
+END;
+$$ LANGUAGE plpgsql;
+
+-- Drops the week partition `week` of `parent` (runs, run_events or
+-- receipts) when automesh_run_partition_kept says nothing keeps the week,
+-- checked again under the lock the drop needs anyway: NULL when dropped (or
+-- not there), or why the week stays. Only that parent is locked, before its
+-- partitions as every statement locks them, so a drop never holds one lock
+-- while it waits for another; a run written into the week while its
+-- receipts or events partition is dropped has them routed to the default
+-- partition, and keeps its week's runs. The caller bounds the wait
+-- (lock_timeout), since writers queue behind it; held for a few index
+-- probes and the drop.
+CREATE FUNCTION automesh_drop_run_partition(parent TEXT, week TEXT, now_us BIGINT,
+                                            default_days BIGINT, least_days BIGINT)
+RETURNS TEXT AS $$
+DECLARE
+    kept TEXT;
+BEGIN
+    IF parent NOT IN ('runs', 'run_events', 'receipts') THEN
+        RAISE EXCEPTION 'not a partitioned table of runs: %', parent;
+    END IF;
+    EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', parent);
+    IF to_regclass('runs_p' || week) IS NULL THEN
+        RETURN NULL;
+    END IF;
+    kept := automesh_run_partition_kept(week, now_us, default_days, least_days);
+    IF kept IS NULL THEN
+        EXECUTE format('DROP TABLE IF EXISTS %I', parent || '_p' || week);
+    END IF;
+    RETURN kept;
 END;
 $$ LANGUAGE plpgsql;

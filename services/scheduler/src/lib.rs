@@ -211,8 +211,11 @@ impl Service {
                     }
                 };
                 let history = async {
-                    if let Some(retention) = retention {
-                        retention::run_loop(store.clone(), retention, stop.clone()).await;
+                    match retention {
+                        Some(retention) => {
+                            retention::run_loop(store.clone(), retention, stop.clone()).await;
+                        }
+                        None => retention::weeks_loop(store.clone(), stop.clone()).await,
                     }
                 };
                 let occurrences =

@@ -96,6 +96,27 @@ pub async fn run_loop(store: Store, settings: Settings, shutdown: CancellationTo
     }
 }
 
+/// With retention off (everything kept), still makes PostgreSQL's week
+/// partitions of runs ahead of need, hourly (and at once), until `shutdown`:
+/// so that runs do not pile up in the default partition, and turning
+/// retention on later finds its weeks.
+pub async fn weeks_loop(store: Store, shutdown: CancellationToken) {
+    let _ = partitions();
+    loop {
+        match store.internal().make_run_weeks(Utc::now()).await {
+            Ok(0) => {}
+            Ok(n) => partitions().add(n, &[KeyValue::new("action", "created")]),
+            Err(error) => {
+                tracing::warn!(%error, "making week partitions failed; tried again later")
+            }
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(Duration::from_secs(3600)) => {}
+        }
+    }
+}
+
 /// Runs one pass when one is due and this replica claims it: what it did,
 /// or `None` when none was due (or another replica has it).
 pub async fn pass_if_due(

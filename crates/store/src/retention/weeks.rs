@@ -32,9 +32,17 @@ const PARTITION_OF_RUN: &str =
 /// does.
 const WEEK_KEPT: &str = "SELECT automesh_run_partition_kept($1, $2, $3, $4) AS kept";
 
-/// Week `$1` dropped unless something keeps it (checked again under lock).
-const DROP_WEEK: &str =
-    "SELECT kept, runs, run_events, receipts FROM automesh_drop_run_partition($1, $2, $3, $4)";
+/// The rows week `$1` holds, table by table.
+const WEEK_ROWS_HELD: &str =
+    "SELECT runs, run_events, receipts FROM automesh_run_partition_rows($1)";
+
+/// Week `$2`'s partition of `$1` dropped unless something keeps the week
+/// (checked again under lock): why it stays, or NULL.
+const DROP_WEEK: &str = "SELECT automesh_drop_run_partition($1, $2, $3, $4, $5) AS kept";
+
+/// The tables a week is dropped from, one transaction each, the runs last
+/// (a week whose runs are kept keeps its runs partition).
+const WEEK_TABLES: [&str; 3] = ["receipts", "run_events", "runs"];
 
 /// How long a drop waits for its locks before it is left to the next pass:
 /// the drop takes the parent tables' lock for a moment, and queues the
@@ -118,20 +126,24 @@ impl crate::Internal<'_> {
         }
     }
 
-    /// The week partitions of runs, oldest first, after making those from
-    /// `now`'s week to [`WEEKS_AHEAD`] ahead (counted in `pass`; a week that
-    /// could not be made is logged: its rows stay in the default partition,
-    /// which batches purge).
-    pub(super) async fn weeks(self, now: DateTime<Utc>, pass: &mut Pass) -> Result<Vec<Week>> {
+    /// Makes the week partitions from `now`'s week to [`WEEKS_AHEAD`] ahead
+    /// where missing (PostgreSQL; nothing on SQLite): how many were made. A
+    /// week that cannot be made is logged: its rows stay in the default
+    /// partition, which batches purge.
+    pub async fn make_run_weeks(self, now: DateTime<Utc>) -> Result<u64> {
+        if self.0.backend() == Backend::Sqlite {
+            return Ok(0);
+        }
         let made = rows::all(self.db(), ENSURE_WEEKS, (micros(now), WEEKS_AHEAD), |r| {
             Ok((
                 col::<String>(r, "partition")?,
                 col::<i64>(r, "created")? == 1,
             ))
         });
-        for (partition, created) in made.await? {
-            if created {
-                pass.weeks_created += 1;
+        let mut created = 0;
+        for (partition, made) in made.await? {
+            if made {
+                created += 1;
                 tracing::info!(%partition, "retention: week partition made");
             } else {
                 tracing::warn!(
@@ -141,6 +153,13 @@ impl crate::Internal<'_> {
                 );
             }
         }
+        Ok(created)
+    }
+
+    /// The week partitions of runs, oldest first, after making those ahead
+    /// (counted in `pass`).
+    pub(super) async fn weeks(self, now: DateTime<Utc>, pass: &mut Pass) -> Result<Vec<Week>> {
+        pass.weeks_created += self.make_run_weeks(now).await?;
         self.run_weeks().await?.into_iter().map(Week::of).collect()
     }
 
@@ -183,45 +202,54 @@ impl crate::Internal<'_> {
                 }
             }
         }
-        let mut tx = self.0.begin_write().await?;
-        rows::execute(&mut *tx, DROP_LOCK_TIMEOUT, ()).await?;
-        let dropped = rows::optional(&mut *tx, DROP_WEEK, params, |r| {
-            Ok((
-                col::<Option<String>>(r, "kept")?,
-                Purged {
-                    runs: col::<i64>(r, "runs")?.unsigned_abs(),
-                    run_events: col::<i64>(r, "run_events")?.unsigned_abs(),
-                    receipts: col::<i64>(r, "receipts")?.unsigned_abs(),
-                    ..Purged::default()
-                },
-            ))
+        // Counted before the drop's lock is taken: only a run written into
+        // the week meanwhile could change them, and that run, created now,
+        // keeps the week (the check under lock says so).
+        let held = rows::optional(self.db(), WEEK_ROWS_HELD, (week.name.as_str(),), |r| {
+            Ok(Purged {
+                runs: col::<i64>(r, "runs")?.unsigned_abs(),
+                run_events: col::<i64>(r, "run_events")?.unsigned_abs(),
+                receipts: col::<i64>(r, "receipts")?.unsigned_abs(),
+                ..Purged::default()
+            })
         });
-        match dropped.await {
-            Ok(Some((None, purged))) => {
-                tx.commit().await?;
-                tracing::info!(
-                    week = %week.name,
-                    runs = purged.runs,
-                    run_events = purged.run_events,
-                    receipts = purged.receipts,
-                    "retention: week partition dropped"
-                );
-                pass.purged.add(purged);
-                pass.weeks_dropped.push(week.name.clone());
+        let purged = held.await?.unwrap_or_default();
+        for table in WEEK_TABLES {
+            let mut tx = self.0.begin_write().await?;
+            rows::execute(&mut *tx, DROP_LOCK_TIMEOUT, ()).await?;
+            let (name, now_us, default_days, least_days) = params;
+            let params = (table, name, now_us, default_days, least_days);
+            let dropped = rows::optional(&mut *tx, DROP_WEEK, params, |r| {
+                col::<Option<String>>(r, "kept")
+            });
+            match dropped.await {
+                Ok(Some(None)) => tx.commit().await?,
+                Ok(why) => {
+                    let why = why.flatten().unwrap_or_default();
+                    tracing::debug!(week = %week.name, table, %why, "retention: week partition kept");
+                    return Ok(true);
+                }
+                Err(e) if lock_not_available(&e) => {
+                    tracing::warn!(
+                        week = %week.name,
+                        table,
+                        "retention: week partition not dropped, its table was busy for 2 s; \
+                         the next pass tries again"
+                    );
+                    return Ok(true);
+                }
+                Err(e) => return Err(e),
             }
-            Ok(Some((Some(why), _))) => {
-                tracing::debug!(week = %week.name, %why, "retention: week partition kept");
-            }
-            Ok(None) => {}
-            Err(e) if lock_not_available(&e) => {
-                tracing::warn!(
-                    week = %week.name,
-                    "retention: week partition not dropped, its tables were busy for 2 s; \
-                     the next pass tries again"
-                );
-            }
-            Err(e) => return Err(e),
         }
+        tracing::info!(
+            week = %week.name,
+            runs = purged.runs,
+            run_events = purged.run_events,
+            receipts = purged.receipts,
+            "retention: week partition dropped"
+        );
+        pass.purged.add(purged);
+        pass.weeks_dropped.push(week.name.clone());
         Ok(true)
     }
 }

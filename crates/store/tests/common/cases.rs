@@ -3467,7 +3467,7 @@ pub async fn retention_drops_a_week_whose_every_run_is_due(store: &Store) {
     let monday = DateTime::parse_from_rfc3339("2031-01-20T00:00:00Z")
         .expect("instant")
         .with_timezone(&Utc);
-    let week = |n: i64| monday + Duration::days(7 * n);
+    let week = move |n: i64| monday + Duration::days(7 * n);
     let policy = Policy {
         default_days: 30,
         batch: 2,
@@ -3587,7 +3587,50 @@ pub async fn retention_drops_a_week_whose_every_run_is_due(store: &Store) {
     // Weeks 0 to 2 ended more than the default retention (and the budget's
     // 32 days, the least a week is kept) ago; week 3 did not.
     let now = week(4) + Duration::days(26);
+    // Writers go on meanwhile, creating, filling and ending runs of week 4
+    // (whose partition the drop locks too, parent first): none waits on the
+    // drop in a cycle, none fails, none is lost.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (store, stop, a) = (store.clone(), stop.clone(), a.clone());
+        tokio::spawn(async move {
+            let mut made = vec![];
+            let mut n = 0i64;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) || made.len() < 5 {
+                let at = week(4) + Duration::seconds(n);
+                let new = NewRun {
+                    id: scheduled_run_id(&a.id, at),
+                    trigger: RunTrigger::Schedule,
+                    scheduled_for: Some(at),
+                    idempotency_key: None,
+                    ..new_run(&a, "")
+                };
+                store.create_run(&new, at).await?;
+                store
+                    .append_events(&new.id, &[text_event("e1", "working")], at)
+                    .await?;
+                store
+                    .finish_run(&receipt(&new.id, RunState::Succeeded), at)
+                    .await?;
+                made.push(new.id);
+                n += 1;
+            }
+            Ok::<_, StoreError>(made)
+        })
+    };
     let pass = internal.purge_expired(policy, now).await.expect("pass");
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let made = writer
+        .await
+        .expect("writer")
+        .expect("every write while the drop ran");
+    for id in &made {
+        assert!(
+            internal.get_run(id).await.is_ok(),
+            "{id} written meanwhile is there"
+        );
+        assert!(internal.receipt(id).await.expect("receipt").is_some());
+    }
     assert!(pass.complete, "{pass:?}");
     let ours: Vec<&String> = pass
         .weeks_dropped
